@@ -1,0 +1,202 @@
+"""Tiny random checkpoints and a tiny tokenizer, built offline.
+
+Tests, benchmarks and the quickstart need real HF folders (config.json, sharded safetensors with an
+index, a tokenizer) without a hub. These builders make them with transformers' own classes and
+``save_pretrained``, so every loading path exercised on them is the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+__all__ = ["TINY_KINDS", "tiny_config", "make_tiny_checkpoint", "make_tiny_tokenizer"]
+
+log = logging.getLogger(__name__)
+
+VOCAB = 384  # 256 byte symbols + merges + specials: small but a real BPE
+
+# One entry per architecture family the test matrix covers.
+TINY_KINDS = ("llama", "llama_tied", "deepseek_v2", "deepseek_v3", "qwen3", "mistral", "qwen3_moe")
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+_MLA = dict(  # DeepSeek multi-head latent attention, shrunk
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    head_dim=8,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    first_k_dense_replace=2,
+)
+
+
+def tiny_config(kind: str, **overrides):
+    """The transformers config of a tiny model of ``kind`` (one of :data:`TINY_KINDS`)."""
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
+        LlamaConfig,
+        MistralConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
+
+    if kind == "llama":
+        cfg = LlamaConfig(**_COMMON, tie_word_embeddings=False)
+    elif kind == "llama_tied":
+        cfg = LlamaConfig(**_COMMON, tie_word_embeddings=True)
+    elif kind == "deepseek_v2":
+        cfg = DeepseekV2Config(**{**_COMMON, **_MLA}, topk_method="greedy", n_group=1, topk_group=1)
+    elif kind == "deepseek_v3":
+        cfg = DeepseekV3Config(
+            **{**_COMMON, **_MLA},
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
+    elif kind == "qwen3":
+        cfg = Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=False)
+    elif kind == "mistral":
+        cfg = MistralConfig(**_COMMON, sliding_window=None, tie_word_embeddings=False)
+    elif kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2
+        )
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS)}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def make_tiny_checkpoint(
+    out_dir: str | Path,
+    kind: str = "llama",
+    *,
+    seed: int = 0,
+    max_shard_size: str | int = "150KB",
+    dtype: torch.dtype = torch.float32,
+    tokenizer: bool = True,
+    **overrides,
+) -> Path:
+    """Save a randomly initialised tiny model (several safetensors shards) and tokenizer.
+
+    Args:
+        out_dir: Folder to write; created if missing.
+        kind: Architecture, one of :data:`TINY_KINDS`.
+        seed: Seed of the random weights.
+        max_shard_size: Passed to ``save_pretrained``; the default gives ≥ 4 shards for every kind.
+        dtype: Dtype the weights are saved in.
+        tokenizer: Also save the tiny tokenizer (with a chat template).
+        overrides: Config attributes to set, e.g. ``num_hidden_layers=8``.
+
+    Returns:
+        The folder.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(kind, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    _perturb_zero_inits(model, seed)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    if tokenizer:
+        make_tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+def _perturb_zero_inits(model: torch.nn.Module, seed: int) -> None:
+    """Give zero- or one-initialised tensors (norms, router biases) random values.
+
+    A freshly initialised model has all-ones norms and an all-zero DeepSeek score-correction bias;
+    a loader that forgot to load them would still pass. Random values make every tensor count.
+    """
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if not tensor.is_floating_point() or "rotary" in name or "inv_freq" in name:
+                continue
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.rand(tensor.shape, generator=gen) * 0.1)
+            elif tensor.ndim == 1:
+                tensor.copy_(1.0 + 0.1 * torch.randn(tensor.shape, generator=gen))
+
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Pipeline parallelism splits a model into stages that run on different devices.",
+    "Each stage receives hidden states, runs its layers, and sends the result onward.",
+    "A user asks a question and the assistant answers it politely and precisely.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { }",
+    "Hello world! How are you today? I am fine, thank you.",
+]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tiny_tokenizer():
+    """A byte-level BPE tokenizer of :data:`VOCAB` tokens with chat special tokens.
+
+    Byte-level, so any text encodes; trained deterministically on a built-in corpus.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        model_max_length=_COMMON["max_position_embeddings"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
