@@ -1,0 +1,256 @@
+"""Load one rank's stage tensors from an HF safetensors checkpoint, shard by shard.
+
+The rank plans its reads from the index alone: each checkpoint key is mapped to the in-memory
+name with transformers' own conversion tables (fused MoE experts), then classified as *this
+stage's*, *another stage's*, *a layer the HF model lacks* (DeepSeek-V3's MTP layer, skipped) or
+*unexpected* (an error naming the key and its file). Only the shards holding this stage's keys
+are opened, and only those tensors are read. Conversion is total: every stage tensor must come
+from the checkpoint, or loading fails naming the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hfpipe.models import get_adapter
+from hfpipe.safetensors_io import read_tensors
+from hfpipe.source import ModelSource, SourceError
+
+__all__ = ["LoadError", "LoadStats", "load_stage_weights", "model_key_mapper"]
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3 FP8: `<name>.weight_scale_inv` beside `<name>.weight`
+
+
+class LoadError(SourceError):
+    """The checkpoint does not match the model (missing, unexpected or mis-shaped tensors)."""
+
+
+@dataclass
+class LoadStats:
+    """What a rank read: for tests and ``bench/load.py``."""
+
+    files_opened: list[str] = field(default_factory=list)
+    keys_read: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    skipped_mtp: int = 0
+
+
+@dataclass
+class _Unit:
+    """One in-memory tensor and the checkpoint tensors it is made from."""
+
+    target: str
+    sources: list[str]
+    converter: object = None  # a transformers WeightConverter, or None for a plain copy
+    patterns: list = field(default_factory=list)  # the converter pattern each source matched
+
+
+def model_key_mapper(meta_model: nn.Module):
+    """A function checkpoint key -> (in-memory key, converter or None, matched pattern).
+
+    The tables are transformers' own (``get_model_conversion_mapping``), the ones
+    ``from_pretrained`` applies, used here on any subset of keys.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(meta_model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+
+    def to_model_key(key: str):
+        new, pattern = rename_source_key(key, renamings, converters)
+        return new, (by_pattern[pattern] if pattern is not None else None), pattern
+
+    return to_model_key
+
+
+def _plan_units(source: ModelSource, full_keys: set[str], wanted: set[str], mapper, num_mtp: int):
+    """Classify every checkpoint key; return this stage's units and the number of MTP keys skipped."""
+    n_layers = source.config.num_hidden_layers
+    units: dict[str, _Unit] = {}
+    skipped = 0
+    for key in sorted(source.weight_map):
+        if key.endswith(_SCALE_SUFFIX):
+            continue  # read together with its weight
+        m = _LAYER.match(key)
+        if m and n_layers <= int(m.group(1)) < n_layers + num_mtp:
+            skipped += 1
+            continue
+        target, converter, pattern = mapper(key)
+        if target not in full_keys:
+            raise LoadError(
+                f"{source.weight_map[key]}: unexpected tensor {key!r} (the {source.config.model_type} "
+                "model has no such parameter); the config does not match the weights"
+            )
+        if target in wanted:
+            unit = units.setdefault(target, _Unit(target, [], converter and copy.deepcopy(converter)))
+            unit.sources.append(key)
+            unit.patterns.append(pattern)
+    if source.tied and "lm_head.weight" in wanted and "lm_head.weight" not in units:
+        # Tied checkpoints store the head only as the embedding.
+        units["lm_head.weight"] = _Unit("lm_head.weight", ["model.embed_tokens.weight"])
+    missing = sorted(wanted - set(units))
+    if missing:
+        where = "model.safetensors.index.json" if len(set(source.weight_map.values())) > 1 else "model.safetensors"
+        raise LoadError(f"{source.folder / where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); "
+                        "the checkpoint is incomplete or does not match config.json")
+    return list(units.values()), skipped
+
+
+def _with_scales(source: ModelSource, keys: list[str]) -> list[str]:
+    return keys + [k + _SCALE_SUFFIX for k in keys if k + _SCALE_SUFFIX in source.weight_map]
+
+
+def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block-FP8 -> fp32: each (block[0] x block[1]) tile is multiplied by its scale."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
+def _fp8_block(config) -> tuple[int, int]:
+    qc = getattr(config, "quantization_config", None) or {}
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return tuple(qc.get("weight_block_size") or (128, 128))
+
+
+def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: torch.device,
+                       dtype: torch.dtype | None = None) -> LoadStats:
+    """Fill the meta-device ``stages`` of one rank with their tensors from ``source``.
+
+    Args:
+        stages: This rank's :class:`hfpipe.stage.PipelineStageModule` objects (meta device).
+        source: The opened checkpoint.
+        device: Where the tensors go.
+        dtype: Floating dtype of the stage parameters; ``None`` keeps each meta parameter's dtype.
+
+    Returns:
+        What was opened and read.
+
+    Raises:
+        LoadError: a tensor is missing, unexpected or has the wrong shape.
+    """
+    adapter = get_adapter(source.config)
+    targets = _stage_targets(stages)
+    full_keys = set(_full_model_keys(stages[0]))
+    mapper = model_key_mapper(stages[0]._hf_model)
+    units, skipped = _plan_units(source, full_keys, set(targets), mapper, adapter.num_mtp_layers(source.config))
+    if skipped:
+        log.info("skipped %d checkpoint tensors of MTP layers the HF model does not have", skipped)
+    stats = LoadStats(skipped_mtp=skipped)
+    _read_and_place(units, source, targets, device, dtype, stats)
+    from hfpipe.stage import rebuild_rotary
+
+    for stage in stages:
+        rebuild_rotary(stage, device)
+        _check_materialised(stage)
+    return stats
+
+
+def _read_and_place(units, source, targets, device, dtype, stats: LoadStats) -> None:
+    """Read shard by shard; finish each unit as soon as all its tensors are in."""
+    needed_by_file: dict[str, list[str]] = defaultdict(list)
+    waiting: dict[str, list[_Unit]] = defaultdict(list)
+    for unit in units:
+        for key in _with_scales(source, unit.sources):
+            needed_by_file[source.weight_map[key]].append(key)
+            waiting[key].append(unit)
+    have: dict[str, torch.Tensor] = {}
+    block = _fp8_block(source.config)
+    for fname in sorted(needed_by_file):
+        keys = sorted(set(needed_by_file[fname]))
+        tensors = read_tensors(source.path(fname), keys, source.header(fname))
+        stats.files_opened.append(fname)
+        stats.keys_read.extend(keys)
+        stats.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())
+        have.update(tensors)
+        for unit in {id(u): u for k in keys for u in waiting[k]}.values():
+            wanted = _with_scales(source, unit.sources)
+            if all(k in have for k in wanted):
+                tensor = _finish_unit(unit, have, source, block)
+                _place(targets[unit.target], tensor, device, dtype, unit, source)
+                for k in wanted:
+                    if all(u is unit for u in waiting[k]):
+                        have.pop(k, None)
+
+
+def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block) -> torch.Tensor:
+    tensors = {}
+    for key in unit.sources:
+        t = have[key]
+        scale = have.get(key + _SCALE_SUFFIX)
+        tensors[key] = _dequantize(t, scale, block) if scale is not None else t
+    if unit.converter is None:
+        return tensors[unit.sources[0]]
+    conv = unit.converter
+    for key, pattern in zip(unit.sources, unit.patterns):
+        conv.add_tensor(unit.target, key, pattern, tensors[key])
+    out = conv.convert(unit.target, config=source.config)
+    return out[unit.target]
+
+
+def _place(holders, tensor, device, dtype, unit: _Unit, source) -> None:
+    """Swap the meta tensor held at every ``(module, attr)`` of ``holders`` for ``tensor``.
+
+    Checks the shape, casts to the stage dtype, and keeps shared tensors (a tied head) shared.
+    """
+    owner, attr = holders[0]
+    is_param = attr in owner._parameters
+    old = owner._parameters[attr] if is_param else owner._buffers[attr]
+    if tuple(tensor.shape) != tuple(old.shape):
+        raise LoadError(
+            f"{source.weight_map.get(unit.sources[0], '?')}: {unit.sources[0]!r} has shape "
+            f"{tuple(tensor.shape)} but the model expects {tuple(old.shape)}; config.json does not match the weights"
+        )
+    keep_fp32 = not is_param and old.dtype == torch.float32  # e.g. DeepSeek's score-correction bias
+    target_dtype = old.dtype if (dtype is None or keep_fp32 or not old.is_floating_point()) else dtype
+    new = tensor.to(device=device, dtype=target_dtype)
+    if is_param:
+        new = nn.Parameter(new, requires_grad=old.requires_grad)
+    for module, name in holders:
+        (module._parameters if is_param else module._buffers)[name] = new
+
+
+def _stage_targets(stages) -> dict[str, list[tuple[nn.Module, str]]]:
+    """In-memory key -> every (module, attribute) on this rank that holds it.
+
+    A tensor shared by two stage modules (tied head on the same rank) is placed once and then
+    re-shared, so it is listed once here.
+    """
+    targets: dict[str, list] = {}
+    first_name: dict[int, str] = {}
+    for stage in stages:
+        for name, module in stage.named_modules(remove_duplicate=False):
+            tensors = list(module._parameters.items()) + [
+                (n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set
+            ]
+            for attr, t in tensors:
+                if t is None:
+                    continue
+                key = first_name.setdefault(id(t), f"{name}.{attr}" if name else attr)
+                holders = targets.setdefault(key, [])
+                if (module, attr) not in holders:
+                    holders.append((module, attr))
+    return targets
+
+
+def _full_model_keys(stage) -> list[str]:
+    return list(stage._hf_model.state_dict().keys())
+
+
+def _check_materialised(stage: nn.Module) -> None:
+    for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
+        if t.is_meta:
+            raise LoadError(f"{name} was not loaded from the checkpoint; the checkpoint does not match the model")

@@ -1,0 +1,157 @@
+"""Where a model's files come from: a local folder or the Hugging Face hub cache.
+
+A :class:`ModelSource` knows the config and the checkpoint's key -> shard map without reading any
+weights; shards are fetched (for hub ids) only when a stage asks for them, so each rank downloads
+and opens only the shards holding its own tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hfpipe.safetensors_io import SafetensorsError, read_header
+
+__all__ = ["ModelSource", "SourceError", "load_config"]
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+META_FILES = ("config.json", "generation_config.json", INDEX)
+
+
+class SourceError(ValueError):
+    """The model folder or hub id cannot be used (one line: what is wrong and what to do)."""
+
+
+def _is_local(name: str) -> bool:
+    return os.path.isdir(name) or name.startswith((".", "/", "~")) or os.path.exists(name)
+
+
+def load_config(folder: Path, *, trust_remote_code: bool = False):
+    """The transformers config of ``folder``, refusing remote code unless asked for."""
+    from transformers import AutoConfig
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise SourceError(f"{folder}: no config.json; point at a Hugging Face model folder")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) or (raw.get("auto_map") and not trust_remote_code):
+            raise SourceError(
+                f"{cfg_path}: model type {raw.get('model_type')!r} needs remote code; "
+                "pass --trust-remote-code if you trust it"
+            ) from None
+        raise SourceError(f"{cfg_path}: {str(e).splitlines()[0]}") from None
+    except KeyError as e:
+        raise SourceError(f"{cfg_path}: unknown model_type {e}; is transformers up to date?") from None
+
+
+@dataclass
+class ModelSource:
+    """A model's config and weight map, with shards resolved lazily.
+
+    Attributes:
+        name: What the user gave (folder or hub id).
+        folder: Local folder holding config.json (for hub ids, the snapshot in the cache).
+        repo_id: The hub id, or ``None`` for a local folder.
+        config: The transformers config.
+        weight_map: Checkpoint key -> shard file name.
+    """
+
+    name: str
+    folder: Path
+    repo_id: str | None
+    config: object
+    weight_map: dict[str, str]
+    _headers: dict[str, dict] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, name: str | os.PathLike, *, trust_remote_code: bool = False) -> "ModelSource":
+        """Resolve ``name`` (local folder or hub id) and read its config and index only."""
+        name = str(name)
+        repo_id = None
+        if _is_local(name):
+            folder = Path(name).expanduser().resolve()
+            if not folder.is_dir():
+                raise SourceError(f"{name}: no such model folder")
+        else:
+            repo_id = name
+            folder = _hub_metadata(repo_id)
+        config = load_config(folder, trust_remote_code=trust_remote_code)
+        src = cls(name, folder, repo_id, config, {})
+        src.weight_map = src._read_weight_map()
+        return src
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SourceError(f"{index}: malformed index (no 'weight_map'); re-download it") from None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise SourceError(f"{index}: empty or malformed 'weight_map'; re-download it")
+            return dict(weight_map)
+        single = self.path(SINGLE) if self.repo_id or (self.folder / SINGLE).is_file() else None
+        if single is None or not single.is_file():
+            if any(self.folder.glob("*.bin")) or any(self.folder.glob("*.pt")):
+                raise SourceError(
+                    f"{self.folder}: only pickle weights (*.bin/*.pt) found; hfpipe reads safetensors "
+                    "only: convert them with transformers' save_pretrained(safe_serialization=True)"
+                )
+            raise SourceError(f"{self.folder}: no {INDEX} and no {SINGLE}")
+        return {key: SINGLE for key in self.header(SINGLE) if key != "__data_start__"}
+
+    def path(self, filename: str) -> Path:
+        """Local path of a shard, downloading only that file for hub ids."""
+        if self.repo_id is None:
+            return self.folder / filename
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return Path(hf_hub_download(self.repo_id, filename))
+        except Exception as e:  # network, auth and offline errors all mean the same to the user
+            raise SourceError(f"{self.repo_id}: cannot fetch {filename} ({type(e).__name__}); "
+                              "check the hub id, your token, or HF_HUB_OFFLINE") from None
+
+    def header(self, filename: str) -> dict:
+        """The parsed safetensors header of a shard (cached)."""
+        if filename not in self._headers:
+            try:
+                self._headers[filename] = read_header(self.path(filename))
+            except SafetensorsError as e:
+                raise SourceError(str(e)) from None
+        return self._headers[filename]
+
+    @property
+    def tied(self) -> bool:
+        """Whether the head shares the embedding (no ``lm_head.weight`` expected on disk)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+
+def _hub_metadata(repo_id: str) -> Path:
+    """Fetch config, index and tokenizer files of a hub model (never weights)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken"],
+            )
+        )
+    except Exception as e:
+        offline = " (HF_HUB_OFFLINE is set and it is not in the cache)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise SourceError(
+            f"{repo_id}: not a local folder and not fetchable from the hub{offline} ({type(e).__name__})"
+        ) from None

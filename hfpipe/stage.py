@@ -1,0 +1,148 @@
+"""Pipeline stage modules built from transformers' own classes.
+
+A stage keeps HF submodules under the full model's names (``model.embed_tokens``,
+``model.layers.17``, ``model.norm``, ``lm_head``), so its state dict is a slice of the full
+model's and checkpoints reshard by name. Parts a stage does not own are ``None`` and its forward
+skips them. Only hidden states cross stages: every stage rebuilds the causal mask, the position ids
+and the rotary embeddings from the microbatch, exactly as the HF model's forward does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hfpipe.models import get_adapter
+
+__all__ = ["PipelineStageModule", "build_meta_model", "build_stage_modules", "rebuild_rotary"]
+
+log = logging.getLogger(__name__)
+
+
+def model_config(config):
+    """A copy of ``config`` fit to build the bf16/fp32 HF model: no quantisation, no cache."""
+    cfg = copy.deepcopy(config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # FP8 checkpoints are dequantised on load
+    cfg.use_cache = False
+    return cfg
+
+
+def build_meta_model(config, dtype: torch.dtype = torch.float32):
+    """The full HF causal-LM on the meta device: structure and names, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _mask_kind(config, layer_idx: int) -> str:
+    """Which mask layer ``layer_idx`` uses, by the same rule as the HF model's forward."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer_idx]
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return "sliding_attention" if sliding else "full_attention"
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage: an optional embedding, some decoder layers, an optional norm + head.
+
+    Args:
+        spec: The stage's :class:`hfpipe.plan.StageSpec`.
+        config: The model's transformers config.
+        full: The full HF model on the meta device, whose submodules this stage takes.
+    """
+
+    def __init__(self, spec, config, full: nn.Module):
+        super().__init__()
+        self.spec = spec
+        self.config = full.config  # carries the attention implementation chosen at build time
+        object.__setattr__(self, "_hf_model", full)  # for names and conversion tables; not a submodule
+        self.model = nn.Module()
+        self.model.embed_tokens = full.model.embed_tokens if spec.embed else None
+        self.model.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in spec.layers})
+        self.model.norm = full.model.norm if spec.head else None
+        self.model.rotary_emb = full.model.rotary_emb
+        self.lm_head = full.lm_head if spec.head else None
+        self.activation_checkpointing = "none"
+        if self.lm_head is not None and self.model.embed_tokens is None and getattr(config, "tie_word_embeddings", False):
+            # The head of a tied model lives apart from the embedding here: give it its own
+            # parameter (loaded from the embedding's tensor; gradients summed by the trainer).
+            self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
+        self._mask_kinds = sorted({_mask_kind(self.config, i) for i in spec.layers})
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.embed_tokens is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states or logits out."""
+        h = self.model.embed_tokens(x) if self.is_first else x  # (B, T, H)
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        if self.model.layers:
+            masks = self._masks(h, attention_mask, position_ids)
+            rope = self.model.rotary_emb(h, position_ids)
+            for idx, layer in self.model.layers.items():
+                h = self._run_layer(layer, h, masks[_mask_kind(self.config, int(idx))], rope, position_ids)
+        if self.is_last:
+            h = self.lm_head(self.model.norm(h))  # (B, T, V)
+        return h
+
+    def _masks(self, h, attention_mask, position_ids) -> dict:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        kwargs = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
+                      past_key_values=None, position_ids=position_ids)
+        return {kind: make[kind](**kwargs) for kind in self._mask_kinds}
+
+    def _run_layer(self, layer, h, mask, rope, position_ids):
+        if self.activation_checkpointing == "full" and self.training and torch.is_grad_enabled():
+            return checkpoint(self._call_layer, layer, h, mask, rope, position_ids, use_reentrant=False)
+        return self._call_layer(layer, h, mask, rope, position_ids)
+
+    @staticmethod
+    def _call_layer(layer, h, mask, rope, position_ids):
+        out = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def build_stage_modules(config, specs, dtype: torch.dtype = torch.float32) -> list[PipelineStageModule]:
+    """Meta-device stage modules for ``specs`` (one full meta model shared by all of them).
+
+    Tied models whose first and last stage sit on this rank share one head/embedding parameter,
+    so autograd sums both uses' gradients as in the HF model.
+    """
+    get_adapter(config)
+    full = build_meta_model(config, dtype)
+    stages = [PipelineStageModule(spec, config, full) for spec in specs]
+    first = next((s for s in stages if s.is_first), None)
+    last = next((s for s in stages if s.is_last), None)
+    if getattr(config, "tie_word_embeddings", False) and first is not None and last is not None:
+        last.lm_head.weight = first.model.embed_tokens.weight
+    for stage in stages:
+        if len(stages) > 1:
+            # Each stage module needs its own rotary module instance (it gets rebuilt on device).
+            stage.model.rotary_emb = copy.deepcopy(stage.model.rotary_emb)
+    return stages
+
+
+def rebuild_rotary(stage: PipelineStageModule, device: torch.device) -> None:
+    """Recompute the rotary module's non-persistent buffers on ``device``.
+
+    ``inv_freq`` is not in the checkpoint and meta construction leaves it undefined, so the
+    module is rebuilt from the config with transformers' own rope initialisation.
+    """
+    rotary = stage.model.rotary_emb
+    with torch.device(device):
+        stage.model.rotary_emb = type(rotary)(config=rotary.config)
