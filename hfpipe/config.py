@@ -1,0 +1,325 @@
+"""The run configuration: one dataclass, read strictly from YAML, checked when it is built.
+
+A recipe file (``recipes/*.yaml``) holds ``FinetuneConfig`` fields and nothing else; the
+``hfpipe finetune`` flags are the same fields spelled ``--batch-size``. Every check lives in
+``__post_init__``, so a config built from a file, from flags or with ``dataclasses.replace`` is
+checked the same way, and each message names the flag to change.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "FinetuneConfig",
+    "SCHEDULES",
+    "INTERLEAVED_SCHEDULES",
+    "V_SCHEDULES",
+    "bundled_config_dir",
+    "field_help",
+]
+
+#: Every pipeline schedule, as spelled in ``--schedule``.
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+#: Schedules that put several stages per rank in a loop (rank r holds stages r, r+pp, ...).
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
+#: Schedules that put exactly two stages per rank in a V (rank r holds stages r and 2*pp-1-r).
+V_SCHEDULES = ("zbv", "dualpipev")
+
+_CHOICES = {
+    "schedule": SCHEDULES,
+    "plan_method": ("even", "weighted", "balanced"),
+    "lr_schedule": ("cosine", "linear", "constant"),
+    "dtype": ("fp32", "bf16-mixed", "bf16"),
+    "activation_checkpointing": ("none", "full", "selective"),
+}
+_AT_LEAST_ONE = ("pp", "dp", "vpp", "seq_len", "batch_size", "grad_accum", "epochs", "keep", "log_every")
+_NONE_OR_AT_LEAST_ONE = ("microbatches", "max_steps", "save_every", "threads_per_rank")
+_AT_LEAST_ZERO = ("warmup_steps", "seed", "min_lr", "weight_decay")
+
+_BUNDLED_CONFIGS = Path(__file__).parent / "assets" / "configs"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value or file; the message names the flag or key to fix."""
+
+
+@dataclass
+class FinetuneConfig:
+    """Everything one fine-tuning run needs; a recipe file holds exactly these keys."""
+
+    model: str
+    """Hub id (``meta-llama/Llama-3.1-8B``) or local folder with config.json and safetensors."""
+    output_dir: str = "out"
+    """Folder for checkpoints, logs and the exported model."""
+
+    # -- parallelism --
+    pp: int = 1
+    """Pipeline-parallel degree: ranks per pipeline."""
+    dp: int = 1
+    """Data-parallel degree: pipelines side by side; world size is pp * dp."""
+    vpp: int = 1
+    """Stages per rank. Left at 1, it becomes 2 for the interleaved and V schedules."""
+    schedule: str = "1f1b"
+    """gpipe | 1f1b (one stage per rank); interleaved-1f1b | looped-bfs | interleaved-zb
+    (vpp >= 2 stages per rank); zbv | dualpipev (two stages per rank in a V)."""
+    layout: str | None = None
+    """Megatron pipeline layout (``"Et*3|(tt|)*29,m|L"``): one ``|``-separated group per stage,
+    E embedding, t decoder layer, m MTP layer, L norm + head. Overrides plan_method."""
+    plan_method: str = "balanced"
+    """How layers are split into stages: even (equal layer counts), weighted (embedding and head
+    count as layers), balanced (by estimated compute and memory per layer)."""
+    microbatches: int | None = None
+    """Microbatches per schedule step; batch_size must be a multiple of it. Default pp * vpp,
+    the number of stages: the fewest that keeps every schedule legal (V schedules need 2 * pp)."""
+
+    # -- data --
+    dataset: str = "builtin:tiny-chat"
+    """Hub dataset id, local file or folder (json, jsonl, parquet), or ``builtin:<name>``."""
+    dataset_config: str | None = None
+    """Dataset configuration (subset) name, for hub datasets that have several."""
+    split: str = "train"
+    """Dataset split to train on."""
+    format: str = "auto"
+    """Record format; auto detects it from the first record."""
+    seq_len: int = 512
+    """Tokens per sequence; longer samples are cut, shorter ones packed or padded."""
+    packing: bool = True
+    """Pack several samples into each sequence instead of padding."""
+
+    # -- optimisation --
+    batch_size: int = 8
+    """Sequences per data-parallel rank per schedule step, split into `microbatches`.
+    Sequences per optimizer step: batch_size * grad_accum * dp."""
+    grad_accum: int = 1
+    """Schedule steps whose gradients add up before each optimizer step."""
+    lr: float = 2e-5
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine or linear decay."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2); a two-item list in YAML."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    lr_schedule: str = "cosine"
+    """cosine | linear (decay to min_lr after warmup) | constant (lr after warmup)."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; null turns clipping off."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps; null trains for `epochs` epochs."""
+    epochs: int = 1
+    """Passes over the dataset, used when max_steps is null."""
+    dtype: str = "fp32"
+    """fp32 | bf16-mixed (fp32 weights and optimizer, bf16 autocast) | bf16 (all bf16)."""
+    activation_checkpointing: str = "none"
+    """none | full (recompute each decoder layer) | selective (recompute attention only)."""
+    seed: int = 0
+    """Seed for data order and any random initialisation."""
+
+    # -- checkpointing --
+    save_every: int | None = None
+    """Save a resumable checkpoint every this many optimizer steps; null saves only at the end."""
+    keep: int = 2
+    """Resumable checkpoints to keep; older ones are deleted."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    resume: str | None = None
+    """auto or latest (newest checkpoint in output_dir, if any), or a checkpoint folder."""
+    save_hf_at_end: bool = False
+    """Also export a transformers-loadable folder (config + safetensors) when training ends."""
+
+    # -- misc --
+    trust_remote_code: bool = False
+    """Allow transformers to run code from the model repository."""
+    threads_per_rank: int | None = None
+    """torch intra-op threads per rank; null divides the CPU cores among local ranks."""
+    log_every: int = 1
+    """Log loss, learning rate and throughput every this many optimizer steps."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+        _check_choices(self)
+        _check_ranges(self)
+        _fit_vpp(self)
+        _check_microbatches(self)
+
+    @property
+    def num_microbatches(self) -> int:
+        """`microbatches`, or its default pp * vpp."""
+        return self.microbatches or self.pp * self.vpp
+
+    @property
+    def pipeline_style(self) -> str:
+        """How stages sit on ranks: "v" for zbv and dualpipev, "loop" otherwise."""
+        return "v" if self.schedule in V_SCHEDULES else "loop"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-ready values; ``from_dict(c.to_dict())`` gives back an equal config."""
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "<dict>") -> FinetuneConfig:
+        """Build a config from option -> value; unknown keys and bad values name `source`."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of option: value, got {type(d).__name__}")
+        _check_keys(d, source)
+        if "model" not in d:
+            raise ConfigError(f"{source}: --model is required (set `model:` or pass --model)")
+        try:
+            return cls(**d)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> FinetuneConfig:
+        """Read a recipe file; `overrides` (the CLI flags) win over it, None ones are ignored."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        _check_keys(given, "command-line overrides")
+        return cls.from_dict({**data, **given}, source=str(path))
+
+
+def bundled_config_dir(model_id: str) -> Path | None:
+    """The bundled folder holding `model_id`'s real config.json, or None if none is bundled.
+
+    ``meta-llama/Llama-3.1-8B`` maps to ``hfpipe/assets/configs/meta-llama--Llama-3.1-8B``.
+    """
+    folder = _BUNDLED_CONFIGS / model_id.strip("/").replace("/", "--")
+    return folder if (folder / "config.json").is_file() else None
+
+
+def field_help() -> dict[str, str]:
+    """Each FinetuneConfig field's docstring, by field name (for ``--help`` and docs)."""
+    body = ast.parse(inspect.getsource(FinetuneConfig)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
+            if isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """`value` as the field's declared type, or a ConfigError naming the flag."""
+    args = typing.get_args(hint)
+    if type(None) in args:  # `X | None`
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    flag, is_number = _flag(name), isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and is_number:
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `1e-5` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if hint is str and isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"{flag} must not be empty")
+        return value
+    if typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)):
+        if len(value) == len(typing.get_args(hint)):
+            return tuple(_coerce(name, v, t) for v, t in zip(value, typing.get_args(hint)))
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    want = kind.get(hint, f"a list of {len(typing.get_args(hint))} numbers")
+    raise ConfigError(f"{flag} must be {want}, got {value!r}")
+
+
+def _check_keys(d: Mapping[str, Any], source: str) -> None:
+    names = [f.name for f in dataclasses.fields(FinetuneConfig)]
+    for key in d:
+        if key in names:
+            continue
+        close = difflib.get_close_matches(str(key).replace("-", "_"), names, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(names)}"
+        raise ConfigError(f"{source}: unknown key {str(key)!r} ({hint})")
+
+
+def _check_choices(c: FinetuneConfig) -> None:
+    for name, choices in _CHOICES.items():
+        value = getattr(c, name)
+        if value not in choices:
+            close = difflib.get_close_matches(value.lower(), choices, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{_flag(name)} must be one of {', '.join(choices)}; got {value!r}{hint}")
+
+
+def _check_ranges(c: FinetuneConfig) -> None:
+    for name in _AT_LEAST_ONE + _NONE_OR_AT_LEAST_ONE:
+        value = getattr(c, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag(name)} must be >= 1, got {value}")
+    for name in _AT_LEAST_ZERO:
+        if getattr(c, name) < 0:
+            raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(c, name)}")
+    for name in ("lr", "eps", "max_grad_norm"):
+        value = getattr(c, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{_flag(name)} must be > 0, got {value}")
+    if c.min_lr > c.lr:
+        raise ConfigError(f"--min-lr ({c.min_lr}) must be <= --lr ({c.lr})")
+    if not all(0.0 <= b < 1.0 for b in c.betas):
+        raise ConfigError(f"--betas must both be in [0, 1), got {list(c.betas)}")
+
+
+def _fit_vpp(c: FinetuneConfig) -> None:
+    """Give each schedule the stages per rank it needs; vpp left at 1 becomes 2 where needed."""
+    if c.schedule in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp == 1:
+        c.vpp = 2
+    if c.schedule in V_SCHEDULES and c.vpp != 2:
+        raise ConfigError(f"--vpp must be 2 for --schedule {c.schedule} (a V of two stages), got {c.vpp}")
+    if c.schedule not in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp != 1:
+        raise ConfigError(
+            f"--vpp must be 1 for --schedule {c.schedule}, got {c.vpp}; "
+            f"use --schedule interleaved-1f1b for several stages per rank"
+        )
+
+
+def _check_microbatches(c: FinetuneConfig) -> None:
+    m = c.num_microbatches
+    if c.batch_size % m:
+        origin = f"({m})" if c.microbatches else f"({m}, the default pp * vpp)"
+        raise ConfigError(f"--batch-size ({c.batch_size}) must be a multiple of --microbatches {origin}")
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}" if mark else problem
