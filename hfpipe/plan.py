@@ -232,7 +232,7 @@ def plan_pipeline(config, pp: int, *, vpp: int = 1, style: str = "loop", method:
     """
     _check_shape(pp, vpp, style)
     if method not in METHODS:
-        raise PlanError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
+        raise PlanError(f"unknown --plan-method {method!r}; choose one of {', '.join(METHODS)}")
     for flag, weight in (("--embed-weight", embed_weight), ("--head-weight", head_weight)):
         if weight is not None and weight < 0:
             raise PlanError(f"{flag} must be >= 0, got {weight}")
@@ -252,10 +252,10 @@ def _check_shape(pp: int, vpp: int, style: str) -> None:
     if vpp < 1:
         raise PlanError(f"--vpp must be >= 1, got {vpp}")
     if style not in STYLES:
-        raise PlanError(f"unknown --style {style!r}; choose one of {', '.join(STYLES)}")
+        raise PlanError(f"unknown pipeline style {style!r}; choose one of {', '.join(STYLES)}")
     if style == "v" and vpp != 2:
-        raise PlanError(f"--style v puts two stages on each rank; use --vpp 2 (got --vpp {vpp}) "
-                        "or --style loop")
+        raise PlanError(f"the V style (--schedule zbv or dualpipev) puts two stages on each rank; "
+                        f"use --vpp 2 (got --vpp {vpp})")
 
 
 def _layer_counts(method: str, costs: CostModel, pp: int, vpp: int, embed_weight: float | None,
@@ -421,7 +421,7 @@ def _words(n: int) -> str:
 def _layout_tokens(layout: str | None, costs: CostModel, pp: int, vpp: int) -> list[list[str]]:
     """The stages of a ``--layout``, checked against the model and the pipeline shape."""
     if layout is None:
-        raise PlanError("--method layout needs a --layout string, e.g. 'Et*2|t*2L'")
+        raise PlanError("--plan-method layout needs a --layout string, e.g. 'Et*2|t*2L'")
     tokens = parse_layout(layout, len(costs.layers), costs.num_mtp)
     if len(tokens) != pp * vpp:
         raise PlanError(f"--layout makes {len(tokens)} stages but --pp {pp} x --vpp {vpp} = "

@@ -283,12 +283,12 @@ PLAN_ERRORS = [  # (layers, pp, keyword arguments, the message)
     (6, 2, {"vpp": 0}, "--vpp must be >= 1, got 0"),
     (12, 8, {"vpp": 2}, "--pp 8 x --vpp 2 = 16 stages but the model has 12 decoder layers; "
                         "reduce --pp or --vpp"),
-    (6, 2, {"method": "greedy"}, "unknown --method 'greedy'; choose one of balanced, even, "
+    (6, 2, {"method": "greedy"}, "unknown --plan-method 'greedy'; choose one of balanced, even, "
                                  "weighted, layout"),
-    (6, 2, {"style": "zigzag"}, "unknown --style 'zigzag'; choose one of loop, v"),
-    (6, 2, {"style": "v", "vpp": 3}, "--style v puts two stages on each rank; use --vpp 2 "
-                                     "(got --vpp 3) or --style loop"),
-    (6, 2, {"method": "layout"}, "--method layout needs a --layout string"),
+    (6, 2, {"style": "zigzag"}, "unknown pipeline style 'zigzag'; choose one of loop, v"),
+    (6, 2, {"style": "v", "vpp": 3}, "the V style (--schedule zbv or dualpipev) puts two stages "
+                                     "on each rank; use --vpp 2 (got --vpp 3)"),
+    (6, 2, {"method": "layout"}, "--plan-method layout needs a --layout string"),
     (6, 2, {"embed_weight": -1}, "--embed-weight must be >= 0, got -1"),
     (6, 2, {"head_weight": -0.5}, "--head-weight must be >= 0, got -0.5"),
     (6, 2, {"seq_len": 0}, "--seq-len must be >= 1, got 0"),
