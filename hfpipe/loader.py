@@ -254,3 +254,19 @@ def _check_materialised(stage: nn.Module) -> None:
     for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
         if t.is_meta:
             raise LoadError(f"{name} was not loaded from the checkpoint; the checkpoint does not match the model")
+
+
+def load_rank_stages(source: ModelSource, plan, pp_rank: int, device: torch.device,
+                     dtype: torch.dtype | None = None):
+    """Build and load the stage modules ``plan`` gives to pipeline rank ``pp_rank``.
+
+    Returns:
+        ``(modules, stats)``: the rank's :class:`hfpipe.stage.PipelineStageModule` list in
+        increasing stage index, on ``device``, and the :class:`LoadStats` of the read.
+    """
+    from hfpipe.stage import build_stage_modules, model_config
+
+    config = model_config(source.config)
+    modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32)
+    stats = load_stage_weights(modules, source, device, dtype)
+    return modules, stats

@@ -1,0 +1,247 @@
+"""Run stage modules through torch.distributed.pipelining schedules.
+
+torch's schedules do the ordering, the send/recv and the backward; this module only chooses the
+schedule, checks microbatch counts up front in the user's terms, keeps the loss exact (summed
+cross-entropy over a known global token count, ``scale_grads=False``), and rebuilds the schedule
+when the batch shape changes, since torch's stages size their receive buffers on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+__all__ = ["SCHEDULES", "V_STYLE", "PipelineError", "Pipeline", "TokenLoss", "check_microbatches",
+           "schedule_style"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "looped-bfs": ScheduleLoopedBFS,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE_STAGE = {"gpipe", "1f1b"}
+V_STYLE = {"zbv", "dualpipev"}
+IGNORE_INDEX = -100
+
+
+class PipelineError(ValueError):
+    """A schedule / microbatch / batch combination that cannot run (message names the option)."""
+
+
+def schedule_style(schedule: str) -> str:
+    """``"v"`` for the V-shaped schedules (stages r and 2p-1-r on rank r), else ``"loop"``."""
+    return "v" if schedule in V_STYLE else "loop"
+
+
+def check_microbatches(schedule: str, pp: int, vpp: int, microbatches: int, batch_size: int | None = None) -> None:
+    """Raise :class:`PipelineError` unless ``schedule`` can run with these counts.
+
+    The rules are torch's own (checked in each schedule's constructor); saying them here, before
+    any process starts, lets the error speak in flags rather than in schedule internals.
+    """
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    if schedule in SINGLE_STAGE and vpp != 1:
+        raise PipelineError(f"--schedule {schedule} runs one stage per rank; use --vpp 1 or an interleaved schedule")
+    if schedule in V_STYLE and vpp != 2:
+        raise PipelineError(f"--schedule {schedule} needs exactly 2 stages per rank; use --vpp 2")
+    if schedule not in SINGLE_STAGE and schedule not in V_STYLE and vpp < 2:
+        raise PipelineError(f"--schedule {schedule} needs several stages per rank; use --vpp 2 or more")
+    stages = pp * vpp
+    if microbatches < 1:
+        raise PipelineError("--microbatches must be at least 1")
+    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
+        raise PipelineError(f"--schedule {schedule} needs at least as many microbatches as stages "
+                            f"({stages}); got --microbatches {microbatches}: raise it to {stages}")
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and microbatches > pp:
+        rounds = microbatches // pp
+        if microbatches % rounds:
+            raise PipelineError(f"--schedule {schedule} needs --microbatches <= --pp or a multiple of the "
+                                f"rounds ({rounds}); got {microbatches}: use {rounds * pp}")
+    if batch_size is not None and batch_size % microbatches:
+        raise PipelineError(f"--batch-size {batch_size} does not divide into --microbatches {microbatches}; "
+                            "make the batch size a multiple of the microbatch count")
+
+
+class TokenLoss:
+    """Causal-LM cross-entropy summed over valid tokens, divided by a *global* token count.
+
+    Dividing every microbatch by the same global count (all microbatches, all dp ranks) makes
+    the summed gradient equal the single-process full-batch mean, whatever the padding.
+    """
+
+    def __init__(self) -> None:
+        self.denominator = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, labels) / self.denominator
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy (fp32) over labels != -100; labels are unshifted."""
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T): predict token t+1 at t
+    return F.cross_entropy(logits.float().flatten(0, -2), shifted.flatten().to(logits.device),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def count_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry loss after the causal shift."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+class Pipeline:
+    """This rank's stages driven by a torch schedule.
+
+    Args:
+        stages: This rank's stage modules, in increasing stage index (materialised on ``device``).
+        num_stages: Stages in the whole pipeline.
+        schedule: A name from :data:`SCHEDULES`.
+        microbatches: Microbatches per step.
+        group: The pipeline process group.
+        device: This rank's device.
+    """
+
+    def __init__(self, stages, num_stages: int, schedule: str, microbatches: int, group, device) -> None:
+        self.modules = stages
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.group = group
+        self.device = device
+        self.loss = TokenLoss()
+        self._schedule = None
+        self._key = None
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether the last stage (the loss) lives on this rank."""
+        return any(m.is_last for m in self.modules)
+
+    @property
+    def has_input(self) -> bool:
+        return any(m.is_first for m in self.modules)
+
+    def _get_schedule(self, shape, kwargs, mode: str):
+        """A schedule for ``mode`` ("train", "loss" or "logits") and this batch shape."""
+        key = (tuple(shape), tuple(sorted(kwargs)), mode)
+        if key != self._key:
+            # New shapes: torch's stages cache receive buffers, so build fresh ones.
+            pstages = [PipelineStage(m, m.spec.index, self.num_stages, self.device, group=self.group)
+                       for m in self.modules]
+            cls = SCHEDULES[self.schedule_name]
+            arg = pstages[0] if self.schedule_name in SINGLE_STAGE else pstages
+            loss_fn = None if mode == "logits" else self.loss
+            self._schedule = cls(arg, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            self._key = key
+        return self._schedule
+
+    def _inputs(self, batch: dict):
+        ids = batch["input_ids"]
+        kwargs = {k: batch[k].to(self.device) for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+        args = (ids.to(self.device),) if self.has_input else ()
+        return ids.shape, args, kwargs
+
+    def train_step(self, batch: dict, denominator: float) -> torch.Tensor | None:
+        """Forward and backward over one batch; gradients accumulate into the parameters.
+
+        Args:
+            batch: ``input_ids`` and ``labels`` [B, T], optional ``attention_mask``/``position_ids``;
+                every rank passes the same batch (only the first stage reads the ids, only the
+                last the labels).
+            denominator: The global count of loss tokens the loss is divided by.
+
+        Returns:
+            On the rank holding the loss, the summed loss of this batch (already divided by
+            ``denominator``); elsewhere ``None``.
+        """
+        shape, args, kwargs = self._inputs(batch)
+        schedule = self._get_schedule(shape, kwargs, "train")
+        self.loss.denominator = float(denominator)
+        losses: list = []
+        target = batch["labels"].to(self.device) if self.has_loss else None
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if not self.has_loss:
+            return None
+        return torch.stack([x.detach().float() for x in losses]).sum()
+
+    @torch.no_grad()
+    def forward(self, batch: dict) -> torch.Tensor | None:
+        """Logits [B, T, V] on the rank holding the last stage; ``None`` elsewhere."""
+        was_training = [m.training for m in self.modules]
+        for m in self.modules:
+            m.eval()
+        try:
+            if self.schedule_name in V_STYLE:
+                return self._forward_in_order(batch)
+            shape, args, kwargs = self._inputs(batch)
+            return self._get_schedule(shape, kwargs, "logits").eval(*args, **kwargs)
+        finally:
+            for m, mode in zip(self.modules, was_training):
+                m.train(mode)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict, denominator: float) -> torch.Tensor | None:
+        """Summed loss / ``denominator`` of a batch without backward (on the loss rank)."""
+        if self.schedule_name in V_STYLE:
+            logits = self.forward(batch)
+            if logits is None:
+                return None
+            return token_loss_sum(logits, batch["labels"].to(self.device)) / float(denominator)
+        shape, args, kwargs = self._inputs(batch)
+        schedule = self._get_schedule(shape, kwargs, "loss")
+        self.loss.denominator = float(denominator)
+        losses: list = []
+        target = batch["labels"].to(self.device) if self.has_loss else None
+        schedule.eval(*args, target=target, losses=losses, **kwargs)
+        return torch.stack([x.float() for x in losses]).sum() if self.has_loss else None
+
+    def _forward_in_order(self, batch: dict) -> torch.Tensor | None:
+        """Run every stage in index order with plain send/recv, whole batch at once.
+
+        torch's V schedules (ZBV, DualPipeV) cannot run forward-only (their action lists always
+        contain backward steps), and evaluation needs no overlap, so V pipelines evaluate this way.
+        """
+        import torch.distributed as dist
+
+        _, args, kwargs = self._inputs(batch)
+        local = {m.spec.index: m for m in self.modules}
+        pp = dist.get_world_size(self.group)
+        owner = [s if s < pp else 2 * pp - 1 - s for s in range(self.num_stages)]  # V placement
+        me = dist.get_rank(self.group)
+        h = args[0] if args else None
+        for s in range(self.num_stages):
+            if s in local:
+                if s > 0 and owner[s - 1] != me:
+                    h = self._recv_hidden(batch, owner[s - 1])
+                h = local[s](h, **kwargs)
+                if s + 1 < self.num_stages and owner[s + 1] != me:
+                    dist.send(h.contiguous(), dist.get_global_rank(self.group, owner[s + 1]), group=self.group)
+        return h if self.has_loss else None
+
+    def _recv_hidden(self, batch: dict, src: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        b, t = batch["input_ids"].shape
+        m = self.modules[0]
+        dtype = next(m.parameters()).dtype
+        h = torch.empty(b, t, m.config.hidden_size, dtype=dtype, device=self.device)
+        dist.recv(h, dist.get_global_rank(self.group, src), group=self.group)
+        return h
