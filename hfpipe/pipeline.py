@@ -189,7 +189,7 @@ class Pipeline:
         for m in self.modules:
             m.eval()
         try:
-            if self.schedule_name in V_STYLE:
+            if self._local_hops:
                 return self._forward_in_order(batch)
             shape, args, kwargs = self._inputs(batch)
             return self._get_schedule(shape, kwargs, "logits").eval(*args, **kwargs)
@@ -200,7 +200,7 @@ class Pipeline:
     @torch.no_grad()
     def eval_loss(self, batch: dict, denominator: float) -> torch.Tensor | None:
         """Summed loss / ``denominator`` of a batch without backward (on the loss rank)."""
-        if self.schedule_name in V_STYLE:
+        if self._local_hops:
             logits = self.forward(batch)
             if logits is None:
                 return None
@@ -213,18 +213,33 @@ class Pipeline:
         schedule.eval(*args, target=target, losses=losses, **kwargs)
         return torch.stack([x.float() for x in losses]).sum() if self.has_loss else None
 
+    def _owners(self) -> list[int]:
+        """Pipeline rank of every stage (loop: s mod pp; V: s, then back down)."""
+        import torch.distributed as dist
+
+        pp = dist.get_world_size(self.group)
+        if self.schedule_name in V_STYLE:
+            return [s if s < pp else 2 * pp - 1 - s for s in range(self.num_stages)]
+        return [s % pp for s in range(self.num_stages)]
+
+    @property
+    def _local_hops(self) -> bool:
+        """Whether some stage feeds the next one on the same rank (V turn, or pp=1 with vpp>1)."""
+        owner = self._owners()
+        return any(a == b for a, b in zip(owner, owner[1:]))
+
     def _forward_in_order(self, batch: dict) -> torch.Tensor | None:
         """Run every stage in index order with plain send/recv, whole batch at once.
 
-        torch's V schedules (ZBV, DualPipeV) cannot run forward-only (their action lists always
-        contain backward steps), and evaluation needs no overlap, so V pipelines evaluate this way.
+        torch's multi-stage schedules cannot run forward-only when a stage hands its output to
+        the next stage on the same rank (their eval still steals backward inputs and fails), and
+        evaluation needs no overlap, so those pipelines evaluate this way.
         """
         import torch.distributed as dist
 
         _, args, kwargs = self._inputs(batch)
         local = {m.spec.index: m for m in self.modules}
-        pp = dist.get_world_size(self.group)
-        owner = [s if s < pp else 2 * pp - 1 - s for s in range(self.num_stages)]  # V placement
+        owner = self._owners()
         me = dist.get_rank(self.group)
         h = args[0] if args else None
         for s in range(self.num_stages):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TINY_KINDS", "tiny_config", "make_tiny_checkpoint", "make_tiny_tokenizer"]
+__all__ = ["TINY_KINDS", "tiny_config", "make_tiny_checkpoint", "make_tiny_tokenizer", "make_fp8_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,24 @@ _MLA = dict(  # DeepSeek multi-head latent attention, shrunk
 )
 
 
+_DSV3 = dict(
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    num_nextn_predict_layers=1,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+)
+
+
 def tiny_config(kind: str, **overrides):
     """The transformers config of a tiny model of ``kind`` (one of :data:`TINY_KINDS`)."""
     from transformers import (
@@ -62,42 +80,25 @@ def tiny_config(kind: str, **overrides):
         Qwen3MoeConfig,
     )
 
+    common = {**_COMMON, **overrides}  # overrides go to the constructor: some fields derive from others
+    mla = {**_COMMON, **_MLA, **overrides}
     if kind == "llama":
-        cfg = LlamaConfig(**_COMMON, tie_word_embeddings=False)
+        cfg = LlamaConfig(**{"tie_word_embeddings": False, **common})
     elif kind == "llama_tied":
-        cfg = LlamaConfig(**_COMMON, tie_word_embeddings=True)
+        cfg = LlamaConfig(**{**common, "tie_word_embeddings": True})
     elif kind == "deepseek_v2":
-        cfg = DeepseekV2Config(**{**_COMMON, **_MLA}, topk_method="greedy", n_group=1, topk_group=1)
+        cfg = DeepseekV2Config(**{"topk_method": "greedy", "n_group": 1, "topk_group": 1, **mla})
     elif kind == "deepseek_v3":
-        cfg = DeepseekV3Config(
-            **{**_COMMON, **_MLA},
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            num_nextn_predict_layers=1,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
-        )
+        cfg = DeepseekV3Config(**{**_DSV3, **mla})
     elif kind == "qwen3":
-        cfg = Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=False)
+        cfg = Qwen3Config(**{"head_dim": 16, "tie_word_embeddings": False, **common})
     elif kind == "mistral":
-        cfg = MistralConfig(**_COMMON, sliding_window=None, tie_word_embeddings=False)
+        cfg = MistralConfig(**{"sliding_window": None, "tie_word_embeddings": False, **common})
     elif kind == "qwen3_moe":
-        cfg = Qwen3MoeConfig(
-            **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2
-        )
+        cfg = Qwen3MoeConfig(**{"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+                                "num_experts_per_tok": 2, **common})
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS)}")
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
     return cfg
 
 
@@ -200,3 +201,80 @@ def make_tiny_tokenizer():
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+
+
+def make_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, block: int = 128, *,
+                        num_shards: int = 4, dtype: torch.dtype | None = torch.bfloat16) -> Path:
+    """Write a DeepSeek-V3-style block-FP8 copy of the checkpoint in ``src_dir``.
+
+    Every linear weight inside a decoder layer (2-D ``model.layers.*.weight``, except the MoE
+    router ``mlp.gate.weight``) becomes ``float8_e4m3fn`` with a ``<name>_scale_inv`` fp32 tensor
+    holding one scale per ``block x block`` tile, so that ``w ≈ fp8.float() * scale`` (tiles at the
+    edges may be partial). As DeepSeek-V3 ships, the other tensors are stored in ``dtype`` (``None``
+    keeps theirs) except the router's fp32 ``e_score_correction_bias``. config.json gets the FP8
+    ``quantization_config``; the other files are copied.
+
+    Args:
+        src_dir: A folder from :func:`make_tiny_checkpoint` (any safetensors checkpoint).
+        out_dir: Folder to write; created if missing.
+        block: Tile edge, DeepSeek-V3's ``weight_block_size`` is 128.
+        num_shards: Number of safetensors shards (contiguous runs of sorted keys) plus an index.
+        dtype: Dtype of the tensors that are not quantised.
+
+    Returns:
+        The folder.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"), dirs_exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(src.glob("*.safetensors")):
+        for key, w in load_file(path).items():
+            if _is_fp8_linear(key, w):
+                tensors[key], tensors[key + "_scale_inv"] = _quantize_blocks(w, block)
+            elif dtype is not None and w.is_floating_point() and not key.endswith("e_score_correction_bias"):
+                tensors[key] = w.to(dtype)
+            else:
+                tensors[key] = w
+    keys = sorted(tensors)
+    size = -(-len(keys) // num_shards)
+    weight_map = {}
+    for i in range(num_shards):
+        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = keys[i * size:(i + 1) * size]
+        save_file({k: tensors[k].contiguous() for k in part}, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": [block, block]}
+    if dtype is not None:
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    return out
+
+
+def _is_fp8_linear(key: str, w: torch.Tensor) -> bool:
+    """Whether DeepSeek-V3 stores ``key`` in FP8: decoder-layer linear weights but the router."""
+    return key.startswith("model.layers.") and key.endswith(".weight") and w.ndim == 2 \
+        and not key.endswith("mlp.gate.weight")
+
+
+def _quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-FP8: the e4m3 weight and its fp32 per-tile scale (tile max maps to e4m3's max)."""
+    rows, cols = w.shape
+    r, c = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(r * block, c * block)
+    padded[:rows, :cols] = w.float()
+    tiles = padded.view(r, block, c, block)  # (r, block, c, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    q = (tiles / scale[:, None, :, None]).view(r * block, c * block)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale
