@@ -53,6 +53,7 @@ class _Unit:
     sources: list[str]
     converter: object = None  # a transformers WeightConverter, or None for a plain copy
     patterns: list = field(default_factory=list)  # the converter pattern each source matched
+    fp32_for: frozenset = frozenset()  # stage dtypes in which from_pretrained keeps this tensor fp32
 
 
 def model_key_mapper(meta_model: nn.Module):
@@ -150,6 +151,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     if skipped:
         log.info("skipped %d checkpoint tensors of MTP layers the HF model does not have", skipped)
     stats = LoadStats(skipped_mtp=skipped)
+    _mark_fp32(units, stages[0]._hf_model)
     _read_and_place(units, source, targets, device, dtype, stats)
     from hfpipe.stage import rebuild_rotary
 
@@ -201,6 +203,23 @@ def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block) -> torch.T
     return out[unit.target]
 
 
+def _mark_fp32(units: list[_Unit], hf_model: nn.Module) -> None:
+    """Mark the tensors transformers keeps in fp32 in a bf16/fp16 model (DeepSeek's router bias).
+
+    The rule is the model's own ``_keep_in_fp32_modules(_strict)`` as ``from_pretrained`` applies it.
+    """
+    from transformers.core_model_loading import build_glob_alternation
+
+    for half in (torch.bfloat16, torch.float16):
+        plan = hf_model._get_dtype_plan(half)
+        if not plan:
+            continue
+        pattern = build_glob_alternation(list(plan))[0]
+        for unit in units:
+            if pattern.search(unit.target):
+                unit.fp32_for = unit.fp32_for | {half}
+
+
 def _place(holders, tensor, device, dtype, unit: _Unit, source) -> None:
     """Swap the meta tensor held at every ``(module, attr)`` of ``holders`` for ``tensor``.
 
@@ -214,8 +233,9 @@ def _place(holders, tensor, device, dtype, unit: _Unit, source) -> None:
             f"{source.weight_map.get(unit.sources[0], '?')}: {unit.sources[0]!r} has shape "
             f"{tuple(tensor.shape)} but the model expects {tuple(old.shape)}; config.json does not match the weights"
         )
-    keep_fp32 = not is_param and old.dtype == torch.float32  # e.g. DeepSeek's score-correction bias
-    target_dtype = old.dtype if (dtype is None or keep_fp32 or not old.is_floating_point()) else dtype
+    target_dtype = old.dtype if (dtype is None or not old.is_floating_point()) else dtype
+    if target_dtype in unit.fp32_for:
+        target_dtype = torch.float32
     new = tensor.to(device=device, dtype=target_dtype)
     if is_param:
         new = nn.Parameter(new, requires_grad=old.requires_grad)

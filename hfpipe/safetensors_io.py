@@ -81,7 +81,8 @@ def read_tensors(path: str | Path, names: list[str], header: dict | None = None)
     start = header["__data_start__"]["offset"]
     for name in names:
         if name not in header:
-            raise SafetensorsError(f"{path}: tensor {name!r} is not in this file although the index says so")
+            raise SafetensorsError(f"{path}: tensor {name!r} is not in this file although the index says so; "
+                                   "the index and the shard disagree: re-download the checkpoint")
     out = {}
     with open(path, "rb", buffering=0) as f:
         for name in sorted(names, key=lambda k: header[k]["data_offsets"][0]):

@@ -8,7 +8,6 @@ in one process, plus ``hfpipe.json``.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from hfpipe.checkpoint import export as export_mod
 from hfpipe.checkpoint import ExportError, export_checkpoint, read_checkpoint_meta
-from hfpipe.tiny import make_tiny_checkpoint
+from hfpipe.tiny import make_fp8_checkpoint, make_tiny_checkpoint
 
 BLOCK = 128  # DeepSeek-V3's FP8 weight block
 
@@ -173,18 +172,6 @@ def test_dcp_load_fallback_reads_the_same_tensors(tiny, tmp_path, monkeypatch):
 # --- FP8 sources ------------------------------------------------------------------------------
 
 
-def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-FP8 as DeepSeek-V3 ships it: e4m3 weight, fp32 ``weight_scale_inv`` per 128x128 block."""
-    rows, cols = w.shape
-    r, c = math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
-    padded = torch.zeros(r * BLOCK, c * BLOCK)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(r, BLOCK, c, BLOCK)  # (r, 128, c, 128)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    q = (blocks / scale[:, None, :, None]).view(r * BLOCK, c * BLOCK)[:rows, :cols]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale
-
-
 def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     rows, cols = q.shape
     full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
@@ -193,29 +180,13 @@ def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def fp8_source(tmp_path):
-    """(FP8 source folder, dequantised fp32 folder) of a tiny DeepSeek-V3 with hidden 256."""
+    """(FP8 source folder, dequantised fp32 folder, FP8 tensors) of a tiny DeepSeek-V3 with hidden 256."""
     base = make_tiny_checkpoint(tmp_path / "base", "deepseek_v3", hidden_size=256)
-    src, deq = tmp_path / "fp8", tmp_path / "deq"
-    shutil.copytree(base, src, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    shutil.copytree(src, deq)
-    fp8, plain = {}, {}
-    for key, w in tensors(base).items():
-        if key.endswith("_proj.weight") and w.dim() == 2:
-            fp8[key], fp8[key + "_scale_inv"] = quantise(w)  # "..._proj.weight_scale_inv"
-            plain[key] = dequantise(fp8[key], fp8[key + "_scale_inv"])
-        else:
-            keep = torch.float32 if key.endswith("e_score_correction_bias") else torch.bfloat16
-            fp8[key] = w.to(keep)
-            plain[key] = fp8[key].float()
-    keys = sorted(fp8)
-    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
-    for name, part in halves.items():
-        save_file({k: fp8[k] for k in part}, src / name, metadata={"format": "pt"})
-    index = {"metadata": {}, "weight_map": {k: name for name, part in halves.items() for k in part}}
-    (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    cfg = json.loads((src / "config.json").read_text())
-    quant = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-    (src / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16", "quantization_config": quant}))
+    src = make_fp8_checkpoint(base, tmp_path / "fp8", block=BLOCK)  # bf16 but the fp32 router bias, as V3 ships
+    fp8 = tensors(src)
+    plain = {k: dequantise(w, fp8[k + "_scale_inv"]) if k + "_scale_inv" in fp8 else w.float()
+             for k, w in fp8.items() if not k.endswith("_scale_inv")}
+    deq = shutil.copytree(base, tmp_path / "deq", ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     save_file(plain, deq / "model.safetensors", metadata={"format": "pt"})
     return src, deq, fp8
 
