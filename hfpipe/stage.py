@@ -92,8 +92,9 @@ class PipelineStageModule(nn.Module):
         if self.model.layers:
             masks = self._masks(h, attention_mask, position_ids)
             rope = self.model.rotary_emb(h, position_ids)
-            for idx, layer in self.model.layers.items():
-                h = self._run_layer(layer, h, masks[_mask_kind(self.config, int(idx))], rope, position_ids)
+            for n, (idx, layer) in enumerate(self.model.layers.items()):
+                mask = masks[_mask_kind(self.config, int(idx))]
+                h = self._run_layer(n, layer, h, mask, rope, position_ids)
         if self.is_last:
             h = self.lm_head(self.model.norm(h))  # (B, T, V)
         return h
@@ -106,8 +107,14 @@ class PipelineStageModule(nn.Module):
                       past_key_values=None, position_ids=position_ids)
         return {kind: make[kind](**kwargs) for kind in self._mask_kinds}
 
-    def _run_layer(self, layer, h, mask, rope, position_ids):
-        if self.activation_checkpointing == "full" and self.training and torch.is_grad_enabled():
+    def _run_layer(self, n: int, layer, h, mask, rope, position_ids):
+        """Run one layer; recompute it in backward under activation checkpointing.
+
+        ``full`` checkpoints every layer, ``selective`` every other one (half the recompute,
+        half the saved activations), as torchtitan's layer-wise selective mode does.
+        """
+        ac = self.activation_checkpointing
+        if (ac == "full" or (ac == "selective" and n % 2 == 0)) and self.training and torch.is_grad_enabled():
             return checkpoint(self._call_layer, layer, h, mask, rope, position_ids, use_reentrant=False)
         return self._call_layer(layer, h, mask, rope, position_ids)
 

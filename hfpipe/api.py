@@ -1,0 +1,160 @@
+"""The Python API: pipeline parallelism for an existing transformers training script.
+
+Inside ``torchrun --nproc-per-node 4 train.py``::
+
+    from hfpipe import load_pipeline
+    pm = load_pipeline("meta-llama/Llama-3.2-1B", pp=4, schedule="1f1b", microbatches=8)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=2e-5)   # your own optimizer
+    trainer = pm.trainer(optimizer, max_grad_norm=1.0)
+    for batch in loader:                      # input_ids / attention_mask / labels from a collator
+        out = trainer.step(batch)             # out.loss, out.grad_norm: same on every rank
+    pm.save_pretrained("out/hf")              # an HF folder from_pretrained loads
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hfpipe.distributed import Dist, init_distributed
+from hfpipe.loader import load_rank_stages
+from hfpipe.pipeline import Pipeline, check_microbatches, schedule_style
+from hfpipe.plan import Plan, plan_pipeline
+from hfpipe.source import ModelSource
+from hfpipe.train.step import PipelineTrainer, tied_groups
+
+__all__ = ["PipelineModel", "load_pipeline", "DTYPES"]
+
+log = logging.getLogger(__name__)
+
+# --dtype: (dtype the parameters are stored in, dtype the compute runs in)
+DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16-mixed": (torch.float32, torch.bfloat16),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+}
+
+
+@dataclass
+class PipelineModel:
+    """This rank's part of a pipelined model.
+
+    Attributes:
+        source: The checkpoint it was loaded from.
+        plan: Every stage's layout.
+        dist: This rank's place in the (dp, pp) mesh.
+        modules: This rank's stage modules (parameter names are the full model's).
+        pipe: The schedule driver.
+        tied_group: Group summing the tied embedding's gradient halves, or ``None``.
+    """
+
+    source: ModelSource
+    plan: Plan
+    dist: Dist
+    modules: list
+    pipe: Pipeline
+    tied_group: object = None
+
+    @property
+    def loss_rank(self) -> int:
+        """The pipeline rank holding the last stage (rank 0 for V schedules)."""
+        return self.plan.rank_of_stage(len(self.plan.stages) - 1)
+
+    def parameters(self):
+        """This rank's trainable parameters, each shared tensor once (for your optimizer)."""
+        from hfpipe.train.optim import unique_parameters
+
+        return [p for _, p in unique_parameters(self.modules)]
+
+    def named_parameters(self):
+        from hfpipe.train.optim import unique_parameters
+
+        return unique_parameters(self.modules)
+
+    def trainer(self, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0) -> PipelineTrainer:
+        """A :class:`PipelineTrainer` whose ``step(batch)`` returns loss and grad norm on every rank."""
+        return PipelineTrainer(self.pipe, self.dist, optimizer, scheduler=scheduler,
+                               max_grad_norm=max_grad_norm, tied_group=self.tied_group,
+                               loss_rank=self.loss_rank)
+
+    def forward(self, batch: dict) -> torch.Tensor | None:
+        """Logits on the loss rank, ``None`` elsewhere (no gradients)."""
+        return self.pipe.forward(batch)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors under full-model names (a tied head is stored as the embedding)."""
+        out = {}
+        tied = bool(getattr(self.source.config, "tie_word_embeddings", False))
+        for module in self.modules:
+            for name, t in module.state_dict().items():
+                if tied and name == "lm_head.weight":
+                    name = "model.embed_tokens.weight"  # the same tensor on disk as in HF's save
+                out[name] = t
+        return out
+
+
+def _default_pp(dp: int) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return max(1, world // dp)
+
+
+def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | None = None,
+                  schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
+                  layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
+                  trust_remote_code: bool = False, dist: Dist | None = None) -> PipelineModel:
+    """Load this rank's stages of ``model`` (folder or hub id) ready to train.
+
+    Args:
+        model: Local HF folder or hub id.
+        pp: Pipeline ranks (default: WORLD_SIZE / dp).
+        dp: Data-parallel replicas (FSDP2 over the dp dimension).
+        vpp: Stages per rank (default 1, or 2 for multi-stage schedules).
+        schedule: A name from :data:`hfpipe.pipeline.SCHEDULES`.
+        microbatches: Microbatches per step (default: the number of stages).
+        method, layout: How to split the layers (see :func:`hfpipe.plan.plan_pipeline`).
+        dtype: ``fp32``, ``bf16-mixed`` (fp32 master weights, bf16 compute) or ``bf16``.
+        activation_checkpointing: ``none``, ``full`` (every layer) or ``selective`` (every other layer).
+        trust_remote_code: Allow configs that need remote code.
+        dist: An existing :class:`Dist` (default: join/create the process group).
+    """
+    pp = pp or _default_pp(dp)
+    vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
+    microbatches = microbatches or pp * vpp
+    check_microbatches(schedule, pp, vpp, microbatches)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+    source = ModelSource.open(model, trust_remote_code=trust_remote_code)
+    plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
+    dist = dist or init_distributed(pp, dp)
+    param_dtype, compute_dtype = DTYPES[dtype]
+    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype)
+    log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
+             stats.bytes_read / 1e6, len(stats.files_opened))
+    for m in modules:
+        m.activation_checkpointing = activation_checkpointing
+    if dp > 1 or compute_dtype != param_dtype:
+        _shard(modules, dist, compute_dtype)
+    tied = bool(getattr(source.config, "tie_word_embeddings", False))
+    group = tied_groups(plan, dist, tied)
+    pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device)
+    return PipelineModel(source, plan, dist, modules, pipe, group)
+
+
+def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:
+    """FSDP2 over the dp mesh dimension: each decoder layer, then the stage.
+
+    Also how bf16-mixed works: FSDP2 keeps fp32 sharded masters (and so fp32 optimizer state)
+    and casts to bf16 for compute, reducing gradients in fp32. No reshard after forward:
+    under pipelining a stage runs forward for several microbatches before their backward.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = dist.mesh["dp"]
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for m in modules:
+        for layer in m.model.layers.values():
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=False)

@@ -1,0 +1,66 @@
+"""AdamW with the usual no-decay groups, and the LR schedule (warmup then cosine/linear/constant)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["unique_parameters", "param_groups", "build_optimizer", "lr_lambda", "build_scheduler"]
+
+
+def unique_parameters(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters of ``modules`` by full-model name, each shared tensor once."""
+    seen, out = set(), []
+    for module in modules:
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+    return out
+
+
+def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms and biases (1-D tensors) get no weight decay."""
+    decay = [p for _, p in named if p.ndim >= 2]
+    no_decay = [p for _, p in named if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(modules, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),
+                    eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over ``modules``' parameters; fused on CUDA, foreach elsewhere."""
+    named = unique_parameters(modules)
+    on_cuda = all(p.is_cuda for _, p in named)
+    kwargs = {"fused": True} if on_cuda else {"foreach": True}
+    return torch.optim.AdamW(param_groups(named, weight_decay), lr=lr, betas=tuple(betas), eps=eps, **kwargs)
+
+
+def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        shape = 1.0 - progress
+    elif schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"--lr-schedule {schedule!r} is unknown; choose cosine, linear or constant")
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def build_scheduler(optimizer, *, warmup_steps: int, total_steps: int, schedule: str = "cosine",
+                    lr: float, min_lr: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following :func:`lr_lambda` (its state dict checkpoints the step)."""
+    from functools import partial
+
+    fn = partial(lr_lambda, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule,
+                 min_ratio=(min_lr / lr) if lr else 0.0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
