@@ -1,0 +1,202 @@
+"""Training checkpoints with torch DCP: saved by every rank, resumable at any pipeline size.
+
+A checkpoint folder ``OUT/checkpoints/step-00000010/`` holds DCP files whose keys are
+``model.<full-model name>``, ``optim.<flattened optimizer state>`` and ``rng.rank<r>``, plus
+``hfpipe.json`` (step, data position, LR-scheduler state, run config, source). Because names are
+the full model's, DCP reshards on load: a checkpoint written at pp=4 loads at pp=2, with another
+schedule or another dp. The optimizer state is *flattened* (one entry per parameter): with the
+nested form, ranks owning different parameters overwrite each other's param groups and lose
+lr/betas on load.
+
+Saves are atomic: every rank writes into ``.tmp-step-...``; after a barrier rank 0 adds
+``hfpipe.json`` and renames the folder. A crash mid-save leaves the previous checkpoint the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+__all__ = ["CheckpointError", "rank_view", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "resolve_resume"]
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or does not fit the model (one line, names what)."""
+
+
+def rank_view(modules, tied: bool) -> nn.Module:
+    """One module whose parameter names are this rank's full-model names.
+
+    DCP's state-dict helpers take a single module. A tied head kept apart from the embedding is
+    registered *as* ``model.embed_tokens``: on disk the tied weight has one name, whichever
+    rank holds it, so a checkpoint reshards between layouts that share or split it.
+    """
+    view = nn.Module()
+    view.model = nn.Module()
+    view.model.layers = nn.ModuleDict()
+    for m in modules:
+        if m.model.embed_tokens is not None:
+            view.model.embed_tokens = m.model.embed_tokens
+        view.model.layers.update(m.model.layers)
+        if m.model.norm is not None:
+            view.model.norm = m.model.norm
+    for m in modules:
+        if m.lm_head is not None:
+            if not tied:
+                view.lm_head = m.lm_head
+            elif getattr(view.model, "embed_tokens", None) is None:
+                view.model.embed_tokens = m.lm_head
+    return view
+
+
+def _states(view: nn.Module, optimizer) -> dict:
+    state = {"model": get_model_state_dict(view)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(view, optimizer, options=_OPTS)
+    return state
+
+
+def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, meta: dict,
+                    *, keep: int | None = None, process_group=None) -> Path:
+    """Write ``root/step-<step>`` atomically from every rank; return its path.
+
+    Args:
+        root: The checkpoints folder (shared by all ranks).
+        step: Optimizer steps done.
+        view: :func:`rank_view` of this rank's stages.
+        optimizer: The optimizer (its state is saved flattened), or ``None``.
+        meta: JSON-able run state written as ``hfpipe.json`` (step is added).
+        keep: Keep only the newest ``keep`` checkpoints (``None``: all).
+    """
+    root = Path(root)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _states(view, optimizer)
+    state["rng"] = {f"rank{rank}": torch.get_rng_state()}
+    dcp.save(state, checkpoint_id=tmp, process_group=process_group)
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        (tmp / "hfpipe.json").write_text(json.dumps({**meta, "step": step}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep: int | None) -> None:
+    if not keep:
+        return
+    for old in sorted(_complete(root))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _complete(root: Path) -> list[Path]:
+    """Finished checkpoints under ``root`` (temporary and half-written ones excluded)."""
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir()
+            if _STEP_DIR.match(p.name) and (p / ".metadata").is_file() and (p / "hfpipe.json").is_file()]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under ``root``, or ``None``."""
+    done = sorted(_complete(Path(root)))
+    return done[-1] if done else None
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
+    """``--resume``: ``auto``/``latest`` (newest in the output folder, if any) or a path.
+
+    Raises:
+        CheckpointError: an explicit path that is not a complete checkpoint.
+    """
+    if not resume:
+        return None
+    if resume in ("auto", "latest"):
+        return latest_checkpoint(Path(output_dir) / "checkpoints")
+    path = Path(resume)
+    if path.is_dir() and not _STEP_DIR.match(path.name):
+        latest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+        if latest is not None:
+            return latest
+    check_complete(path)
+    return path
+
+
+def check_complete(path: Path) -> None:
+    """Raise :class:`CheckpointError` naming what a checkpoint folder lacks."""
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {path}: no such checkpoint folder")
+    for name in (".metadata", "hfpipe.json"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} missing; "
+                                  "resume from an earlier checkpoint")
+
+
+def read_meta(path: str | Path) -> dict:
+    """The ``hfpipe.json`` of a complete checkpoint."""
+    path = Path(path)
+    check_complete(path)
+    try:
+        return json.loads((path / "hfpipe.json").read_text())
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{path / 'hfpipe.json'} is corrupt; resume from an earlier checkpoint") from None
+
+
+def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
+    """Load model, optimizer and RNG state into this rank's ``view``; return ``hfpipe.json``.
+
+    Raises:
+        CheckpointError: incomplete folder, or tensors missing for this rank's parameters.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    state = _states(view, optimizer)
+    rank_key = f"rank{dist.get_rank()}"
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if f"rng.{rank_key}" in saved:  # same world size: restore this rank's RNG exactly
+        state["rng"] = {rank_key: torch.get_rng_state()}
+    missing = [f"model.{k}" for k in state["model"] if f"model.{k}" not in saved]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {missing[0]} ({len(missing)} tensors missing); "
+                              "it was written for another model")
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # DCP raises a wrapper naming the rank; keep the first line
+        raise CheckpointError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0][:200]}); "
+                              "it may be incomplete: resume from an earlier checkpoint") from None
+    set_model_state_dict(view, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(view, optimizer, state["optim"], options=_OPTS)
+    if "rng" in state:
+        torch.set_rng_state(state["rng"][rank_key])
+    return meta

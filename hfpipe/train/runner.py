@@ -1,0 +1,250 @@
+"""``hfpipe finetune``: check the run up front, start the processes, train, checkpoint, export.
+
+The data path of one run: FinetuneConfig -> preflight (config, plan, schedule, data: every user
+error before any process or folder exists) -> pp*dp workers (launched here, or torchrun/srun's) ->
+load_pipeline -> data shards -> PipelineTrainer steps -> DCP checkpoints -> optional HF export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hfpipe.config import FinetuneConfig
+
+__all__ = ["finetune", "preflight", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+
+def preflight(cfg: FinetuneConfig) -> None:
+    """Raise the user's errors before anything starts or is written.
+
+    Checks the model config and architecture, the plan, the schedule's microbatch needs, the
+    sequence length, the dataset's fields, and that there is at least one step to run.
+    """
+    from hfpipe.data import DataConfig, check_seq_len, load_examples, batches_per_epoch
+    from hfpipe.models import get_adapter
+    from hfpipe.pipeline import check_microbatches, schedule_style
+    from hfpipe.plan import plan_pipeline
+    from hfpipe.source import ModelSource
+    from hfpipe.checkpoint.dcp import CheckpointError, resolve_resume
+
+    source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    get_adapter(source.config)
+    check_microbatches(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches, cfg.batch_size)
+    plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),
+                  method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
+    check_seq_len(cfg.seq_len, source.config)
+    examples = load_examples(_data_config(cfg), _tokenizer(source.folder, cfg))
+    if batches_per_epoch(examples, cfg.batch_size, cfg.dp) < cfg.grad_accum:
+        from hfpipe.data import DataError
+
+        raise DataError(f"--dataset {cfg.dataset} has {len(examples)} sequences of --seq-len {cfg.seq_len}: "
+                        "fewer than one optimizer step; lower --batch-size/--grad-accum or add data")
+    ckpts = Path(cfg.output_dir) / "checkpoints"
+    if not cfg.resume and any(ckpts.glob("step-*")):
+        raise CheckpointError(f"--output-dir {cfg.output_dir} already holds checkpoints; "
+                              "pass --resume auto to continue, or choose another --output-dir")
+    resolve_resume(cfg.resume, cfg.output_dir)
+    _check_writable(Path(cfg.output_dir))
+
+
+def _check_writable(out: Path) -> None:
+    from hfpipe.checkpoint.dcp import CheckpointError
+
+    parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise CheckpointError(f"--output-dir {out}: {parent} is not writable; choose another folder")
+
+
+def _data_config(cfg: FinetuneConfig):
+    from hfpipe.data import DataConfig
+
+    return DataConfig(dataset=cfg.dataset, dataset_config=cfg.dataset_config, split=cfg.split,
+                      format=cfg.format, seq_len=cfg.seq_len, packing=cfg.packing, seed=cfg.seed)
+
+
+def _tokenizer(folder: Path, cfg: FinetuneConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+
+
+def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
+             rdzv_endpoint: str | None = None) -> dict:
+    """Run a fine-tuning job; return the summary of the rank that reports the loss.
+
+    Under torchrun/srun (RANK and WORLD_SIZE, or SLURM_PROCID set) this process is one worker;
+    otherwise ``pp * dp`` local workers are started through torch's elastic launcher.
+    """
+    from hfpipe.distributed import in_launched_env
+    from hfpipe.launch import launch
+
+    preflight(cfg)
+    if in_launched_env():
+        return run_worker(cfg.to_dict())
+    nprocs = cfg.pp * cfg.dp // nnodes
+    results = launch(run_worker, nprocs, cfg.to_dict(), nnodes=nnodes, node_rank=node_rank,
+                     rdzv_endpoint=rdzv_endpoint, threads_per_rank=cfg.threads_per_rank)
+    return next((r for r in results.values() if r), {})
+
+
+@dataclass
+class _Position:
+    """Where the data stream stands: exact resume needs all three."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+
+def run_worker(cfg_dict: dict) -> dict:
+    """One rank of a run (module level so the launcher can start it)."""
+    from hfpipe.api import load_pipeline
+    from hfpipe.distributed import init_distributed
+    from hfpipe.train.optim import build_optimizer, build_scheduler
+
+    cfg = FinetuneConfig.from_dict(cfg_dict)
+    torch.manual_seed(cfg.seed)
+    dist_info = init_distributed(cfg.pp, cfg.dp)
+    _setup_logging(dist_info.rank)
+    pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, vpp=cfg.vpp, schedule=cfg.schedule,
+                       microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
+                       dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
+                       trust_remote_code=cfg.trust_remote_code, dist=dist_info)
+    examples = _load_data(cfg, pm, dist_info)
+    total = _total_steps(cfg, examples)
+    optimizer = build_optimizer(pm.modules, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps)
+    scheduler = build_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=total,
+                                schedule=cfg.lr_schedule, lr=cfg.lr, min_lr=cfg.min_lr)
+    run = _Run(cfg, pm, optimizer, scheduler, examples, total)
+    run.maybe_resume()
+    summary = run.train()
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _setup_logging(rank: int) -> None:
+    level = os.environ.get("HFPIPE_LOG_LEVEL", "INFO" if rank == 0 else "WARNING")
+    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+
+
+def _load_data(cfg, pm, dist_info):
+    """Tokenise on rank 0 first (datasets caches it), then let the others read the cache."""
+    from hfpipe.data import load_examples
+
+    tok = _tokenizer(pm.source.folder, cfg)
+    if dist_info.rank == 0:
+        examples = load_examples(_data_config(cfg), tok)
+    dist.barrier()
+    if dist_info.rank != 0:
+        examples = load_examples(_data_config(cfg), tok)
+    return examples
+
+
+def _total_steps(cfg, examples) -> int:
+    from hfpipe.data import batches_per_epoch
+
+    per_epoch = batches_per_epoch(examples, cfg.batch_size, cfg.dp) // cfg.grad_accum
+    return cfg.max_steps or cfg.epochs * per_epoch
+
+
+class _Run:
+    """The training loop of one rank: steps, metrics, checkpoints."""
+
+    def __init__(self, cfg, pm, optimizer, scheduler, examples, total: int) -> None:
+        from hfpipe.checkpoint.dcp import rank_view
+
+        self.cfg, self.pm, self.optimizer, self.scheduler = cfg, pm, optimizer, scheduler
+        self.examples, self.total = examples, total
+        self.trainer = pm.trainer(optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm)
+        self.view = rank_view(pm.modules, bool(getattr(pm.source.config, "tie_word_embeddings", False)))
+        self.pos = _Position()
+        self.out = Path(cfg.output_dir)
+        self.reporter = pm.dist.pp_rank == pm.loss_rank and pm.dist.dp_rank == 0
+        self.history: list[dict] = []
+
+    def maybe_resume(self) -> None:
+        from hfpipe.checkpoint.dcp import load_checkpoint, resolve_resume
+
+        path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
+        if path is None:
+            return
+        meta = load_checkpoint(path, self.view, self.optimizer)
+        self.scheduler.load_state_dict(meta["train"]["scheduler"])
+        self.pos = _Position(**meta["train"]["position"])
+        log.info("resumed from %s at step %d", path, self.pos.step)
+
+    def _batches(self):
+        """Yield this dp rank's batches forever, from the saved position, epoch after epoch."""
+        from hfpipe.data import batches_per_epoch, iterate_batches
+
+        d = self.pm.dist
+        while True:
+            it = iterate_batches(self.examples, batch_size=self.cfg.batch_size, seed=self.cfg.seed,
+                                 epoch=self.pos.epoch, dp_rank=d.dp_rank, dp_size=d.dp,
+                                 start=self.pos.batch_in_epoch)
+            for batch in it:
+                self.pos.batch_in_epoch += 1
+                yield batch
+            if self.pos.batch_in_epoch < batches_per_epoch(self.examples, self.cfg.batch_size, d.dp):
+                raise RuntimeError("data iterator stopped early")
+            self.pos.epoch += 1
+            self.pos.batch_in_epoch = 0
+
+    def train(self) -> dict:
+        from hfpipe.train.progress import Reporter
+
+        stream = self._batches()
+        report = Reporter(self.out, self.total, enabled=self.reporter, start=self.pos.step)
+        while self.pos.step < self.total:
+            batches = [next(stream) for _ in range(self.cfg.grad_accum)]
+            result = self.trainer.step(batches)
+            self.pos.step += 1
+            row = report.log(self.pos.step, result)
+            self.history.append(row)
+            if self.cfg.save_every and self.pos.step % self.cfg.save_every == 0:
+                self.save()
+        report.close()
+        if not self.cfg.save_every or self.pos.step % self.cfg.save_every:
+            self.save()
+        final = self.out / "checkpoints" / f"step-{self.pos.step:08d}"
+        if self.cfg.save_hf_at_end:
+            self._export(final)
+        return {"history": self.history, "checkpoint": str(final)} if self.reporter else {}
+
+    def save(self) -> None:
+        from hfpipe.checkpoint.dcp import save_checkpoint
+
+        meta = {
+            "format": 1,
+            "source": str(self.pm.source.folder),
+            "source_dtype": _source_dtype(self.pm.source.config),
+            "tied": bool(getattr(self.pm.source.config, "tie_word_embeddings", False)),
+            "config": self.cfg.to_dict(),
+            "world": {"pp": self.pm.dist.pp, "dp": self.pm.dist.dp},
+            "train": {"position": vars(self.pos).copy(), "scheduler": self.scheduler.state_dict()},
+        }
+        save_checkpoint(self.out / "checkpoints", self.pos.step, self.view, self.optimizer, meta,
+                        keep=self.cfg.keep)
+
+    def _export(self, ckpt: Path) -> None:
+        from hfpipe.checkpoint.export import export_checkpoint
+
+        if self.pm.dist.rank == 0:
+            export_checkpoint(ckpt, self.out / "hf", force=True, progress=False)
+        dist.barrier()
+
+
+def _source_dtype(config) -> str:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return str(dtype).replace("torch.", "")
