@@ -77,20 +77,27 @@ def reference_run(path, dp: int = 1) -> dict:
     return {"loss": losses, "norm": norms, "weights": weights, "moved": moved}
 
 
-def pipeline_worker(path: str, pp: int, dp: int, schedules: tuple[str, ...]) -> dict:
-    """Train ``STEPS`` steps with each schedule; return losses, norms and this rank's weights."""
+def pipeline_worker(path: str, pp: int, dp: int, schedules: tuple[str, ...], accum: int = 1,
+                    options: dict | None = None) -> dict:
+    """Train ``STEPS`` steps with each schedule; return losses, norms and this rank's weights.
+
+    With ``accum`` > 1 each batch is fed as that many accumulation batches of one step.
+    """
     from hfpipe.api import load_pipeline
     from hfpipe.distributed import init_distributed
 
     dist = init_distributed(pp, dp)
     results = {}
     for schedule in schedules:
-        pm = load_pipeline(path, pp=pp, dp=dp, schedule=schedule, microbatches=MICRO, dist=dist)
+        pm = load_pipeline(path, pp=pp, dp=dp, schedule=schedule, microbatches=MICRO // accum, dist=dist,
+                           **(options or {}))
         opt, sched = _optimizer(pm.named_parameters())
         trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
         losses, norms = [], []
         for shards in make_batches(pm.source.config.vocab_size, dp=dp):
-            out = trainer.step(shards[dist.dp_rank])
+            mine = shards[dist.dp_rank]
+            part = BATCH // accum
+            out = trainer.step([{k: v[i * part:(i + 1) * part] for k, v in mine.items()} for i in range(accum)])
             losses.append(out.loss)
             norms.append(out.grad_norm)
         weights = {k: _full(v) for k, v in pm.model_state_dict().items()}
@@ -120,11 +127,12 @@ def check_equal(ref: dict, ranks: dict, schedules) -> None:
         assert seen == expected, f"{schedule}: weights not covered: {expected ^ seen}"
 
 
-def _run(kind: str, pp: int, schedules, dp: int = 1) -> None:
+def _run(kind: str, pp: int, schedules, dp: int = 1, accum: int = 1, options: dict | None = None) -> None:
     path = str(tiny_checkpoint(kind, num_hidden_layers=LAYERS))
     ref = reference_run(path, dp=dp)
     assert ref["moved"] > 100 * TOL  # the weights really move: agreement is not trivial
-    check_equal(ref, run_ranks(pipeline_worker, pp * dp, path, pp, dp, tuple(schedules)), schedules)
+    results = run_ranks(pipeline_worker, pp * dp, path, pp, dp, tuple(schedules), accum, options)
+    check_equal(ref, results, schedules)
 
 
 @pytest.mark.parametrize(
@@ -141,6 +149,12 @@ def test_training_matches_transformers(kind, pp, schedules):
 
 def test_dp2_x_pp2_matches_transformers():
     _run("llama_tied", 2, ("1f1b",), dp=2)
+
+
+def test_gradient_accumulation_and_activation_checkpointing_change_nothing():
+    """Two accumulation batches of 4 rows equal one batch of 8; recomputation equals storing."""
+    _run("llama", 2, ("1f1b", "interleaved-1f1b"), accum=2, options={"activation_checkpointing": "full"})
+    _run("deepseek_v3", 2, ("zbv",), options={"activation_checkpointing": "selective"})
 
 
 @pytest.mark.slow
