@@ -379,7 +379,7 @@ def test_pickle_only_folder_is_refused(llama):
 def test_config_needing_remote_code_asks_for_trust_remote_code(llama):
     auto_map = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     edit_json(llama / "config.json", lambda cfg: cfg.update(model_type="x_lm", auto_map=auto_map))
-    with pytest.raises(SourceError, match=r"config\.json: model type 'x_lm' needs remote code; pass --trust-remote-code"):
+    with pytest.raises(SourceError, match=r"config\.json: model type 'x_lm' needs remote code; pass --trust-remote"):
         ModelSource.open(llama)
 
 
