@@ -1,3 +1,18 @@
-"""hfpipe: pipeline-parallel fine-tuning of Hugging Face decoder models."""
+"""hfpipe: pipeline-parallel fine-tuning of Hugging Face decoder models, exactly equal to transformers."""
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "load_pipeline", "plan_pipeline", "PipelineModel"]
+
+
+def __getattr__(name):
+    # Lazy: `import hfpipe` (and the CLI's --help) stays fast; torch loads on first use.
+    if name in ("load_pipeline", "PipelineModel"):
+        from hfpipe import api
+
+        return getattr(api, name)
+    if name == "plan_pipeline":
+        from hfpipe.plan import plan_pipeline
+
+        return plan_pipeline
+    raise AttributeError(f"module 'hfpipe' has no attribute {name!r}")

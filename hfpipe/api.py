@@ -21,6 +21,7 @@ import torch
 
 from hfpipe.distributed import Dist, init_distributed
 from hfpipe.loader import load_rank_stages
+from hfpipe.models import get_adapter
 from hfpipe.pipeline import Pipeline, check_microbatches, schedule_style
 from hfpipe.plan import Plan, plan_pipeline
 from hfpipe.source import ModelSource
@@ -84,6 +85,51 @@ class PipelineModel:
         """Logits on the loss rank, ``None`` elsewhere (no gradients)."""
         return self.pipe.forward(batch)
 
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self.source.config, "tie_word_embeddings", False))
+
+    def save_checkpoint(self, root: str, step: int, optimizer=None, *, keep: int | None = None,
+                        extra: dict | None = None):
+        """Save a DCP checkpoint ``root/step-<step>`` (every rank calls this); return its path.
+
+        The checkpoint resumes at any pipeline size and exports with ``hfpipe export``.
+        """
+        from pathlib import Path
+
+        from hfpipe.checkpoint.dcp import rank_view, save_checkpoint
+
+        meta = {"format": 1, "source": str(self.source.folder), "tied": self.tied,
+                "source_dtype": str(getattr(self.source.config, "dtype", None) or "float32").replace("torch.", ""),
+                "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp},
+                "train": {}, **(extra or {})}
+        return save_checkpoint(Path(root), step, rank_view(self.modules, self.tied), optimizer, meta, keep=keep)
+
+    def save_pretrained(self, out: str, *, dtype: str = "auto", max_shard_size: str = "5GB",
+                        force: bool = False):
+        """Write an HF folder ``from_pretrained`` loads (every rank calls this; rank 0 writes)."""
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        import torch.distributed as dist
+
+        from hfpipe.checkpoint.export import export_checkpoint
+
+        tmp = [tempfile.mkdtemp(prefix=".hfpipe-save-", dir=Path(out).absolute().parent)
+               if self.dist.rank == 0 else None]
+        dist.broadcast_object_list(tmp, src=0)
+        try:
+            ckpt = self.save_checkpoint(tmp[0], 0)
+            if self.dist.rank == 0:
+                export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
+                                  progress=False)
+            dist.barrier()
+        finally:
+            if self.dist.rank == 0:
+                shutil.rmtree(tmp[0], ignore_errors=True)
+        return Path(out)
+
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors under full-model names (a tied head is stored as the embedding)."""
         out = {}
@@ -127,6 +173,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
+    get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
     dist = dist or init_distributed(pp, dp)
     param_dtype, compute_dtype = DTYPES[dtype]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hfpipe.models import get_adapter
-from hfpipe.safetensors_io import read_tensors
+from hfpipe.safetensors_io import SafetensorsError, read_tensors
 from hfpipe.source import ModelSource, SourceError
 
 __all__ = ["LoadError", "LoadStats", "load_stage_weights", "model_key_mapper"]
@@ -173,7 +173,10 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats) -> 
     block = _fp8_block(source.config)
     for fname in sorted(needed_by_file):
         keys = sorted(set(needed_by_file[fname]))
-        tensors = read_tensors(source.path(fname), keys, source.header(fname))
+        try:
+            tensors = read_tensors(source.path(fname), keys, source.header(fname))
+        except SafetensorsError as e:
+            raise LoadError(str(e)) from None
         stats.files_opened.append(fname)
         stats.keys_read.extend(keys)
         stats.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())

@@ -10,6 +10,7 @@ Three things make a pipelined step differ from the plain one unless handled here
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +88,7 @@ class PipelineTrainer:
             batches: One batch, or ``grad_accum`` batches for one optimizer step. Every rank of a
                 pipeline passes the same batches; dp ranks pass their own shards.
         """
-        batches = [batches] if isinstance(batches, dict) else list(batches)
+        batches = [batches] if isinstance(batches, Mapping) else list(batches)
         tokens = self._global_tokens(batches)
         # FSDP averages gradients over dp (gloo has no pre-scaled sum), so each rank's loss is
         # scaled up by dp to leave the sum over all tokens / global token count.
@@ -109,7 +110,7 @@ class PipelineTrainer:
     @torch.no_grad()
     def eval_loss(self, batches: list[dict] | dict) -> float:
         """Token-mean loss over ``batches`` without gradients (same value on every rank)."""
-        batches = [batches] if isinstance(batches, dict) else list(batches)
+        batches = [batches] if isinstance(batches, Mapping) else list(batches)
         tokens = self._global_tokens(batches)
         loss = torch.zeros((), dtype=torch.float64)
         for batch in batches:
