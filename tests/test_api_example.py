@@ -22,7 +22,7 @@ def test_readme_shows_the_example_verbatim():
 
 def test_api_example_trains_saves_and_exports(tmp_path):
     model = tiny_checkpoint("llama_tied", num_hidden_layers=4)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLE), str(model), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
