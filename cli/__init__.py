@@ -1,0 +1,1 @@
+"""The hfpipe command line (installed as ``hfpipe.cli``; the ``hfpipe`` console script)."""

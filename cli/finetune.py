@@ -1,0 +1,112 @@
+"""``hfpipe finetune``: every FinetuneConfig field as a flag, over an optional recipe file.
+
+Flags default to None, meaning "not given": only the flags on the command line override the
+recipe, and FinetuneConfig's own defaults fill the rest. Each flag's help is its field's docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from hfpipe.config import FinetuneConfig, field_help
+
+__all__ = ["FIELD_HELP", "build_config", "finetune"]
+
+#: Each FinetuneConfig field's docstring, as flag help (reST quotes dropped).
+FIELD_HELP = {name: text.replace("``", "") for name, text in field_help().items()}
+_FIELDS = {f.name for f in dataclasses.fields(FinetuneConfig)}
+
+
+def _opt(field: str, flag: str | None = None):
+    """A flag whose help is the FinetuneConfig field's docstring."""
+    names = (flag,) if flag else ()
+    return typer.Option(*names, help=FIELD_HELP[field], show_default=False)
+
+
+def finetune(
+    model: Annotated[Optional[str], typer.Argument(
+        help="Hub id or local folder with config.json and safetensors; optional when the "
+             "recipe sets `model:`.", show_default=False)] = None,
+    recipe: Annotated[Optional[Path], typer.Option(
+        help="Recipe YAML of FinetuneConfig keys (see recipes/); flags given here override it.",
+        show_default=False)] = None,
+    pp: Annotated[Optional[int], _opt("pp")] = None,
+    dp: Annotated[Optional[int], _opt("dp")] = None,
+    vpp: Annotated[Optional[int], _opt("vpp")] = None,
+    schedule: Annotated[Optional[str], _opt("schedule")] = None,
+    layout: Annotated[Optional[str], _opt("layout")] = None,
+    plan_method: Annotated[Optional[str], _opt("plan_method")] = None,
+    microbatches: Annotated[Optional[int], _opt("microbatches")] = None,
+    dataset: Annotated[Optional[str], _opt("dataset")] = None,
+    dataset_config: Annotated[Optional[str], _opt("dataset_config")] = None,
+    split: Annotated[Optional[str], _opt("split")] = None,
+    format: Annotated[Optional[str], _opt("format")] = None,  # noqa: A002 - the field's name
+    seq_len: Annotated[Optional[int], _opt("seq_len")] = None,
+    packing: Annotated[Optional[bool], _opt("packing", "--packing/--no-packing")] = None,
+    batch_size: Annotated[Optional[int], _opt("batch_size")] = None,
+    grad_accum: Annotated[Optional[int], _opt("grad_accum")] = None,
+    lr: Annotated[Optional[float], _opt("lr")] = None,
+    min_lr: Annotated[Optional[float], _opt("min_lr")] = None,
+    weight_decay: Annotated[Optional[float], _opt("weight_decay")] = None,
+    betas: Annotated[Optional[tuple[float, float]], _opt("betas")] = None,
+    eps: Annotated[Optional[float], _opt("eps")] = None,
+    warmup_steps: Annotated[Optional[int], _opt("warmup_steps")] = None,
+    lr_schedule: Annotated[Optional[str], _opt("lr_schedule")] = None,
+    max_grad_norm: Annotated[Optional[float], _opt("max_grad_norm")] = None,
+    max_steps: Annotated[Optional[int], _opt("max_steps")] = None,
+    epochs: Annotated[Optional[int], _opt("epochs")] = None,
+    dtype: Annotated[Optional[str], _opt("dtype")] = None,
+    activation_checkpointing: Annotated[Optional[str], _opt("activation_checkpointing")] = None,
+    seed: Annotated[Optional[int], _opt("seed")] = None,
+    output_dir: Annotated[Optional[str], _opt("output_dir")] = None,
+    save_every: Annotated[Optional[int], _opt("save_every")] = None,
+    keep: Annotated[Optional[int], _opt("keep")] = None,
+    async_save: Annotated[Optional[bool], _opt("async_save", "--async-save/--no-async-save")] = None,
+    resume: Annotated[Optional[str], _opt("resume")] = None,
+    save_hf_at_end: Annotated[Optional[bool], _opt(
+        "save_hf_at_end", "--save-hf-at-end/--no-save-hf-at-end")] = None,
+    trust_remote_code: Annotated[Optional[bool], _opt(
+        "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
+    threads_per_rank: Annotated[Optional[int], _opt("threads_per_rank")] = None,
+    log_every: Annotated[Optional[int], _opt("log_every")] = None,
+    nnodes: Annotated[int, typer.Option(help="Nodes in the job; run the same command on each.")] = 1,
+    node_rank: Annotated[int, typer.Option(help="This node's index, 0 .. nnodes-1.")] = 0,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(
+        help="host:port every node can reach, for nnodes > 1.", show_default=False)] = None,
+) -> None:
+    """Fine-tune a model with pipeline (and data) parallelism: starts pp * dp local processes,
+    or joins the ones torchrun / srun started."""
+    given = {k: v for k, v in locals().items() if k in _FIELDS and v is not None}
+    config = build_config(recipe, given)
+    from hfpipe.train.runner import finetune as run
+
+    result = run(config, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    typer.echo(_summary(result))
+
+
+def _summary(result: dict) -> str:
+    """One line from the runner's summary: the last logged step and the final checkpoint."""
+    last = (result.get("history") or [{}])[-1]
+    parts = [f"step {last['step']}"] if "step" in last else []
+    parts += [f"loss {last['loss']:.4f}"] if isinstance(last.get("loss"), float) else []
+    parts += [f"checkpoint {result['checkpoint']}"] if result.get("checkpoint") else []
+    return "finished: " + (", ".join(parts) or "no summary from this node")
+
+
+def build_config(recipe: Path | None, given: dict) -> FinetuneConfig:
+    """The run's config: the recipe (if any) with the given flags on top.
+
+    Raises:
+        ConfigError: an unknown key, a bad value, or no model anywhere.
+        typer.BadParameter: neither MODEL nor --recipe was given.
+    """
+    if recipe is not None:
+        return FinetuneConfig.from_yaml(recipe, **given)
+    if "model" not in given:
+        raise typer.BadParameter("give a model folder or hub id, or --recipe FILE with a `model:` key",
+                                 param_hint="MODEL")
+    return FinetuneConfig.from_dict(given, source="command line")

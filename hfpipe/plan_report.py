@@ -1,0 +1,402 @@
+"""What a pipeline plan costs each rank: parameters, memory and idle time, from config.json alone.
+
+``hfpipe plan`` prints this before any GPU is rented. The model is built on the meta device (no
+weights), split by :func:`hfpipe.plan.plan_pipeline`, and each stage is priced as follows.
+
+Weights, gradients and AdamW state, bytes per parameter by ``dtype``:
+
+============  =======  =====  =========  ===================================================
+dtype         weights  grads  optimizer  why
+============  =======  =====  =========  ===================================================
+fp32          4        4      8          fp32 everything; AdamW keeps exp_avg and exp_avg_sq
+bf16-mixed    4 + 2    4      8          fp32 masters, plus the bf16 copy autocast casts for
+                                         the matmuls (counted once); fp32 grads and AdamW
+bf16          2        2      4          everything bf16; AdamW state in the parameter dtype
+============  =======  =====  =========  ===================================================
+
+Activations, bytes per token per decoder layer, from Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", eq. 1: ``s*b*h*(34 + 5*a*s/h)`` for 16-bit
+activations): ``34 * h``. Their ``5*a*s`` term is the stored attention scores; transformers' default
+SDPA attention runs fused kernels (flash / memory-efficient) that keep none, which is also what the
+paper's selective recomputation reaches, so ``selective`` costs the same here. With ``full``
+activation checkpointing a layer keeps only its input (``2 * h``), plus one layer's ``34 * h``
+recomputed for one microbatch at a time. fp32 activations double every figure. The stage with the
+head also keeps, per token, the logits in the compute dtype and cross-entropy's fp32
+log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32). An MTP layer costs a layer plus
+its own logits.
+
+Microbatches in flight come from torch's own schedule (the action list each rank runs, as
+``torch.distributed.pipelining`` builds it): a forward adds a microbatch to its stage, a full
+backward frees it, and a split backward (zero-bubble) frees it only at the weight-gradient step,
+since the weight gradient needs the layer inputs. This gives 1F1B ``min(p - rank, m)`` in flight,
+GPipe all ``m``; a rank's activation peak is the largest sum over its stages at any point of its
+action list. Bubble fractions are :func:`hfpipe.plan.bubble_fraction`'s analytic ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BYTES_PER_PARAM", "PlanReport", "RankReport", "StageReport", "format_report",
+           "load_model_config", "plan_report", "schedule_actions", "timeline"]
+
+#: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
+_ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}  # bytes per activation element
+_AC_MODES = ("none", "selective", "full")
+_MULTI_STAGE = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """One stage: what it holds and what it costs (bytes are for this stage alone)."""
+
+    index: int
+    rank: int
+    holds: str  # e.g. "embed, layers 0-7" or "layers 24-31, norm, head"
+    params: int
+    cost_share: float  # this stage's compute over the mean stage's
+    in_flight: int  # most microbatches whose activations this stage keeps at once
+    activation_bytes_per_microbatch: int
+    activation_bytes: int  # in_flight x per microbatch (+ the recompute buffer with full AC)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One pipeline rank: the sum of its stages (a tied embedding/head it holds twice counts once)."""
+
+    rank: int
+    stages: tuple[int, ...]
+    params: int
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # the peak over the rank's schedule, not the sum of stage peaks
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """A plan priced per stage and per rank, with its balance and bubble."""
+
+    model: str
+    total_params: int  # of the transformers model (MTP layers it lacks not included)
+    num_layers: int
+    plan: object  # hfpipe.plan.Plan
+    schedule: str
+    microbatches: int
+    microbatch_size: int  # sequences per microbatch
+    seq_len: int
+    dtype: str
+    activation_checkpointing: str
+    stages: tuple[StageReport, ...]
+    ranks: tuple[RankReport, ...]
+    balance: float  # max / mean stage cost
+    bubble: float  # idle share of a step (analytic)
+    actions: tuple  # per rank, the (kind, stage, microbatch) steps of the schedule
+
+
+def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
+                method: str = "balanced", microbatches: int | None = None, seq_len: int = 4096,
+                batch_size: int | None = None, dtype: str = "bf16-mixed",
+                activation_checkpointing: str = "none", name: str | None = None) -> PlanReport:
+    """Plan ``config`` into pipeline stages and price every stage and rank.
+
+    Args:
+        config: A transformers ``PretrainedConfig`` of a supported causal LM.
+        pp: Pipeline ranks.
+        vpp: Stages per rank; left at 1 it becomes 2 for the interleaved and V schedules.
+        schedule: One of :data:`hfpipe.pipeline.SCHEDULES`; default ``1f1b``, or
+            ``interleaved-1f1b`` when ``vpp > 1``.
+        layout: Megatron-style layout (overrides ``method``).
+        method: ``balanced``, ``even`` or ``weighted``.
+        microbatches: Microbatches per step; default ``pp * vpp``.
+        seq_len: Tokens per sequence.
+        batch_size: Sequences per step; default one per microbatch.
+        dtype: ``fp32``, ``bf16-mixed`` or ``bf16``.
+        activation_checkpointing: ``none``, ``selective`` or ``full``.
+        name: What to call the model in the report; default the config's own name.
+
+    Raises:
+        PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
+            names the option to change).
+    """
+    from hfpipe.models import get_adapter
+    from hfpipe.pipeline import check_microbatches, schedule_style
+    from hfpipe.plan import PlanError, bubble_fraction, layer_costs, plan_pipeline
+
+    if dtype not in BYTES_PER_PARAM:
+        raise PlanError(f"--dtype must be one of {', '.join(BYTES_PER_PARAM)}; got {dtype!r}")
+    if activation_checkpointing not in _AC_MODES:
+        raise PlanError(f"--activation-checkpointing must be one of {', '.join(_AC_MODES)}; "
+                        f"got {activation_checkpointing!r}")
+    get_adapter(config)
+    schedule = schedule or ("interleaved-1f1b" if vpp > 1 else "1f1b")
+    vpp = 2 if vpp == 1 and schedule in _MULTI_STAGE else vpp
+    m = microbatches or pp * vpp
+    check_microbatches(schedule, pp, vpp, m, batch_size)
+    batch = batch_size or m
+    plan = plan_pipeline(config, pp, vpp=vpp, style=schedule_style(schedule), method=method,
+                         layout=layout, seq_len=seq_len)
+    costs = layer_costs(config, seq_len)
+    actions = schedule_actions(schedule, pp, vpp, m)
+    tokens = batch // m * seq_len
+    per_mb = [_stage_activations(config, s, tokens, dtype, activation_checkpointing)
+              for s in plan.stages]
+    counts, peaks = _in_flight(actions, per_mb)
+    recompute = tokens * 34 * config.hidden_size * _ACT_BYTES[dtype] // 2
+    extra = recompute if activation_checkpointing == "full" else 0
+    mean_cost = sum(s.cost for s in plan.stages) / len(plan.stages) or 1.0
+    stages = tuple(StageReport(
+        s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
+        s.cost / mean_cost, counts[s.index], per_mb[s.index],
+        counts[s.index] * per_mb[s.index] + (extra if s.layers else 0)) for s in plan.stages)
+    ranks = tuple(_rank_report(r, plan, stages, costs, config, dtype, peaks[r] + extra)
+                  for r in range(pp))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    total = costs.embed_params + sum(costs.layer_params) + costs.head_params
+    return PlanReport(
+        model=name or getattr(config, "_name_or_path", "") or config.model_type,
+        total_params=total - costs.embed_params * tied, num_layers=len(costs.layers), plan=plan,
+        schedule=schedule, microbatches=m, microbatch_size=batch // m, seq_len=seq_len,
+        dtype=dtype, activation_checkpointing=activation_checkpointing, stages=stages,
+        ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
+        actions=actions)
+
+
+def _stage_params(stage, costs) -> int:
+    return (costs.embed_params * stage.embed + sum(costs.layer_params[i] for i in stage.layers)
+            + costs.mtp_params * len(stage.mtp) + costs.head_params * stage.head)
+
+
+def _stage_activations(config, stage, tokens: int, dtype: str, ac: str) -> int:
+    """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward."""
+    h, scale = config.hidden_size, _ACT_BYTES[dtype] / 2
+    per_layer = (2 if ac == "full" else 34) * h * scale
+    logits = config.vocab_size * (_ACT_BYTES[dtype] + 4)
+    per_token = per_layer * (len(stage.layers) + len(stage.mtp)) + logits * (stage.head + len(stage.mtp))
+    return int(per_token * tokens)
+
+
+def _rank_report(rank: int, plan, stages, costs, config, dtype: str, activations: int) -> RankReport:
+    mine = [s for s in stages if s.rank == rank]
+    specs = plan.stages_of_rank(rank)
+    params = sum(s.params for s in mine)
+    if getattr(config, "tie_word_embeddings", False) and any(s.embed for s in specs) and any(
+            s.head for s in specs):
+        params -= costs.embed_params  # one shared embedding/head matrix on this rank
+    w, g, o = BYTES_PER_PARAM[dtype]
+    return RankReport(rank, tuple(s.index for s in mine), params, params * w, params * g,
+                      params * o, activations)
+
+
+def _holds(stage) -> str:
+    parts = ["embed"] if stage.embed else []
+    for one, many, ids in (("layer", "layers", stage.layers), ("mtp", "mtp", stage.mtp)):
+        if ids:
+            parts.append(f"{one} {ids[0]}" if len(ids) == 1 else f"{many} {ids[0]}-{ids[-1]}")
+    parts += ["norm, head"] if stage.head else []
+    return ", ".join(parts) or "(empty)"
+
+
+def schedule_actions(schedule: str, pp: int, vpp: int, microbatches: int) -> tuple:
+    """Per rank, the compute steps torch's schedule runs, in order: ``(kind, stage, microbatch)``.
+
+    ``kind`` is F (forward), B (full backward), I (input-gradient backward) or W (weight-gradient
+    backward); DualPipeV's overlapped forward + backward is listed as its two halves. GPipe and
+    1F1B follow their ``_step_microbatches`` loops (1F1B: ``min(m, p - rank)`` warmup forwards,
+    then backward/forward pairs); the multi-stage schedules run their ``pipeline_order``, read
+    here from torch's own schedule built against mock stages (no process group).
+    """
+    if schedule in ("gpipe", "1f1b"):
+        return tuple(_single_stage_steps(schedule, rank, pp, microbatches) for rank in range(pp))
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from hfpipe.pipeline import SCHEDULES
+
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    ops = get_schedule_ops(SCHEDULES[schedule], pp, microbatches, num_stages_per_rank=vpp)
+    out = []
+    for rank_ops in ops:
+        steps = []
+        for action in filter(None, rank_ops):
+            for sub in action.sub_actions or (action,):
+                kind = kinds.get(sub.computation_type.name)
+                if kind is not None:
+                    steps.append((kind, sub.stage_index, sub.microbatch_index))
+        out.append(tuple(steps))
+    return tuple(out)
+
+
+def _single_stage_steps(schedule: str, rank: int, pp: int, m: int) -> tuple:
+    warmup = m if schedule == "gpipe" else min(m, pp - rank)
+    steps = [("F", rank, i) for i in range(warmup)]
+    for i in range(m):
+        steps.append(("B", rank, i))
+        if warmup + i < m:
+            steps.append(("F", rank, warmup + i))
+    return tuple(steps)
+
+
+def _in_flight(actions, per_mb: list[int]) -> tuple[dict[int, int], list[int]]:
+    """(stage -> most microbatches alive at once, rank -> peak activation bytes)."""
+    counts = {s: 0 for s in range(len(per_mb))}
+    peaks = []
+    for steps in actions:
+        alive: set[tuple[int, int]] = set()
+        peak = 0
+        for kind, stage, mb in steps:
+            if kind == "F":
+                alive.add((stage, mb))
+                counts[stage] = max(counts[stage], sum(1 for s, _ in alive if s == stage))
+                peak = max(peak, sum(per_mb[s] for s, _ in alive))
+            elif kind in ("B", "W"):
+                alive.discard((stage, mb))
+        peaks.append(peak)
+    return counts, peaks
+
+
+def load_model_config(name: str, *, trust_remote_code: bool = False):
+    """A transformers config from a folder, a JSON file, a bundled model id or a hub id.
+
+    Only config.json is read (or, for hub ids not bundled with hfpipe, downloaded).
+
+    Raises:
+        SourceError: nothing usable under that name.
+    """
+    from hfpipe.config import bundled_config_dir
+    from hfpipe.source import SourceError, load_config
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return load_config(path, trust_remote_code=trust_remote_code)
+    if path.is_file():
+        return _config_from_file(path, trust_remote_code)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(".json"):
+        raise SourceError(f"{name}: no such folder or config file")
+    bundled = bundled_config_dir(name)
+    if bundled is not None:
+        return load_config(bundled, trust_remote_code=trust_remote_code)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = Path(hf_hub_download(name, "config.json"))
+    except Exception as e:  # network, auth, offline and unknown-repo errors mean the same here
+        raise SourceError(f"{name}: not a folder, a config file, a bundled model or a fetchable "
+                          f"hub id ({type(e).__name__}); pass a config.json path") from None
+    return load_config(path.parent, trust_remote_code=trust_remote_code)
+
+
+def _config_from_file(path: Path, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    from hfpipe.source import SourceError, load_config
+
+    if path.name == "config.json":
+        return load_config(path.parent, trust_remote_code=trust_remote_code)
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceError(f"{path}: not valid JSON ({e})") from None
+    if raw.get("auto_map") and not trust_remote_code:
+        raise SourceError(f"{path}: model type {raw.get('model_type')!r} needs remote code; "
+                          "pass --trust-remote-code if you trust it")
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as e:
+        raise SourceError(f"{path}: {str(e).splitlines()[0]}") from None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def _table(header: list[str], rows: list[list], left: int = -1) -> list[str]:
+    """Right-aligned columns, except column ``left``."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+
+    def line(row) -> str:
+        return "  ".join(str(c).ljust(w) if i == left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    return [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def format_report(report: PlanReport) -> str:
+    """The report as plain-text tables: stages, then ranks, then balance and bubble."""
+    r, plan = report, report.plan
+    w, g, o = BYTES_PER_PARAM[r.dtype]
+    lines = [
+        f"{r.model}: {_count(r.total_params)} parameters, {r.num_layers} decoder layers",
+        f"pipeline: pp {plan.pp} x vpp {plan.vpp} ({plan.style} style), schedule {r.schedule}, "
+        f"{r.microbatches} microbatches of {r.microbatch_size} x {r.seq_len} tokens, {r.dtype}, "
+        f"activation checkpointing {r.activation_checkpointing}",
+        "",
+    ]
+    lines += _table(["stage", "rank", "holds", "params", "cost/mean", "in flight", "activations"], [
+        [s.index, s.rank, s.holds, _count(s.params), f"{s.cost_share:.3f}", s.in_flight,
+         _size(s.activation_bytes)] for s in r.stages], left=2)
+    lines.append("")
+    lines += _table(["rank", "stages", "params", "weights", "grads", "optimizer", "activations", "total"], [
+        [k.rank, ",".join(map(str, k.stages)), _count(k.params), _size(k.weight_bytes),
+         _size(k.grad_bytes), _size(k.optimizer_bytes), _size(k.activation_bytes),
+         _size(k.total_bytes)] for k in r.ranks])
+    worst = max(r.ranks, key=lambda k: k.total_bytes)
+    lines += [
+        "",
+        f"balance {r.balance:.3f} (costliest stage / mean; 1.000 is perfect)",
+        f"bubble {100 * r.bubble:.1f}% of each step idle ({r.schedule}, analytic)",
+        f"peak memory {_size(worst.total_bytes)} on rank {worst.rank}",
+        f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}); activations "
+        f"~34*hidden bytes/token/layer (Korthikanti et al. 2022, SDPA), logits on the head stage",
+    ]
+    return "\n".join(lines)
+
+
+_STEP_TIME = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def timeline(actions) -> list[list[tuple[float, float, str, int, int]]]:
+    """Per rank, ``(start, end, kind, stage, microbatch)`` of every step of :func:`schedule_actions`.
+
+    Each rank runs its steps in order, each waiting for its rank and its data, with unit step
+    times F = I = W = 1, B = 2 (the convention of :func:`hfpipe.plan.bubble_fraction`).
+    """
+    last = max((stage for steps in actions for _, stage, _ in steps), default=0)
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G", stage, mb) -> finish time
+    clock, pos = [0.0] * len(actions), [0] * len(actions)
+    rows: list[list] = [[] for _ in actions]
+    while any(p < len(steps) for p, steps in zip(pos, actions)):
+        progressed = False
+        for r, steps in enumerate(actions):
+            while pos[r] < len(steps):
+                kind, stage, mb = steps[pos[r]]
+                needs = {"F": [("F", stage - 1, mb)] * (stage > 0),
+                         "W": [("G", stage, mb)]}.get(kind, [("F", stage, mb)] + [("G", stage + 1, mb)] * (stage < last))
+                if any(n not in done for n in needs):
+                    break
+                start = max([clock[r]] + [done[n] for n in needs])
+                clock[r] = start + _STEP_TIME[kind]
+                if kind != "W":
+                    done[("F" if kind == "F" else "G", stage, mb)] = clock[r]
+                rows[r].append((start, clock[r], kind, stage, mb))
+                pos[r], progressed = pos[r] + 1, True
+        if not progressed:
+            raise RuntimeError("schedule replay made no progress; torch's action lists changed?")
+    return rows

@@ -1,0 +1,213 @@
+"""Check a model folder end to end: hfpipe's pipelined logits against transformers' own.
+
+``hfpipe verify DIR --pp 2`` answers "will this checkpoint train correctly here?" before a long run:
+transformers computes reference logits in this process (fp32, the whole model), then ``pp`` real
+processes each load only their stages through hfpipe's loader and run the same batch through the
+pipeline schedule. The logits must agree to ``tolerance``; the KL divergence says how much a
+difference would matter to a probability.
+
+Everything that can be checked without weights (config, index, shard headers and sizes, the plan,
+the microbatch rules) is checked here first, so a broken folder fails in a second with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["VerifyResult", "verify"]
+
+log = logging.getLogger(__name__)
+
+_MULTI_STAGE = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """How far the pipelined logits are from transformers', over the real (unpadded) tokens."""
+
+    max_abs_diff: float
+    kl: float  # mean over tokens of KL(transformers || pipeline), nats
+    tolerance: float
+    tokens: int
+    pp: int
+    schedule: str
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+    def summary(self) -> str:
+        """One line: the numbers and PASS or FAIL."""
+        verdict = "PASS" if self.passed else "FAIL"
+        return (f"{verdict}: max |logits - transformers| = {self.max_abs_diff:.3e} (tolerance "
+                f"{self.tolerance:.0e}), KL(transformers || pipeline) = {self.kl:.3e} nats/token, "
+                f"{self.tokens} tokens, pp {self.pp}, {self.schedule}")
+
+
+def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: float = 1e-5,
+           seq_len: int = 32, batch: int | None = None, *,
+           trust_remote_code: bool = False) -> VerifyResult:
+    """Run ``hf_dir`` through a ``pp``-rank pipeline and compare its logits with transformers'.
+
+    Args:
+        hf_dir: A Hugging Face model folder (config.json + safetensors).
+        pp: Pipeline ranks (processes started on this machine).
+        schedule: Pipeline schedule; interleaved and V schedules put two stages on each rank.
+        tolerance: Largest allowed absolute logit difference.
+        seq_len: Tokens per sample sequence.
+        batch: Sample sequences; default the number of stages (at least 2), one per microbatch.
+        trust_remote_code: Allow transformers to run code from the folder.
+
+    Returns:
+        The :class:`VerifyResult` (``passed`` tells the verdict).
+
+    Raises:
+        SourceError, LoadError, PlanError, PipelineError, UnsupportedModelError: the folder or
+            the options cannot be used (one line saying what to fix).
+    """
+    from hfpipe.launch import launch
+    from hfpipe.models import get_adapter
+    from hfpipe.pipeline import PipelineError, check_microbatches, schedule_style
+    from hfpipe.plan import plan_pipeline
+    from hfpipe.source import ModelSource
+
+    for flag, value in (("--seq-len", seq_len), ("--batch-size", batch or 1)):
+        if value < 1:
+            raise PipelineError(f"{flag} must be >= 1, got {value}")
+    source = ModelSource.open(hf_dir, trust_remote_code=trust_remote_code)
+    get_adapter(source.config)
+    vpp = 2 if schedule in _MULTI_STAGE else 1
+    microbatches = pp * vpp
+    batch = batch or max(2, microbatches)
+    check_microbatches(schedule, pp, vpp, microbatches, batch)
+    plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), seq_len=seq_len)
+    _check_shards(source)
+    inputs = _sample_batch(source.config, batch, seq_len)
+    reference = _reference_logits(source.folder, inputs, trust_remote_code)
+    results = launch(_rank_logits, pp, str(source.folder), plan, schedule, microbatches, inputs,
+                     trust_remote_code)
+    logits = _gather(results)
+    return _compare(reference, logits, inputs["attention_mask"].bool(), tolerance, pp, schedule)
+
+
+def _check_shards(source) -> None:
+    """Every shard the index names exists, has a readable header and all its bytes."""
+    from hfpipe.source import SourceError
+
+    for name in sorted(set(source.weight_map.values())):
+        header = source.header(name)  # SourceError if missing or the header is corrupt
+        path = source.path(name)
+        need = header["__data_start__"]["offset"] + max(
+            (e["data_offsets"][1] for k, e in header.items() if k != "__data_start__"), default=0)
+        have = path.stat().st_size
+        if have < need:
+            raise SourceError(f"{path}: truncated shard ({have} of {need} bytes); re-download it")
+
+
+def _sample_batch(config, batch: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Seeded random token ids over the whole vocabulary; the last row right-padded by a quarter."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen)  # (B, T)
+    mask = torch.ones_like(ids)
+    pad = seq_len // 4
+    if pad:
+        mask[-1, -pad:] = 0
+        ids[-1, -pad:] = getattr(config, "pad_token_id", None) or 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' load report and progress bars off; our own error says what went wrong."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+@torch.no_grad()
+def _reference_logits(folder: Path, inputs: dict, trust_remote_code: bool) -> torch.Tensor:
+    """transformers' logits (fp32, one process); the model is freed before returning."""
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.loader import LoadError
+
+    with _quiet_transformers():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, trust_remote_code=trust_remote_code,
+            ignore_mismatched_sizes=True, output_loading_info=True)
+    for kind in ("mismatched_keys", "missing_keys", "unexpected_keys"):
+        keys = sorted(map(str, info.get(kind) or ()))
+        if keys:
+            what = kind.split("_")[0]
+            raise LoadError(f"{folder}: {len(keys)} {what} tensor(s) in transformers' load, e.g. "
+                            f"{keys[0]}; config.json does not match the weights")
+    logits = model.eval()(**inputs, use_cache=False).logits.float()  # (B, T, V)
+    del model
+    return logits
+
+
+def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: dict,
+                 trust_remote_code: bool):
+    """One pipeline rank: load its stages, run the batch; the last stage's rank returns logits.
+
+    User errors come back as values, not exceptions, after every rank has agreed that loading
+    failed somewhere (so no rank is left waiting in a send for a peer that already gave up).
+    """
+    import torch.distributed as dist
+
+    from hfpipe.distributed import init_distributed
+    from hfpipe.loader import load_rank_stages
+    from hfpipe.pipeline import Pipeline
+    from hfpipe.source import ModelSource
+
+    mesh = init_distributed(plan.pp)
+    try:
+        error = None
+        try:
+            source = ModelSource.open(hf_dir, trust_remote_code=trust_remote_code)
+            modules, _ = load_rank_stages(source, plan, mesh.pp_rank, mesh.device, torch.float32)
+        except ValueError as e:  # hfpipe's user-facing errors are ValueErrors
+            error = ("error", type(e).__module__, type(e).__qualname__, str(e))
+        failed = torch.tensor([error is not None], dtype=torch.int64, device=mesh.device)
+        dist.all_reduce(failed, group=mesh.pp_group)
+        if failed.item():
+            return error or ("peer failed",)
+        pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, mesh.pp_group, mesh.device)
+        logits = pipe.forward(inputs)
+        return ("logits", None if logits is None else logits.float().cpu())
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather(results: dict) -> torch.Tensor:
+    """The last stage's logits out of every rank's result; re-raise a rank's user error here."""
+    for result in results.values():
+        if result[0] == "error":
+            _, module, name, message = result
+            cls = getattr(importlib.import_module(module), name, None)
+            raise (cls if isinstance(cls, type) and issubclass(cls, ValueError) else ValueError)(message)
+    (logits,) = [r[1] for r in results.values() if r[0] == "logits" and r[1] is not None]
+    return logits
+
+
+def _compare(ref: torch.Tensor, got: torch.Tensor, real: torch.Tensor, tolerance: float, pp: int,
+             schedule: str) -> VerifyResult:
+    ref, got = ref[real].double(), got[real].double()  # (N, V): real tokens only
+    log_p, log_q = ref.log_softmax(-1), got.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    return VerifyResult(max_abs_diff=(ref - got).abs().max().item(), kl=max(kl.item(), 0.0),
+                        tolerance=tolerance, tokens=int(real.sum()), pp=pp, schedule=schedule)
