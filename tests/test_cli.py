@@ -236,6 +236,16 @@ def test_debug_adds_the_traceback(tiny):
     assert result.stderr.splitlines()[-1].startswith("error: --pp 9")
 
 
+def test_verify_exits_1_on_fail(tiny, monkeypatch):
+    import hfpipe.verify
+
+    failing = hfpipe.verify.VerifyResult(max_abs_diff=2e-3, kl=1e-6, tolerance=1e-5, tokens=56, pp=2,
+                                         schedule="1f1b")
+    monkeypatch.setattr(hfpipe.verify, "verify", lambda *a, **k: failing)
+    result = run("verify", tiny)
+    assert result.exit_code == 1 and result.stdout.startswith("FAIL: max |logits - transformers| = 2.000e-03")
+
+
 # --- finetune wiring (the runner itself is tested with it) -----------------------------------
 
 
@@ -351,3 +361,10 @@ def test_entry_point_user_error_in_a_subprocess(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"error: cannot read config {tmp_path / 'missing.yaml'}: "
                                         "No such file or directory"]
+
+
+def test_entry_point_plan_prints_everything_before_its_fast_exit():
+    proc = entry("plan", "meta-llama/Llama-3.2-1B", "--pp", 2)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("meta-llama/Llama-3.2-1B: 1.24B parameters")
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("per parameter: weights 6 B")
