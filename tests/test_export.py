@@ -155,10 +155,14 @@ def test_max_shard_size_splits_into_indexed_shards(tiny, tmp_path):
     assert sorted(index["weight_map"]) == sorted(tensors(src))
 
 
-def test_one_small_shard_is_a_single_model_safetensors(tiny, tmp_path):
-    out = export_checkpoint(tiny("llama_tied")[1], tmp_path / "out", progress=False)
-    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
-    assert not (out / "model.safetensors.index.json").exists()
+def test_a_model_that_fits_one_shard_is_still_indexed_as_one_of_one(tiny, tmp_path):
+    src, ckpt = tiny("llama_tied")
+    out = export_checkpoint(ckpt, tmp_path / "out", progress=False)
+    assert [p.name for p in out.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == dict.fromkeys(sorted(tensors(src)), "model-00001-of-00001.safetensors")
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors(out).values())
+    assert index["metadata"]["total_parameters"] == sum(t.numel() for t in tensors(out).values())
 
 
 def test_dcp_load_fallback_reads_the_same_tensors(tiny, tmp_path, monkeypatch):

@@ -10,6 +10,8 @@ lr/betas on load.
 
 Saves are atomic: every rank writes into ``.tmp-step-...``; after a barrier rank 0 adds
 ``hfpipe.json`` and renames the folder. A crash mid-save leaves the previous checkpoint the latest.
+With ``async_save`` the state is copied at once and written by a background thread on a group of
+its own; the same finalisation runs when the returned :class:`PendingSave` is waited on.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["CheckpointError", "rank_view", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "resolve_resume"]
+__all__ = ["CheckpointError", "PendingSave", "rank_view", "save_checkpoint", "load_checkpoint",
+           "latest_checkpoint", "resolve_resume"]
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,9 @@ def _states(view: nn.Module, optimizer) -> dict:
     return state
 
 
-def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, meta: dict,
-                    *, keep: int | None = None, process_group=None) -> Path:
+def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, meta: dict, *,
+                    keep: int | None = None, process_group=None,
+                    async_save: bool = False) -> Path | PendingSave:
     """Write ``root/step-<step>`` atomically from every rank; return its path.
 
     Args:
@@ -89,9 +92,13 @@ def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, met
         optimizer: The optimizer (its state is saved flattened), or ``None``.
         meta: JSON-able run state written as ``hfpipe.json`` (step is added).
         keep: Keep only the newest ``keep`` checkpoints (``None``: all).
+        process_group: Group of the DCP write (default: the default group; with ``async_save``
+            a new gloo group, destroyed once the save is final).
+        async_save: Copy the state now, write it in a background thread and return a
+            :class:`PendingSave`; every rank must call its ``wait()`` at the same point before the
+            next save (the checkpoint only becomes ``step-<step>`` then).
     """
     root = Path(root)
-    final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
     rank = dist.get_rank()
     if rank == 0:
@@ -100,10 +107,49 @@ def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, met
     dist.barrier()
     state = _states(view, optimizer)
     state["rng"] = {f"rank{rank}": torch.get_rng_state()}
-    dcp.save(state, checkpoint_id=tmp, process_group=process_group)
+    text = json.dumps({**meta, "step": step}, indent=2)  # now: meta may change while the save runs
+    if not async_save:
+        dcp.save(state, checkpoint_id=tmp, process_group=process_group)
+        return _finalise(root, step, text, keep)
+    # The writer thread runs collectives while training runs its own: they must not share a group.
+    own = process_group is None
+    group = dist.new_group(backend="gloo") if own else process_group
+    future = dcp.async_save(state, checkpoint_id=tmp, process_group=group)  # copies the tensors first
+    return PendingSave(future, lambda: _finalise(root, step, text, keep), group if own else None)
+
+
+class PendingSave:
+    """A checkpoint being written in the background (from ``save_checkpoint(async_save=True)``)."""
+
+    def __init__(self, future, finalise, group=None) -> None:
+        self._future, self._finalise, self._group = future, finalise, group
+        self._path: Path | None = None
+
+    def done(self) -> bool:
+        """Whether this rank's files are written (``wait()`` still has to make it final)."""
+        return self._future.done()
+
+    def wait(self) -> Path:
+        """Wait for the files, then finalise (barrier, ``hfpipe.json``, rename, prune) on every rank.
+
+        Collective: all ranks call it at the same point. Re-raises the writer's error, leaving the
+        ``.tmp-step-...`` folder behind (never picked up by :func:`latest_checkpoint`).
+        """
+        if self._path is None:
+            self._future.result()
+            self._path = self._finalise()
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+        return self._path
+
+
+def _finalise(root: Path, step: int, meta_text: str, keep: int | None) -> Path:
+    """After every rank wrote its files: rank 0 adds ``hfpipe.json`` and renames into place."""
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
     dist.barrier()  # every rank's files are written
-    if rank == 0:
-        (tmp / "hfpipe.json").write_text(json.dumps({**meta, "step": step}, indent=2))
+    if dist.get_rank() == 0:
+        (tmp / "hfpipe.json").write_text(meta_text)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -142,7 +188,10 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     if not resume:
         return None
     if resume in ("auto", "latest"):
-        return latest_checkpoint(Path(output_dir) / "checkpoints")
+        latest = latest_checkpoint(Path(output_dir) / "checkpoints")
+        if latest is not None:
+            check_complete(latest)  # a damaged newest checkpoint: say so before any process starts
+        return latest
     path = Path(resume)
     if path.is_dir() and not _STEP_DIR.match(path.name):
         latest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
@@ -160,6 +209,16 @@ def check_complete(path: Path) -> None:
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} missing; "
                                   "resume from an earlier checkpoint")
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # truncated or not DCP's
+        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({type(e).__name__}); "
+                              "resume from an earlier checkpoint") from None
+    files = sorted({info.relative_path for info in storage.values()})
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing "
+                              f"({len(missing)} of {len(files)} data files); resume from an earlier checkpoint")
 
 
 def read_meta(path: str | Path) -> dict:

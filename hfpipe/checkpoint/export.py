@@ -412,7 +412,8 @@ def _dominant_dtype(groups: list[_Group]) -> torch.dtype:
 
 
 def _shard_names(n: int) -> list[str]:
-    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    """``model-0000i-of-0000n.safetensors``, also for n = 1: the layout never depends on the size."""
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
 def _write_weights(
@@ -431,11 +432,10 @@ def _write_weights(
             while done < len(shards) and all(k in pending for k in shards[done]):
                 bar.update(_flush(tmp / names[done], shards[done], pending))
                 done += 1
-    if len(shards) > 1:
-        weight_map = {k: names[i] for i, keys in enumerate(shards) for k in keys}
-        params = sum(shape.numel() for shape, _ in specs.values())
-        index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    weight_map = {k: names[i] for i, keys in enumerate(shards) for k in keys}
+    params = sum(shape.numel() for shape, _ in specs.values())
+    index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
+    (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _convert_group(reader: _DcpReader, model, group: _Group) -> dict[str, torch.Tensor]:

@@ -172,6 +172,7 @@ class _Run:
         self.out = Path(cfg.output_dir)
         self.reporter = pm.dist.pp_rank == pm.loss_rank and pm.dist.dp_rank == 0
         self.history: list[dict] = []
+        self.pending = None  # the async save still being written, if any
 
     def maybe_resume(self) -> None:
         from hfpipe.checkpoint.dcp import load_checkpoint, resolve_resume
@@ -217,6 +218,8 @@ class _Run:
         report.close()
         if not self.cfg.save_every or self.pos.step % self.cfg.save_every:
             self.save()
+        if self.pending is not None:
+            self.pending.wait()
         final = self.out / "checkpoints" / f"step-{self.pos.step:08d}"
         if self.cfg.save_hf_at_end:
             self._export(final)
@@ -234,8 +237,11 @@ class _Run:
             "world": {"pp": self.pm.dist.pp, "dp": self.pm.dist.dp},
             "train": {"position": vars(self.pos).copy(), "scheduler": self.scheduler.state_dict()},
         }
-        save_checkpoint(self.out / "checkpoints", self.pos.step, self.view, self.optimizer, meta,
-                        keep=self.cfg.keep)
+        if self.pending is not None:  # one save in flight at a time; finalise the previous first
+            self.pending.wait()
+        saved = save_checkpoint(self.out / "checkpoints", self.pos.step, self.view, self.optimizer, meta,
+                                keep=self.cfg.keep, async_save=self.cfg.async_save)
+        self.pending = saved if self.cfg.async_save else None
 
     def _export(self, ckpt: Path) -> None:
         from hfpipe.checkpoint.export import export_checkpoint
