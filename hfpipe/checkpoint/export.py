@@ -27,6 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from hfpipe.safetensors_io import DTYPES
+
 try:  # DCP's bounded view of one item inside a .distcp file; private, so fall back to dcp.load
     from torch.distributed.checkpoint.filesystem import _create_file_view
 except ImportError:  # pragma: no cover
@@ -40,11 +42,6 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -239,7 +236,7 @@ def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
             continue
         with safe_open(src / name, "pt") as f:
             for key in f.keys():
-                dtypes[key] = _ST_DTYPES.get(f.get_slice(key).get_dtype())
+                dtypes[key] = DTYPES.get(f.get_slice(key).get_dtype())
     return dtypes
 
 

@@ -7,10 +7,8 @@ load_pipeline -> data shards -> PipelineTrainer steps -> DCP checkpoints -> opti
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +28,7 @@ def preflight(cfg: FinetuneConfig) -> None:
     Checks the model config and architecture, the plan, the schedule's microbatch needs, the
     sequence length, the dataset's fields, and that there is at least one step to run.
     """
-    from hfpipe.data import DataConfig, check_seq_len, load_examples, batches_per_epoch
+    from hfpipe.data import batches_per_epoch, check_seq_len, load_examples
     from hfpipe.models import get_adapter
     from hfpipe.pipeline import check_microbatches, schedule_style
     from hfpipe.plan import plan_pipeline
