@@ -19,12 +19,22 @@ __all__ = ["FIELD_HELP", "build_config", "finetune"]
 #: Each FinetuneConfig field's docstring, as flag help (reST quotes dropped).
 FIELD_HELP = {name: text.replace("``", "") for name, text in field_help().items()}
 _FIELDS = {f.name for f in dataclasses.fields(FinetuneConfig)}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
 
 
 def _opt(field: str, flag: str | None = None):
-    """A flag whose help is the FinetuneConfig field's docstring."""
+    """A flag whose help is the FinetuneConfig field's docstring and default.
+
+    The flag itself defaults to None (not given), so the shown default is FinetuneConfig's.
+    """
+    default = _DEFAULTS[field]
+    if isinstance(default, tuple):
+        default = " ".join(map(str, default))
+    elif isinstance(default, bool):
+        default = str(default).lower()
+    shown = "" if default is None else f"  [default: {default}]"
     names = (flag,) if flag else ()
-    return typer.Option(*names, help=FIELD_HELP[field], show_default=False)
+    return typer.Option(*names, help=FIELD_HELP[field] + shown, show_default=False)
 
 
 def finetune(
