@@ -243,5 +243,22 @@ def verify(
         raise typer.Exit(FAILURE_EXIT)
 
 
+@app.command()
+def quickstart(
+    out: Annotated[Path, typer.Option(help="Working folder for the model, the run and the export.")]
+    = Path("hfpipe-quickstart"),
+    steps: Annotated[int, typer.Option(help="Optimizer steps of the fine-tune.")] = 60,
+    pp: Annotated[int, typer.Option(help="Pipeline ranks: processes started on this machine.")] = 2,
+) -> None:
+    """Offline end-to-end demo: build a small Llama with a tokenizer, fine-tune it at --pp on the
+    chat set shipped with hfpipe, export it, check the export against the pipeline with
+    transformers, and print a greedy generation before and after. No hub access needed."""
+    from hfpipe.quickstart import quickstart as run
+
+    result = run(out, steps=steps, pp=pp, echo=typer.echo)
+    if not result["passed"]:
+        raise typer.Exit(FAILURE_EXIT)
+
+
 if __name__ == "__main__":
     app()

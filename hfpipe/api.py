@@ -22,7 +22,7 @@ import torch
 from hfpipe.distributed import Dist, init_distributed
 from hfpipe.loader import load_rank_stages
 from hfpipe.models import get_adapter
-from hfpipe.pipeline import Pipeline, check_microbatches, schedule_style
+from hfpipe.pipeline import Pipeline, PipelineError, check_microbatches, schedule_style
 from hfpipe.plan import Plan, plan_pipeline
 from hfpipe.source import ModelSource
 from hfpipe.train.step import PipelineTrainer, tied_groups
@@ -171,7 +171,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
     microbatches = microbatches or pp * vpp
     check_microbatches(schedule, pp, vpp, microbatches)
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+        raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)

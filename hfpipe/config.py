@@ -183,7 +183,7 @@ class FinetuneConfig:
             raise ConfigError(f"{source}: expected a mapping of option: value, got {type(d).__name__}")
         _check_keys(d, source)
         if "model" not in d:
-            raise ConfigError(f"{source}: --model is required (set `model:` or pass --model)")
+            raise ConfigError(f"{source}: the model is required (set `model:` in the recipe, or give MODEL on the command line)")
         try:
             return cls(**d)
         except ConfigError as e:

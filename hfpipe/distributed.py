@@ -10,9 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Dist", "init_distributed", "pick_device", "in_launched_env"]
+__all__ = ["Dist", "LaunchError", "init_distributed", "pick_device", "in_launched_env"]
 
 log = logging.getLogger(__name__)
+
+
+class LaunchError(ValueError):
+    """The processes started do not fit the requested mesh, or the launch options are incomplete."""
 
 
 def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
@@ -90,7 +94,7 @@ def init_distributed(pp: int, dp: int = 1, *, timeout_s: float = 600.0) -> Dist:
                                 device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != pp * dp:
-        raise ValueError(f"--pp {pp} x --dp {dp} = {pp * dp} processes, but {world} were started; "
+        raise LaunchError(f"--pp {pp} x --dp {dp} = {pp * dp} processes, but {world} were started; "
                          "start pp*dp processes or change --pp/--dp")
     mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
     dp_group = mesh.get_group("dp") if dp > 1 else None

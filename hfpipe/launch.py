@@ -37,7 +37,9 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nnodes > 1 and not rdzv_endpoint:
-        raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+        from hfpipe.distributed import LaunchError
+
+        raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
     env_threads = str(threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs))
     os.environ.setdefault("OMP_NUM_THREADS", env_threads)
     config = LaunchConfig(

@@ -124,7 +124,8 @@ def test_missing_model(tmp_path, text):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:
         FinetuneConfig.from_yaml(path)
-    assert str(info.value) == f"{path}: --model is required (set `model:` or pass --model)"
+    assert str(info.value) == (f"{path}: the model is required (set `model:` in the recipe, "
+                               "or give MODEL on the command line)")
 
 
 def test_yaml_that_is_not_a_mapping(tmp_path):
