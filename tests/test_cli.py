@@ -25,7 +25,7 @@ from hfpipe import __version__
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
 
-COMMANDS = ("finetune", "plan", "export", "verify")
+COMMANDS = ("finetune", "plan", "export", "verify", "quickstart")
 runner = CliRunner()
 
 
