@@ -26,16 +26,18 @@ ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved
 
 
 def make_batches(vocab: int, steps: int = STEPS, dp: int = 1) -> list[list[dict]]:
-    """``steps`` global batches, each split into ``dp`` shards; unequal valid tokens per row."""
+    """``steps`` global batches, each split into ``dp`` shards; unequal valid tokens per row,
+    and a sequence length that changes from step to step."""
     g = torch.Generator().manual_seed(1234)
     out = []
-    for _ in range(steps):
-        ids = torch.randint(3, vocab, (BATCH * dp, SEQ), generator=g)
+    for step in range(steps):
+        seq = SEQ - 4 * (step % 2)  # the sequence length changes between steps
+        ids = torch.randint(3, vocab, (BATCH * dp, seq), generator=g)
         mask = torch.ones_like(ids)
         labels = ids.clone()
         for row in range(ids.shape[0]):
-            pad = int(torch.randint(0, SEQ // 2, (1,), generator=g))
-            prompt = int(torch.randint(0, SEQ // 3, (1,), generator=g))
+            pad = int(torch.randint(0, seq // 2, (1,), generator=g))
+            prompt = int(torch.randint(0, seq // 3, (1,), generator=g))
             if pad:
                 mask[row, -pad:] = 0
                 labels[row, -pad:] = -100
