@@ -127,7 +127,7 @@ class FinetuneConfig:
     dtype: str = "fp32"
     """fp32 | bf16-mixed (fp32 weights and optimizer, bf16 autocast) | bf16 (all bf16)."""
     activation_checkpointing: str = "none"
-    """none | full (recompute each decoder layer) | selective (recompute attention only)."""
+    """none | full (recompute every decoder layer) | selective (recompute every other layer)."""
     seed: int = 0
     """Seed for data order and any random initialisation."""
 

@@ -18,9 +18,10 @@ Activations, bytes per token per decoder layer, from Korthikanti et al. 2022 ("R
 Activation Recomputation in Large Transformer Models", eq. 1: ``s*b*h*(34 + 5*a*s/h)`` for 16-bit
 activations): ``34 * h``. Their ``5*a*s`` term is the stored attention scores; transformers' default
 SDPA attention runs fused kernels (flash / memory-efficient) that keep none, which is also what the
-paper's selective recomputation reaches, so ``selective`` costs the same here. With ``full``
-activation checkpointing a layer keeps only its input (``2 * h``), plus one layer's ``34 * h``
-recomputed for one microbatch at a time. fp32 activations double every figure. The stage with the
+paper's selective recomputation reaches. With ``full`` activation checkpointing a layer keeps
+only its input (``2 * h``), plus one layer's ``34 * h`` recomputed for one microbatch at a time;
+``selective`` checkpoints every other layer of a stage (the first, third, ...), as
+:class:`hfpipe.stage.PipelineStageModule` does. fp32 activations double every figure. The stage with the
 head also keeps, per token, the logits in the compute dtype and cross-entropy's fp32
 log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32). An MTP layer costs a layer plus
 its own logits.
@@ -150,7 +151,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
               for s in plan.stages]
     counts, peaks = _in_flight(actions, per_mb)
     recompute = tokens * 34 * config.hidden_size * _ACT_BYTES[dtype] // 2
-    extra = recompute if activation_checkpointing == "full" else 0
+    extra = recompute if activation_checkpointing != "none" else 0
     mean_cost = sum(s.cost for s in plan.stages) / len(plan.stages) or 1.0
     stages = tuple(StageReport(
         s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
@@ -177,9 +178,11 @@ def _stage_params(stage, costs) -> int:
 def _stage_activations(config, stage, tokens: int, dtype: str, ac: str) -> int:
     """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward."""
     h, scale = config.hidden_size, _ACT_BYTES[dtype] / 2
-    per_layer = (2 if ac == "full" else 34) * h * scale
+    n = len(stage.layers)
+    stored = {"none": 0, "full": n, "selective": (n + 1) // 2}[ac]  # layers recomputed in backward
+    layers = (2 * stored + 34 * (n - stored + len(stage.mtp))) * h * scale
     logits = config.vocab_size * (_ACT_BYTES[dtype] + 4)
-    per_token = per_layer * (len(stage.layers) + len(stage.mtp)) + logits * (stage.head + len(stage.mtp))
+    per_token = layers + logits * (stage.head + len(stage.mtp))
     return int(per_token * tokens)
 
 
