@@ -40,6 +40,7 @@ SCHEDULES = {
 SINGLE_STAGE = {"gpipe", "1f1b"}
 V_STYLE = {"zbv", "dualpipev"}
 IGNORE_INDEX = -100
+_KEEP_SCHEDULES = 4
 
 
 class PipelineError(ValueError):
@@ -127,8 +128,7 @@ class Pipeline:
         self.group = group
         self.device = device
         self.loss = TokenLoss()
-        self._schedule = None
-        self._key = None
+        self._schedules: dict = {}  # (shape, kwargs, mode) -> schedule, most recent last
 
     @property
     def has_loss(self) -> bool:
@@ -142,16 +142,20 @@ class Pipeline:
     def _get_schedule(self, shape, kwargs, mode: str):
         """A schedule for ``mode`` ("train", "loss" or "logits") and this batch shape."""
         key = (tuple(shape), tuple(sorted(kwargs)), mode)
-        if key != self._key:
-            # New shapes: torch's stages cache receive buffers, so build fresh ones.
+        schedule = self._schedules.pop(key, None)
+        if schedule is None:
+            # New shapes: torch's stages size their receive buffers on first use, so each shape
+            # gets its own stages (a few are kept, e.g. for alternating train and eval batches).
             pstages = [PipelineStage(m, m.spec.index, self.num_stages, self.device, group=self.group)
                        for m in self.modules]
             cls = SCHEDULES[self.schedule_name]
             arg = pstages[0] if self.schedule_name in SINGLE_STAGE else pstages
             loss_fn = None if mode == "logits" else self.loss
-            self._schedule = cls(arg, self.microbatches, loss_fn=loss_fn, scale_grads=False)
-            self._key = key
-        return self._schedule
+            schedule = cls(arg, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            while len(self._schedules) >= _KEEP_SCHEDULES:
+                self._schedules.pop(next(iter(self._schedules)))
+        self._schedules[key] = schedule
+        return schedule
 
     def _inputs(self, batch: dict):
         ids = batch["input_ids"]

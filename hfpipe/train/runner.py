@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hfpipe.config import FinetuneConfig
 
-__all__ = ["finetune", "preflight", "run_worker"]
+__all__ = ["finetune", "preflight", "run_worker", "model_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,19 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     results = launch(run_worker, nprocs, cfg.to_dict(), nnodes=nnodes, node_rank=node_rank,
                      rdzv_endpoint=rdzv_endpoint, threads_per_rank=cfg.threads_per_rank)
     return next((r for r in results.values() if r), {})
+
+
+def model_inputs(batch: dict, *, packed: bool) -> dict:
+    """The tensors a data batch feeds the model.
+
+    Packed rows go in with ``position_ids`` and *no* attention mask: transformers detects packed
+    documents from restarting positions only when the mask is absent, and then no document
+    attends to another. Their only padding is at the end of a row (labels -100), which causal
+    attention never lets a real token see.
+    """
+    if packed:
+        return {k: v for k, v in batch.items() if k != "attention_mask"}
+    return batch
 
 
 @dataclass
@@ -194,7 +207,7 @@ class _Run:
                                  start=self.pos.batch_in_epoch)
             for batch in it:
                 self.pos.batch_in_epoch += 1
-                yield batch
+                yield model_inputs(batch, packed=self.cfg.packing)
             if self.pos.batch_in_epoch < batches_per_epoch(self.examples, self.cfg.batch_size, d.dp):
                 raise RuntimeError("data iterator stopped early")
             self.pos.epoch += 1
