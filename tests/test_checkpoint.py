@@ -52,7 +52,7 @@ def dcp_state(ckpt) -> dict[str, object]:
 
     dump = Path(ckpt).parent / f".{Path(ckpt).name}.pt"
     dcp_to_torch_save(ckpt, dump)
-    state = torch.load(dump, weights_only=False)
+    state = torch.load(dump, weights_only=True)
     dump.unlink()
     return _flatten(state)
 
