@@ -137,10 +137,6 @@ def build_stage_modules(config, specs, dtype: torch.dtype = torch.float32) -> li
     last = next((s for s in stages if s.is_last), None)
     if getattr(config, "tie_word_embeddings", False) and first is not None and last is not None:
         last.lm_head.weight = first.model.embed_tokens.weight
-    for stage in stages:
-        if len(stages) > 1:
-            # Each stage module needs its own rotary module instance (it gets rebuilt on device).
-            stage.model.rotary_emb = copy.deepcopy(stage.model.rotary_emb)
     return stages
 
 
