@@ -95,7 +95,8 @@ def finetune(
     from hfpipe.train.runner import finetune as run
 
     result = run(config, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
-    typer.echo(_summary(result))
+    if result:  # under torchrun/srun only the rank that reports the loss has a summary to print
+        typer.echo(_summary(result))
 
 
 def _summary(result: dict) -> str:

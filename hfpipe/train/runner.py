@@ -145,8 +145,19 @@ def run_worker(cfg_dict: dict) -> dict:
 
 
 def _setup_logging(rank: int) -> None:
-    level = os.environ.get("HFPIPE_LOG_LEVEL", "INFO" if rank == 0 else "WARNING")
-    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    """Rank 0 logs at INFO, the others only warnings; one handler, tagged with the rank.
+
+    A worker launched by the CLI inherits nothing; one run under torchrun may already carry
+    the CLI's handler on the ``hfpipe`` logger, which is then reused rather than doubled.
+    """
+    logger = logging.getLogger("hfpipe")
+    logger.setLevel(os.environ.get("HFPIPE_LOG_LEVEL", "INFO" if rank == 0 else "WARNING"))
+    fmt = logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    if not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+    for handler in logger.handlers:
+        handler.setFormatter(fmt)
+    logger.propagate = False
 
 
 def _load_data(cfg, pm, dist_info):
