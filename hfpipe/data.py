@@ -3,7 +3,8 @@
 Flow: :func:`load_examples` loads raw rows (builtin, local file/folder or hub id), detects the
 format, tokenises each document into ``(ids, labels)`` and packs or pads them to ``seq_len``; both
 steps are ``datasets.map`` calls with explicit fingerprints, so they are cached on disk.
-:func:`iterate_batches` shuffles rows by ``(seed, epoch)`` and shards each global batch over ranks.
+:func:`iterate_batches` (:mod:`hfpipe.batches`) shuffles rows by ``(seed, epoch)`` and shards each
+global batch over ranks.
 
 Row contract (labels are *unshifted*, as transformers' ``labels=`` expects):
 
@@ -27,12 +28,11 @@ import json
 import logging
 import re
 from bisect import bisect_right
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+from hfpipe.batches import BatchSampler, batches_per_epoch, iterate_batches
 
 if TYPE_CHECKING:
     import datasets
@@ -406,62 +406,3 @@ def load_examples(cfg: DataConfig, tokenizer, *, num_proc: int | None = None) ->
     log.info("%s: %d documents -> %d rows of %d tokens (%s, packing=%s)", cfg.dataset,
              len(docs), len(rows), cfg.seq_len, fmt, cfg.packing)
     return rows
-
-
-# ----------------------------------------------------------------------------- batches
-
-
-def batches_per_epoch(ds, batch_size: int, dp_size: int = 1) -> int:
-    """Full global batches of ``batch_size * dp_size`` rows in one epoch (the rest is dropped)."""
-    return len(ds) // (batch_size * dp_size)
-
-
-class BatchSampler:
-    """Row indices of one data-parallel rank's batches in one epoch.
-
-    The epoch order is ``torch.randperm`` from a generator seeded by a hash of ``(seed, epoch)``.
-    Global batch ``b`` is ``order[b*G:(b+1)*G]`` with ``G = batch_size * dp_size``; rank ``r``
-    takes the contiguous slice ``[r*batch_size:(r+1)*batch_size]`` of it, so the ranks' batches
-    in rank order make up the global batch. ``start`` skips batches already consumed (resume).
-    """
-
-    def __init__(self, num_rows: int, *, batch_size: int, seed: int, epoch: int,
-                 dp_rank: int = 0, dp_size: int = 1, start: int = 0):
-        if batch_size < 1 or not 0 <= dp_rank < dp_size or seed < 0 or epoch < 0:
-            raise ValueError(f"need batch_size >= 1, 0 <= dp_rank < dp_size, seed >= 0, epoch >= 0;"
-                             f" got {batch_size=} {dp_rank=} {dp_size=} {seed=} {epoch=}")
-        self.num_batches = num_rows // (batch_size * dp_size)
-        if not 0 <= start <= self.num_batches:
-            raise ValueError(f"start={start} is outside the epoch's {self.num_batches} batches")
-        self.num_rows, self.batch_size, self.seed, self.epoch = num_rows, batch_size, seed, epoch
-        self.dp_rank, self.dp_size, self.start = dp_rank, dp_size, start
-
-    def __len__(self) -> int:
-        return self.num_batches - self.start
-
-    def __iter__(self) -> Iterator[list[int]]:
-        # mt19937 keeps only 32 bits of a seed: hash (seed, epoch) into 32 well-spread bits
-        mixed = hashlib.sha256(f"hfpipe-epoch:{self.seed}:{self.epoch}".encode()).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(mixed[:4], "little"))
-        order = torch.randperm(self.num_rows, generator=gen)
-        g, first = self.batch_size * self.dp_size, self.dp_rank * self.batch_size
-        for b in range(self.start, self.num_batches):
-            yield order[b * g + first : b * g + first + self.batch_size].tolist()
-
-
-def iterate_batches(ds, *, batch_size: int, seed: int, epoch: int, dp_rank: int = 0,
-                    dp_size: int = 1, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's batches of one epoch: int64 tensors ``[batch_size, seq_len]`` per column.
-
-    See :class:`BatchSampler` for the order and the sharding rule.
-    """
-    sampler = BatchSampler(len(ds), batch_size=batch_size, seed=seed, epoch=epoch,
-                           dp_rank=dp_rank, dp_size=dp_size, start=start)
-    if sampler.num_batches == 0:
-        raise DataError(f"the dataset has {len(ds)} rows, fewer than one global batch of "
-                        f"{batch_size * dp_size} ({batch_size} per rank x {dp_size} ranks); "
-                        "lower --batch-size or --seq-len, or add data")
-    view = ds.with_format("numpy", columns=list(COLUMNS))
-    for indices in sampler:
-        rows = view[indices]
-        yield {c: torch.from_numpy(rows[c]).long() for c in COLUMNS}

@@ -18,21 +18,13 @@ import logging
 import os
 import re
 import shutil
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from hfpipe.checkpoint.dcp_reader import _create_file_view, _DcpReader
 from hfpipe.safetensors_io import DTYPES
-
-try:  # DCP's bounded view of one item inside a .distcp file; private, so fall back to dcp.load
-    from torch.distributed.checkpoint.filesystem import _create_file_view
-except ImportError:  # pragma: no cover
-    _create_file_view = None
 
 __all__ = ["ExportError", "export_checkpoint", "read_checkpoint_meta"]
 
@@ -117,7 +109,7 @@ def export_checkpoint(
     cfg_json = json.loads((src / "config.json").read_text())
     fp8 = _source_quantization(src, cfg_json)
     model = _meta_model(src)
-    reader = _DcpReader(ckpt)
+    reader = _DcpReader(ckpt, _create_file_view)  # this module's name: None forces dcp.load
     groups = _plan_groups(model, reader, ckpt)
     src_dtypes = _source_dtypes(src)
     _cross_check([k for g in groups for k in g.out], src_dtypes, model, fp8, src)
@@ -238,47 +230,6 @@ def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
             for key in f.keys():
                 dtypes[key] = DTYPES.get(f.get_slice(key).get_dtype())
     return dtypes
-
-
-# --- reading DCP ------------------------------------------------------------------------------
-
-
-class _DcpReader:
-    """Whole model tensors out of a DCP folder, one at a time, without a process group.
-
-    ``dcp.load`` into a pre-allocated tensor holds two copies at once (DCP's ``torch.load`` of the
-    item, then ``copy_`` into the target): measured 2.0x the tensor's size in peak RSS. An item that
-    is a whole, untransformed tensor (any single-process or pp-only save) is read here with one
-    ``torch.load`` of its byte range (1.0x); sharded (FSDP) or transformed items go through
-    ``dcp.load``, which reassembles them by FQN.
-    """
-
-    def __init__(self, ckpt: Path):
-        self.path = ckpt
-        self.metadata = FileSystemReader(ckpt).read_metadata()
-
-    def tensors(self, prefix: str) -> dict[str, TensorStorageMetadata]:
-        """Metadata of the tensors whose key starts with ``prefix``, keyed without it."""
-        return {
-            k[len(prefix) :]: md
-            for k, md in self.metadata.state_dict_metadata.items()
-            if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-        }
-
-    def read(self, key: str) -> torch.Tensor:
-        md = self.metadata.state_dict_metadata[key]
-        info = self.metadata.storage_data[MetadataIndex(key, md.chunks[0].offsets)]
-        if len(md.chunks) == 1 and not info.transform_descriptors and _create_file_view is not None:
-            with open(self.path / info.relative_path, "rb") as f:
-                view = _create_file_view(f, info.offset, info.length)
-                tensor = torch.load(view, map_location="cpu", weights_only=True)
-            if tensor.shape == md.size and tensor.dtype == md.properties.dtype:
-                return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
-        target = {key: torch.empty(md.size, dtype=md.properties.dtype)}
-        with warnings.catch_warnings():  # "...assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(target, checkpoint_id=self.path, no_dist=True)
-        return target[key]
 
 
 # --- planning ---------------------------------------------------------------------------------
