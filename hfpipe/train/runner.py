@@ -22,7 +22,7 @@ __all__ = ["finetune", "preflight", "run_worker", "model_inputs"]
 log = logging.getLogger(__name__)
 
 
-def preflight(cfg: FinetuneConfig) -> None:
+def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     """Raise the user's errors before anything starts or is written.
 
     Checks the model config and architecture, the plan, the schedule's microbatch needs, the
@@ -41,8 +41,8 @@ def preflight(cfg: FinetuneConfig) -> None:
     plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
     check_seq_len(cfg.seq_len, source.config)
-    examples = load_examples(_data_config(cfg), _tokenizer(source.folder, cfg))
-    if batches_per_epoch(examples, cfg.batch_size, cfg.dp) < cfg.grad_accum:
+    examples = load_examples(_data_config(cfg), _tokenizer(source.folder, cfg)) if check_data else None
+    if examples is not None and batches_per_epoch(examples, cfg.batch_size, cfg.dp) < cfg.grad_accum:
         from hfpipe.data import DataError
 
         raise DataError(f"--dataset {cfg.dataset} has {len(examples)} sequences of --seq-len {cfg.seq_len}: "
@@ -86,9 +86,13 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     from hfpipe.distributed import in_launched_env
     from hfpipe.launch import launch
 
-    preflight(cfg)
     if in_launched_env():
+        # Every rank checks the cheap things; only global rank 0 tokenises the dataset here, so
+        # ranks do not write datasets' cache at the same time (the others read it later).
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+        preflight(cfg, check_data=rank == "0")
         return run_worker(cfg.to_dict())
+    preflight(cfg)
     nprocs = cfg.pp * cfg.dp // nnodes
     results = launch(run_worker, nprocs, cfg.to_dict(), nnodes=nnodes, node_rank=node_rank,
                      rdzv_endpoint=rdzv_endpoint, threads_per_rank=cfg.threads_per_rank)
