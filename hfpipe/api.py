@@ -89,21 +89,32 @@ class PipelineModel:
     def tied(self) -> bool:
         return bool(getattr(self.source.config, "tie_word_embeddings", False))
 
+    def view(self):
+        """One module holding this rank's parameters under their full-model names (for DCP)."""
+        from hfpipe.checkpoint.dcp import rank_view
+
+        return rank_view(self.modules, self.tied)
+
     def save_checkpoint(self, root: str, step: int, optimizer=None, *, keep: int | None = None,
-                        extra: dict | None = None):
-        """Save a DCP checkpoint ``root/step-<step>`` (every rank calls this); return its path.
+                        extra: dict | None = None, async_save: bool = False):
+        """Save a DCP checkpoint ``root/step-<step>`` (every rank calls this).
 
         The checkpoint resumes at any pipeline size and exports with ``hfpipe export``.
+        ``extra`` adds to (or replaces) the ``hfpipe.json`` fields. Returns the path, or with
+        ``async_save`` a pending save whose ``wait()`` every rank must call.
         """
         from pathlib import Path
 
-        from hfpipe.checkpoint.dcp import rank_view, save_checkpoint
+        from hfpipe.checkpoint.dcp import save_checkpoint
 
+        config = self.source.config
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
         meta = {"format": 1, "source": str(self.source.folder), "tied": self.tied,
-                "source_dtype": str(getattr(self.source.config, "dtype", None) or "float32").replace("torch.", ""),
+                "source_dtype": str(dtype).replace("torch.", ""),
                 "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp},
-                "train": {}, **(extra or {})}
-        return save_checkpoint(Path(root), step, rank_view(self.modules, self.tied), optimizer, meta, keep=keep)
+                "world": {"pp": self.dist.pp, "dp": self.dist.dp}, "train": {}, **(extra or {})}
+        return save_checkpoint(Path(root), step, self.view(), optimizer, meta, keep=keep,
+                               async_save=async_save)
 
     def save_pretrained(self, out: str, *, dtype: str = "auto", max_shard_size: str = "5GB",
                         force: bool = False):

@@ -188,12 +188,9 @@ class _Run:
     """The training loop of one rank: steps, metrics, checkpoints."""
 
     def __init__(self, cfg, pm, optimizer, scheduler, examples, total: int) -> None:
-        from hfpipe.checkpoint.dcp import rank_view
-
         self.cfg, self.pm, self.optimizer, self.scheduler = cfg, pm, optimizer, scheduler
         self.examples, self.total = examples, total
         self.trainer = pm.trainer(optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm)
-        self.view = rank_view(pm.modules, bool(getattr(pm.source.config, "tie_word_embeddings", False)))
         self.pos = _Position()
         self.out = Path(cfg.output_dir)
         self.reporter = pm.dist.pp_rank == pm.loss_rank and pm.dist.dp_rank == 0
@@ -206,7 +203,7 @@ class _Run:
         path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
         if path is None:
             return
-        meta = load_checkpoint(path, self.view, self.optimizer)
+        meta = load_checkpoint(path, self.pm.view(), self.optimizer)
         self.scheduler.load_state_dict(meta["train"]["scheduler"])
         self.pos = _Position(**meta["train"]["position"])
         log.info("resumed from %s at step %d", path, self.pos.step)
@@ -252,21 +249,12 @@ class _Run:
         return {"history": self.history, "checkpoint": str(final)} if self.reporter else {}
 
     def save(self) -> None:
-        from hfpipe.checkpoint.dcp import save_checkpoint
-
-        meta = {
-            "format": 1,
-            "source": str(self.pm.source.folder),
-            "source_dtype": _source_dtype(self.pm.source.config),
-            "tied": bool(getattr(self.pm.source.config, "tie_word_embeddings", False)),
-            "config": self.cfg.to_dict(),
-            "world": {"pp": self.pm.dist.pp, "dp": self.pm.dist.dp},
-            "train": {"position": vars(self.pos).copy(), "scheduler": self.scheduler.state_dict()},
-        }
+        extra = {"config": self.cfg.to_dict(),
+                 "train": {"position": vars(self.pos).copy(), "scheduler": self.scheduler.state_dict()}}
         if self.pending is not None:  # one save in flight at a time; finalise the previous first
             self.pending.wait()
-        saved = save_checkpoint(self.out / "checkpoints", self.pos.step, self.view, self.optimizer, meta,
-                                keep=self.cfg.keep, async_save=self.cfg.async_save)
+        saved = self.pm.save_checkpoint(self.out / "checkpoints", self.pos.step, self.optimizer,
+                                        keep=self.cfg.keep, extra=extra, async_save=self.cfg.async_save)
         self.pending = saved if self.cfg.async_save else None
 
     def _export(self, ckpt: Path) -> None:
@@ -275,8 +263,3 @@ class _Run:
         if self.pm.dist.rank == 0:
             export_checkpoint(ckpt, self.out / "hf", force=True, progress=False)
         dist.barrier()
-
-
-def _source_dtype(config) -> str:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-    return str(dtype).replace("torch.", "")
