@@ -169,25 +169,22 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
     """
     import torch.distributed as dist
 
+    from hfpipe.api import load_pipeline
     from hfpipe.distributed import init_distributed
-    from hfpipe.loader import load_rank_stages
-    from hfpipe.pipeline import Pipeline
-    from hfpipe.source import ModelSource
 
     mesh = init_distributed(plan.pp)
     try:
         error = None
         try:
-            source = ModelSource.open(hf_dir, trust_remote_code=trust_remote_code)
-            modules, _ = load_rank_stages(source, plan, mesh.pp_rank, mesh.device, torch.float32)
+            pm = load_pipeline(hf_dir, pp=plan.pp, vpp=plan.vpp, schedule=schedule, microbatches=microbatches,
+                               trust_remote_code=trust_remote_code, dist=mesh)
         except ValueError as e:  # hfpipe's user-facing errors are ValueErrors
             error = ("error", type(e).__module__, type(e).__qualname__, str(e))
         failed = torch.tensor([error is not None], dtype=torch.int64, device=mesh.device)
         dist.all_reduce(failed, group=mesh.pp_group)
         if failed.item():
             return error or ("peer failed",)
-        pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, mesh.pp_group, mesh.device)
-        logits = pipe.forward(inputs)
+        logits = pm.forward(inputs)
         return ("logits", None if logits is None else logits.float().cpu())
     finally:
         dist.destroy_process_group()
