@@ -143,14 +143,7 @@ class PipelineModel:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors under full-model names (a tied head is stored as the embedding)."""
-        out = {}
-        tied = bool(getattr(self.source.config, "tie_word_embeddings", False))
-        for module in self.modules:
-            for name, t in module.state_dict().items():
-                if tied and name == "lm_head.weight":
-                    name = "model.embed_tokens.weight"  # the same tensor on disk as in HF's save
-                out[name] = t
-        return out
+        return dict(self.view().state_dict())
 
 
 def _default_pp(dp: int) -> int:
