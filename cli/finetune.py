@@ -83,6 +83,18 @@ def finetune(
         "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
     threads_per_rank: Annotated[Optional[int], _opt("threads_per_rank")] = None,
     log_every: Annotated[Optional[int], _opt("log_every")] = None,
+    columns: Annotated[Optional[str], _opt("columns")] = None,
+    roles: Annotated[Optional[str], _opt("roles")] = None,
+    chat_template: Annotated[Optional[str], _opt("chat_template")] = None,
+    train_on_prompt: Annotated[Optional[bool], _opt(
+        "train_on_prompt", "--train-on-prompt/--no-train-on-prompt")] = None,
+    eval_dataset: Annotated[Optional[str], _opt("eval_dataset")] = None,
+    eval_split: Annotated[Optional[str], _opt("eval_split")] = None,
+    eval_fraction: Annotated[Optional[float], _opt("eval_fraction")] = None,
+    eval_every: Annotated[Optional[int], _opt("eval_every")] = None,
+    eval_batches: Annotated[Optional[int], _opt("eval_batches")] = None,
+    keep_best: Annotated[Optional[bool], _opt("keep_best", "--keep-best/--no-keep-best")] = None,
+    report_to: Annotated[Optional[str], _opt("report_to")] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes in the job; run the same command on each.")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's index, 0 .. nnodes-1.")] = 0,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(

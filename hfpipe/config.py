@@ -92,7 +92,8 @@ class FinetuneConfig:
     split: str = "train"
     """Dataset split to train on."""
     format: str = "auto"
-    """Record format; auto detects it from the first record."""
+    """auto | alpaca | sharegpt | chat | instruction | text; auto picks the format from the
+    columns (see "Bring your own data" in the README)."""
     seq_len: int = 512
     """Tokens per sequence; longer samples are cut, shorter ones packed or padded."""
     packing: bool = True
@@ -151,6 +152,33 @@ class FinetuneConfig:
     log_every: int = 1
     """Log loss, learning rate and throughput every this many optimizer steps."""
 
+    # --- data formats, evaluation, logging ---
+    columns: dict[str, str] | None = None
+    """Rename columns before the format is detected, COLUMN=FIELD pairs (a mapping in a
+    recipe): e.g. question=prompt,answer=response."""
+    roles: dict[str, str] | None = None
+    """Map chat roles onto system, user, assistant, tool, ROLE=ROLE pairs (a mapping in a
+    recipe): e.g. bot=assistant. ShareGPT's human and gpt are built in."""
+    chat_template: str | None = None
+    """A Jinja chat template file used instead of the tokenizer's own."""
+    train_on_prompt: bool = False
+    """Put loss on prompts and user turns too (default: only on responses)."""
+    eval_dataset: str | None = None
+    """Evaluation data: hub id, local file or folder, in the training data's format."""
+    eval_split: str | None = None
+    """Split of the evaluation data (default: --split); alone, evaluates on that split of --dataset."""
+    eval_fraction: float | None = None
+    """Hold out this fraction of the training records (0 < f < 1) for evaluation instead."""
+    eval_every: int | None = None
+    """Evaluate every this many optimizer steps (and always at the end); null: only at the end."""
+    eval_batches: int | None = None
+    """Evaluate on at most this many global batches; null: the whole evaluation set."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest evaluation loss in output_dir/best."""
+    report_to: str = "jsonl,tensorboard"
+    """Where metrics go, comma-separated: jsonl (metrics.jsonl), tensorboard (tb/), wandb
+    (needs the wandb extra; WANDB_MODE=offline works), or none."""
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
@@ -159,11 +187,17 @@ class FinetuneConfig:
         _check_ranges(self)
         _fit_vpp(self)
         _check_microbatches(self)
+        _check_eval_and_reports(self)
 
     @property
     def num_microbatches(self) -> int:
         """`microbatches`, or its default pp * vpp."""
         return self.microbatches or self.pp * self.vpp
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run has an evaluation set."""
+        return bool(self.eval_dataset or self.eval_split or self.eval_fraction)
 
     @property
     def pipeline_style(self) -> str:
@@ -254,11 +288,19 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if not value.strip():
             raise ConfigError(f"{flag} must not be empty")
         return value
+    if typing.get_origin(hint) is dict and isinstance(value, (str, dict)):
+        from hfpipe.data.config import parse_mapping
+
+        try:
+            return parse_mapping(flag, value)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)):
         if len(value) == len(typing.get_args(hint)):
             return tuple(_coerce(name, v, t) for v, t in zip(value, typing.get_args(hint)))
     kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     want = kind.get(hint, f"a list of {len(typing.get_args(hint))} numbers")
+    want = "NAME=NEW pairs" if typing.get_origin(hint) is dict else want
     raise ConfigError(f"{flag} must be {want}, got {value!r}")
 
 
@@ -317,6 +359,33 @@ def _check_microbatches(c: FinetuneConfig) -> None:
     if c.batch_size % m:
         origin = f"({m})" if c.microbatches else f"({m}, the default pp * vpp)"
         raise ConfigError(f"--batch-size ({c.batch_size}) must be a multiple of --microbatches {origin}")
+
+
+REPORTS = ("jsonl", "tensorboard", "wandb", "none")
+
+
+def _check_eval_and_reports(c: FinetuneConfig) -> None:
+    if c.eval_fraction is not None and not 0.0 < c.eval_fraction < 1.0:
+        raise ConfigError(f"--eval-fraction must be between 0 and 1, got {c.eval_fraction}")
+    if c.eval_fraction is not None and (c.eval_dataset or c.eval_split):
+        raise ConfigError("--eval-fraction holds out part of --dataset; leave out --eval-dataset "
+                          "and --eval-split, or --eval-fraction")
+    for name in ("eval_every", "eval_batches"):
+        if getattr(c, name) is not None and getattr(c, name) < 1:
+            raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(c, name)}")
+    if not c.evaluates:
+        used = [n for n in ("eval_every", "eval_batches", "keep_best") if getattr(c, n)]
+        if used:
+            raise ConfigError(f"{_flag(used[0])} needs an evaluation set: pass --eval-dataset, "
+                              "--eval-split or --eval-fraction")
+    names = [n.strip() for n in c.report_to.split(",") if n.strip()]
+    for name in names:
+        if name not in REPORTS:
+            close = difflib.get_close_matches(name, REPORTS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"--report-to {name!r} is unknown; choose from {', '.join(REPORTS)}{hint}")
+    if "none" in names and len(names) > 1:
+        raise ConfigError(f"--report-to none cannot be combined with {c.report_to!r}")
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

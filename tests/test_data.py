@@ -116,11 +116,11 @@ def test_instruction_trains_on_response_and_eos(tmp_path, tok):
         assert labelled(tok, row) == r["response"] + "<|eos|>"
 
 
-def test_format_auto_prefers_instruction_and_explicit_text_uses_text_field(tmp_path, tok):
+def test_format_auto_prefers_instruction_and_columns_rename_a_text_column(tmp_path, tok):
     rows = [{"body": t, "prompt": "Q", "response": t} for t in TEXTS]
     path = write_jsonl(tmp_path / "x.jsonl", rows)
     by_auto = load(path, tok, seq_len=64, packing=False)
-    by_text = load(path, tok, seq_len=64, packing=False, format="text", text_field="body")
+    by_text = load(path, tok, seq_len=64, packing=False, format="text", columns="body=text")
     assert labelled(tok, by_auto[0]) == TEXTS[0] + "<|eos|>"
     assert real(by_text[0]) == [BOS] + encode(tok, TEXTS[0]) + [EOS]
 
@@ -302,19 +302,21 @@ def test_missing_fields_name_the_columns_found_and_needed(tmp_path, tok):
     path = write_jsonl(tmp_path / "x.jsonl", [{"a": 1, "b": 2}])
     with pytest.raises(DataError) as e:
         load(path, tok)
-    assert str(e.value) == (f"--dataset {path} has columns [a, b]; chat needs 'messages', "
-                            "instruction needs 'prompt' and 'response', text needs 'text'; "
-                            "or set --text-field")
-    with pytest.raises(DataError, match=r"has columns \[a, b\]; chat needs 'messages'$"):
+    assert str(e.value) == (
+        f"--dataset {path} has columns [a, b]; chat needs 'messages'; sharegpt needs "
+        "'conversations'; alpaca needs 'instruction' and 'output'; instruction needs 'prompt' and "
+        "'response' or 'completion'; text needs 'text'. Rename columns with --columns "
+        "COLUMN=FIELD (e.g. --columns question=prompt,answer=response)")
+    with pytest.raises(DataError, match=r"has columns \[a, b\]; chat needs 'messages'\. Rename"):
         load(path, tok, format="chat")
 
 
 def test_bad_rows_are_named(tmp_path, tok):
     rows = [{"messages": CHATS[0]}, {"messages": [{"role": "user"}]}]
-    with pytest.raises(DataError, match=r"row 1: messages\[0\] needs string role and content"):
+    with pytest.raises(DataError, match=r"c.jsonl line 2: messages\[0\] needs a string role"):
         load(write_jsonl(tmp_path / "c.jsonl", rows), tok)
     rows = [{"prompt": "a", "response": "b"}, {"prompt": "a", "response": None}]
-    with pytest.raises(DataError, match="row 1: prompt and response must be strings"):
+    with pytest.raises(DataError, match="i.jsonl line 2: response must be a string, got NoneType"):
         load(write_jsonl(tmp_path / "i.jsonl", rows), tok)
 
 
@@ -333,7 +335,7 @@ def test_bad_paths(tmp_path, tok):
 def test_chat_needs_a_chat_template(tmp_path):
     tok = make_tiny_tokenizer()
     tok.chat_template = None
-    with pytest.raises(DataError, match="has no chat template; use a tokenizer with a chat_templ"):
+    with pytest.raises(DataError, match="has no chat template; pass --chat-template FILE"):
         load(write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}]), tok)
 
 
@@ -360,7 +362,10 @@ def test_seq_len_above_the_model_limit():
         (dict(seed=-1), "--seed -1 must"),
         (dict(packing="yes"), "--packing 'yes' must"),
         (dict(dataset_config=""), "--dataset-config is empty"),
-        (dict(text_field=""), "--text-field is empty"),
+        (dict(columns="a"), "--columns 'a': write NAME=NEW pairs"),
+        (dict(roles="wizard=wizard"), "--roles wizard=wizard: 'wizard' is not a chat role"),
+        (dict(chat_template="missing.jinja"), "--chat-template missing.jinja is not a file"),
+        (dict(train_on_prompt="yes"), "--train-on-prompt 'yes' must"),
     ],
 )
 def test_config_errors_name_the_flag(kwargs, message):

@@ -28,7 +28,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     Checks the model config and architecture, the plan, the schedule's microbatch needs, the
     sequence length, the dataset's fields, and that there is at least one step to run.
     """
-    from hfpipe.data import batches_per_epoch, check_seq_len, load_examples
+    from hfpipe.data import batches_per_epoch, check_seq_len
     from hfpipe.models import get_adapter
     from hfpipe.pipeline import check_microbatches, schedule_style
     from hfpipe.plan import plan_pipeline
@@ -41,7 +41,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
     check_seq_len(cfg.seq_len, source.config)
-    examples = load_examples(_data_config(cfg), _tokenizer(source.folder, cfg)) if check_data else None
+    examples = _load_splits(cfg, _tokenizer(source.folder, cfg))[0] if check_data else None
     if examples is not None and batches_per_epoch(examples, cfg.batch_size, cfg.dp) < cfg.grad_accum:
         from hfpipe.data import DataError
 
@@ -63,11 +63,27 @@ def _check_writable(out: Path) -> None:
         raise CheckpointError(f"--output-dir {out}: {parent} is not writable; choose another folder")
 
 
-def _data_config(cfg: FinetuneConfig):
+def _data_config(cfg: FinetuneConfig, *, held_out: bool = False):
+    """The training data's options; with ``held_out``, the evaluation set's (or None)."""
     from hfpipe.data import DataConfig
 
-    return DataConfig(dataset=cfg.dataset, dataset_config=cfg.dataset_config, split=cfg.split,
-                      format=cfg.format, seq_len=cfg.seq_len, packing=cfg.packing, seed=cfg.seed)
+    dataset, split = cfg.dataset, cfg.split
+    if held_out and not (cfg.eval_dataset or cfg.eval_split):
+        return None
+    if held_out:
+        dataset, split = cfg.eval_dataset or cfg.dataset, cfg.eval_split or cfg.split
+    return DataConfig(dataset=dataset, dataset_config=None if cfg.eval_dataset and held_out
+                      else cfg.dataset_config, split=split, format=cfg.format, seq_len=cfg.seq_len,
+                      packing=cfg.packing, seed=cfg.seed, columns=cfg.columns, roles=cfg.roles,
+                      chat_template=cfg.chat_template, train_on_prompt=cfg.train_on_prompt)
+
+
+def _load_splits(cfg: FinetuneConfig, tok):
+    """Training rows and evaluation rows (None without an evaluation set)."""
+    from hfpipe.data import load_splits
+
+    return load_splits(_data_config(cfg), tok, eval_cfg=_data_config(cfg, held_out=True),
+                       eval_fraction=cfg.eval_fraction)
 
 
 def _tokenizer(folder: Path, cfg: FinetuneConfig):
@@ -135,12 +151,12 @@ def run_worker(cfg_dict: dict) -> dict:
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
                        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
                        trust_remote_code=cfg.trust_remote_code, dist=dist_info)
-    examples = _load_data(cfg, pm, dist_info)
+    examples, held = _load_data(cfg, pm, dist_info)
     total = _total_steps(cfg, examples)
     optimizer = build_optimizer(pm.modules, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps)
     scheduler = build_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=total,
                                 schedule=cfg.lr_schedule, lr=cfg.lr, min_lr=cfg.min_lr)
-    run = _Run(cfg, pm, optimizer, scheduler, examples, total)
+    run = _Run(cfg, pm, optimizer, scheduler, examples, total, held=held)
     run.maybe_resume()
     summary = run.train()
     dist.barrier()
@@ -166,15 +182,13 @@ def _setup_logging(rank: int) -> None:
 
 def _load_data(cfg, pm, dist_info):
     """Tokenise on rank 0 first (datasets caches it), then let the others read the cache."""
-    from hfpipe.data import load_examples
-
     tok = _tokenizer(pm.source.folder, cfg)
     if dist_info.rank == 0:
-        examples = load_examples(_data_config(cfg), tok)
+        splits = _load_splits(cfg, tok)
     dist.barrier()
     if dist_info.rank != 0:
-        examples = load_examples(_data_config(cfg), tok)
-    return examples
+        splits = _load_splits(cfg, tok)
+    return splits
 
 
 def _total_steps(cfg, examples) -> int:
@@ -187,9 +201,10 @@ def _total_steps(cfg, examples) -> int:
 class _Run:
     """The training loop of one rank: steps, metrics, checkpoints."""
 
-    def __init__(self, cfg, pm, optimizer, scheduler, examples, total: int) -> None:
+    def __init__(self, cfg, pm, optimizer, scheduler, examples, total: int, *, held=None) -> None:
         self.cfg, self.pm, self.optimizer, self.scheduler = cfg, pm, optimizer, scheduler
         self.examples, self.total = examples, total
+        self.held = held  # the evaluation rows, or None
         self.trainer = pm.trainer(optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm)
         self.pos = _Position()
         self.out = Path(cfg.output_dir)

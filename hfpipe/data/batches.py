@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
+from hfpipe.data.config import COLUMNS, DataError
+
 __all__ = ["BatchSampler", "batches_per_epoch", "iterate_batches"]
 
 
@@ -57,8 +59,6 @@ def iterate_batches(ds, *, batch_size: int, seed: int, epoch: int, dp_rank: int 
 
     See :class:`BatchSampler` for the order and the sharding rule.
     """
-    from hfpipe.data import COLUMNS, DataError  # data imports this module
-
     sampler = BatchSampler(len(ds), batch_size=batch_size, seed=seed, epoch=epoch,
                            dp_rank=dp_rank, dp_size=dp_size, start=start)
     if sampler.num_batches == 0:
