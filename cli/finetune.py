@@ -109,6 +109,7 @@ def finetune(
     result = run(config, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     if result:  # under torchrun/srun only the rank that reports the loss has a summary to print
         typer.echo(_summary(result))
+        typer.echo(_next(result, config), err=True)
 
 
 def _summary(result: dict) -> str:
@@ -116,8 +117,19 @@ def _summary(result: dict) -> str:
     last = (result.get("history") or [{}])[-1]
     parts = [f"step {last['step']}"] if "step" in last else []
     parts += [f"loss {last['loss']:.4f}"] if isinstance(last.get("loss"), float) else []
+    evals = result.get("evals") or [{}]
+    parts += [f"eval_loss {evals[-1]['eval_loss']:.4f}"] if "eval_loss" in evals[-1] else []
     parts += [f"checkpoint {result['checkpoint']}"] if result.get("checkpoint") else []
     return "finished: " + (", ".join(parts) or "no summary from this node")
+
+
+def _next(result: dict, config: FinetuneConfig) -> str:
+    """The commands that usually follow a run (export, generate, resume)."""
+    from hfpipe.train.logs import next_commands
+
+    lines = next_commands(config.output_dir, result.get("checkpoint", ""),
+                          exported=config.save_hf_at_end, best=result.get("best"))
+    return "next:\n" + "\n".join("  " + line for line in lines)
 
 
 def build_config(recipe: Path | None, given: dict) -> FinetuneConfig:

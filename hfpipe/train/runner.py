@@ -35,6 +35,9 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.source import ModelSource
     from hfpipe.checkpoint.dcp import CheckpointError, resolve_resume
 
+    from hfpipe.train.logs import check_sinks
+
+    check_sinks(cfg.report_to)
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
     check_microbatches(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches, cfg.batch_size)
@@ -210,6 +213,7 @@ class _Run:
         self.out = Path(cfg.output_dir)
         self.reporter = pm.dist.pp_rank == pm.loss_rank and pm.dist.dp_rank == 0
         self.history: list[dict] = []
+        self.evals: list[dict] = []  # evaluation rows
         self.pending = None  # the async save still being written, if any
 
     def maybe_resume(self) -> None:
@@ -241,18 +245,26 @@ class _Run:
             self.pos.batch_in_epoch = 0
 
     def train(self) -> dict:
+        from hfpipe.train.evaluate import Evaluator
         from hfpipe.train.progress import Reporter
 
         stream = self._batches()
-        report = Reporter(self.out, self.total, enabled=self.reporter, start=self.pos.step)
+        report = Reporter(self.out, self.total, enabled=self.reporter, start=self.pos.step,
+                          log_every=self.cfg.log_every, report_to=self.cfg.report_to,
+                          config=self.cfg.to_dict())
+        evaluator = Evaluator(self.cfg, self.trainer, self.held, self.pm.dist, self.out)
         while self.pos.step < self.total:
             batches = [next(stream) for _ in range(self.cfg.grad_accum)]
             result = self.trainer.step(batches)
             self.pos.step += 1
             row = report.log(self.pos.step, result)
             self.history.append(row)
+            if evaluator.due(self.pos.step, final=self.pos.step == self.total):
+                self._evaluate(evaluator, report)
             if self.cfg.save_every and self.pos.step % self.cfg.save_every == 0:
                 self.save()
+        if evaluator.due(self.pos.step, final=True):  # a resumed run that had nothing left to do
+            self._evaluate(evaluator, report)
         report.close()
         if not self.cfg.save_every or self.pos.step % self.cfg.save_every:
             self.save()
@@ -261,7 +273,23 @@ class _Run:
         final = self.out / "checkpoints" / f"step-{self.pos.step:08d}"
         if self.cfg.save_hf_at_end:
             self._export(final)
-        return {"history": self.history, "checkpoint": str(final)} if self.reporter else {}
+        if not self.reporter:
+            return {}
+        best = next(iter(sorted((self.out / "best").glob("step-*"))), None) if self.cfg.keep_best else None
+        return {"history": self.history, "checkpoint": str(final), "evals": self.evals,
+                "best": str(best) if best else None}
+
+    def _evaluate(self, evaluator, report) -> None:
+        """Evaluate, record the row, and with --keep-best save a new best model to out/best."""
+        row = evaluator.run(self.pos.step)
+        report.log_eval(row)
+        self.evals.append(row)
+        if self.cfg.keep_best and evaluator.improved:
+            if self.pending is not None:  # one save in flight at a time
+                self.pending.wait()
+                self.pending = None
+            self.pm.save_checkpoint(self.out / "best", self.pos.step, None, keep=1,
+                                    extra={"config": self.cfg.to_dict(), "eval": row})
 
     def save(self) -> None:
         extra = {"config": self.cfg.to_dict(),

@@ -1,0 +1,129 @@
+"""Where metrics rows go (``--report-to``), the plain log line, and the commands after a run.
+
+A row is a dict with ``step`` and either training keys (``loss``, ``grad_norm``, ``lr``, ...) or
+evaluation keys (``eval_loss``, ``eval_ppl``, ``eval_tokens``). Sinks:
+
+- ``jsonl``: one JSON object per row in ``OUT/metrics.jsonl`` (appended on resume);
+- ``tensorboard``: ``train/<key>`` and ``eval/<key>`` scalars in ``OUT/tb`` (if installed);
+- ``wandb``: ``wandb.log`` (the ``wandb`` extra; ``WANDB_MODE=offline`` writes ``OUT/wandb``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+__all__ = ["LINES", "check_sinks", "format_line", "next_commands", "open_sinks"]
+
+log = logging.getLogger(__name__)
+#: Logger of the plain progress lines; the reporting rank raises it to INFO (see Reporter).
+LINES = logging.getLogger("hfpipe.train.lines")
+
+_EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens")
+
+
+class _Jsonl:
+    def __init__(self, out: Path) -> None:
+        self.file = open(out / "metrics.jsonl", "a")
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _TensorBoard:
+    def __init__(self, writer) -> None:
+        self.writer = writer
+
+    def write(self, row: dict) -> None:
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)):
+                name = f"eval/{key[5:]}" if key in _EVAL_KEYS else f"train/{key}"
+                self.writer.add_scalar(name, value, row["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    def __init__(self, out: Path, config: dict | None) -> None:
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hfpipe"), dir=str(out),
+                              name=out.resolve().name, config=config or {})
+
+    def write(self, row: dict) -> None:
+        values = {(f"eval/{k[5:]}" if k in _EVAL_KEYS else f"train/{k}"): v
+                  for k, v in row.items() if k != "step"}
+        self.run.log(values, step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def check_sinks(report_to: str) -> None:
+    """Raise ConfigError if a sink ``report_to`` names needs a package that is not installed."""
+    import importlib.util
+
+    if "wandb" in report_to and importlib.util.find_spec("wandb") is None:
+        from hfpipe.config import ConfigError
+
+        raise ConfigError("--report-to wandb needs the wandb package: pip install 'hfpipe[wandb]' "
+                          "(WANDB_MODE=offline logs without an account)")
+
+
+def open_sinks(out: Path, report_to: str, config: dict | None = None) -> list:
+    """The sinks ``report_to`` names (``"jsonl,tensorboard"``; ``"none"`` for none)."""
+    names = [n.strip() for n in report_to.split(",") if n.strip() and n.strip() != "none"]
+    out.mkdir(parents=True, exist_ok=True)
+    sinks = []
+    for name in names:
+        if name == "jsonl":
+            sinks.append(_Jsonl(out))
+        elif name == "tensorboard":
+            writer = _tensorboard(out / "tb")
+            if writer is not None:
+                sinks.append(_TensorBoard(writer))
+        elif name == "wandb":
+            sinks.append(_Wandb(out, config))
+    return sinks
+
+
+def _tensorboard(path: Path):
+    """A SummaryWriter when tensorboard is installed, else ``None`` (it is optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("tensorboard is not installed: no tb/ logs (pip install tensorboard)")
+        return None
+    return SummaryWriter(str(path))
+
+
+def format_line(row: dict, total: int, eta_s: float | None = None) -> str:
+    """One timestamped line for a log file: ``2026-11-22 17:40:12 step 10/100 loss 2.3456 ...``."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    if "eval_loss" in row:
+        return (f"{stamp} eval step {row['step']}/{total} eval_loss {row['eval_loss']:.4f} "
+                f"ppl {row['eval_ppl']:.3f} tokens {row['eval_tokens']}")
+    text = (f"{stamp} step {row['step']}/{total} loss {row['loss']:.4f} grad_norm "
+            f"{row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s {row['tokens_per_s']:.0f}")
+    if eta_s is not None:
+        text += f" eta {time.strftime('%H:%M:%S', time.gmtime(max(0.0, eta_s)))}"
+    return text
+
+
+def next_commands(output_dir: str, checkpoint: str, *, exported: bool, best: str | None) -> list[str]:
+    """What a user runs after training: export, generate, resume."""
+    hf = str(Path(output_dir) / "hf")
+    lines = [] if exported else [f"hfpipe export {checkpoint} {hf}"]
+    if best:
+        lines.append(f"hfpipe export {best} {Path(output_dir) / 'hf-best'}   # lowest eval loss")
+    lines.append(f'hfpipe generate {hf} --prompt "..."')
+    lines.append("train further: the same command with --resume auto and a larger --max-steps")
+    return lines
