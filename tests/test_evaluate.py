@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -76,10 +77,12 @@ def transformers_eval(hf_dir, tokenizer_dir, data: DataConfig, rows=None) -> tup
         return float(model(**inputs, num_items_in_batch=n).loss), n
 
 
-def finetune_cli(*args) -> subprocess.CompletedProcess:
+def finetune_cli(tmp, *args) -> subprocess.CompletedProcess:
+    """``hfpipe finetune ARGS`` with stderr a pipe, tokenising afresh (a new datasets cache)."""
     hfpipe = Path(sys.executable).parent / "hfpipe"
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp / "hf_cache")}
     return subprocess.run([str(hfpipe), "finetune", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,7 @@ def run(tmp_path_factory):
     eval_file = tmp / "eval.jsonl"
     eval_file.write_text("".join(json.dumps(r) + "\n" for r in records))
     tiny, out = tiny_checkpoint("llama", num_hidden_layers=2), tmp / "out"
-    proc = finetune_cli(tiny, "--pp", 2, "--max-steps", 4, "--seq-len", 32, "--batch-size", 2,
+    proc = finetune_cli(tmp, tiny, "--pp", 2, "--max-steps", 4, "--seq-len", 32, "--batch-size", 2,
                         "--no-packing", "--lr", 1e-3, "--eval-dataset", eval_file, "--eval-every", 2,
                         "--log-every", 2, "--keep-best", "--save-hf-at-end", "--output-dir", out,
                         "--threads-per-rank", 1)
@@ -114,7 +117,8 @@ def test_eval_loss_equals_a_transformers_evaluation_of_the_exported_model(run):
 def test_log_rows_and_plain_lines_follow_log_every(run):
     assert [r["step"] for r in run["rows"] if "loss" in r] == [2, 4]
     err = run["proc"].stderr
-    assert "\r" not in err  # stderr is a pipe: no progress bar
+    assert "\r" not in err  # stderr is a pipe: no progress bars, neither ours nor datasets'
+    assert any(run["out"].parent.joinpath("hf_cache").rglob("cache-*.arrow"))  # tokenised afresh
     lines = [x for x in err.splitlines() if re.search(r"\d\d:\d\d:\d\d (eval )?step \d+/4 ", x)]
     assert [re.search(r"(eval )?step \d", x).group() for x in lines] == [
         "step 2", "eval step 2", "step 4", "eval step 4"]
@@ -135,7 +139,7 @@ def test_keep_best_saves_the_lowest_eval_loss_and_the_run_names_next_commands(ru
 def test_eval_fraction_with_dp_and_packing_equals_transformers(tmp_path):
     """dp=2 x pp=2: each dp rank evaluates its shard; the loss is still the whole set's."""
     tiny, out = tiny_checkpoint("llama", num_hidden_layers=2), tmp_path / "out"
-    proc = finetune_cli(tiny, "--pp", 2, "--dp", 2, "--max-steps", 2, "--seq-len", 32,
+    proc = finetune_cli(tmp_path, tiny, "--pp", 2, "--dp", 2, "--max-steps", 2, "--seq-len", 32,
                         "--batch-size", 2, "--eval-fraction", 0.2, "--dataset", "builtin:tiny-text",
                         "--save-hf-at-end", "--output-dir", out, "--threads-per-rank", 1)
     assert proc.returncode == 0, proc.stderr[-3000:]

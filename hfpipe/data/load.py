@@ -6,9 +6,11 @@ a second run (or another rank) reads the cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,8 +56,9 @@ def load_examples(cfg: DataConfig, tokenizer, *, num_proc: int | None = None) ->
     Returns:
         A dataset with the int columns :data:`COLUMNS`, each ``cfg.seq_len`` long.
     """
-    raw = load_raw(cfg.dataset, cfg.dataset_config, cfg.split)
-    return _rows(cfg, raw, tokenizer, _Locator(cfg.dataset), num_proc)
+    with _bars_on_terminals_only():
+        raw = load_raw(cfg.dataset, cfg.dataset_config, cfg.split)
+        return _rows(cfg, raw, tokenizer, _Locator(cfg.dataset), num_proc)
 
 
 def load_splits(cfg: DataConfig, tokenizer, *, eval_cfg: DataConfig | None = None,
@@ -65,6 +68,26 @@ def load_splits(cfg: DataConfig, tokenizer, *, eval_cfg: DataConfig | None = Non
     The eval set is ``eval_cfg``'s source, or ``eval_fraction`` of ``cfg``'s records, chosen by
     ``cfg.seed`` and held out *before* packing, so no document is in both.
     """
+    with _bars_on_terminals_only():
+        return _splits(cfg, tokenizer, eval_cfg, eval_fraction, num_proc)
+
+
+@contextlib.contextmanager
+def _bars_on_terminals_only():
+    """No ``datasets`` progress bars when stderr is a file: their ``\\r`` updates garble logs."""
+    import datasets
+
+    quiet = not sys.stderr.isatty() and not datasets.are_progress_bars_disabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
+
+
+def _splits(cfg, tokenizer, eval_cfg, eval_fraction, num_proc):
     raw = load_raw(cfg.dataset, cfg.dataset_config, cfg.split)
     if not eval_fraction:
         train = _rows(cfg, raw, tokenizer, _Locator(cfg.dataset), num_proc)
