@@ -150,7 +150,8 @@ class FinetuneConfig:
     threads_per_rank: int | None = None
     """torch intra-op threads per rank; null divides the CPU cores among local ranks."""
     log_every: int = 1
-    """Log loss, learning rate and throughput every this many optimizer steps."""
+    """Write a metrics row and a log line every this many optimizer steps (the loss is the mean
+    over those steps' tokens)."""
 
     # --- data formats, evaluation, logging ---
     columns: dict[str, str] | None = None
