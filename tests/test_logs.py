@@ -97,3 +97,15 @@ def test_the_end_of_a_run_names_the_next_commands():
     assert lines[1] == 'hfpipe generate out/hf --prompt "..."'
     assert "--resume auto" in lines[2]
     assert next_commands("out", "c", exported=True, best=None)[0].startswith("hfpipe generate")
+
+
+def test_on_a_terminal_a_bar_shows_the_rows_and_eval_lines_stay_above_it(tmp_path, capsys):
+    report = Reporter(tmp_path, 4, enabled=True, log_every=2, report_to="jsonl", tty=True)
+    for i, r in enumerate(results(4)):
+        report.log(i + 1, r)
+    report.log_eval({"step": 4, "eval_loss": 1.25, "eval_ppl": 3.49, "eval_tokens": 99})
+    report.close()
+    err = capsys.readouterr().err
+    assert "finetune" in err and "eval_loss=1.2500" in err  # the bar and its postfix
+    assert re.search(rf"{STAMP} eval step 4/4 eval_loss 1\.2500", err)
+    assert [r["step"] for r in read_rows(tmp_path)] == [2, 4, 4]

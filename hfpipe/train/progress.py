@@ -99,7 +99,7 @@ class Reporter:
         if self.bar is not None:
             self.postfix.update(eval_loss=f"{row['eval_loss']:.4f}")
             self.bar.set_postfix(self.postfix)
-            self.bar.write(format_line(row, self.total))  # stays above the bar
+            self.bar.write(format_line(row, self.total), file=sys.stderr)  # stays above the bar
         else:
             LINES.info("%s", format_line(row, self.total))
 
