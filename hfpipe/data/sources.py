@@ -44,13 +44,12 @@ def load_raw(name: str, dataset_config: str | None, split: str) -> datasets.Data
         if builder is None:
             raise DataError(f"--dataset {name}: unknown file type {path.suffix!r}; use .jsonl, "
                             ".json, .parquet, .txt, .arrow, .csv or a save_to_disk folder")
-        if builder == "json":
-            _check_json(path)
         try:
             return _guard(name, datasets.load_dataset, builder, data_files=str(path), split=split)
         except DataError:
-            if builder == "json":
-                _check_types(path)  # the usual cause: one field with two types
+            if builder == "json":  # pyarrow's errors name no line: find it (only now, it reads all)
+                _check_json(path)
+                _check_types(path)
             raise
     if _looks_like_path(name):
         raise DataError(f"--dataset {name} does not exist; pass an existing file or folder, "

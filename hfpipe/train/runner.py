@@ -67,17 +67,18 @@ def _check_writable(out: Path) -> None:
 
 
 def _data_config(cfg: FinetuneConfig, *, held_out: bool = False):
-    """The training data's options; with ``held_out``, the evaluation set's (or None)."""
+    """The training data's options; with ``held_out``, the evaluation set's (None without one)."""
     from hfpipe.data import DataConfig
 
-    dataset, split = cfg.dataset, cfg.split
+    source = dict(dataset=cfg.dataset, dataset_config=cfg.dataset_config, split=cfg.split)
     if held_out and not (cfg.eval_dataset or cfg.eval_split):
         return None
-    if held_out:
-        dataset, split = cfg.eval_dataset or cfg.dataset, cfg.eval_split or cfg.split
-    return DataConfig(dataset=dataset, dataset_config=None if cfg.eval_dataset and held_out
-                      else cfg.dataset_config, split=split, format=cfg.format, seq_len=cfg.seq_len,
-                      packing=cfg.packing, seed=cfg.seed, columns=cfg.columns, roles=cfg.roles,
+    if held_out and cfg.eval_dataset:  # another source: the training one's configuration is not its
+        source.update(dataset=cfg.eval_dataset, dataset_config=None)
+    if held_out and cfg.eval_split:
+        source.update(split=cfg.eval_split)
+    return DataConfig(**source, format=cfg.format, seq_len=cfg.seq_len, packing=cfg.packing,
+                      seed=cfg.seed, columns=cfg.columns, roles=cfg.roles,
                       chat_template=cfg.chat_template, train_on_prompt=cfg.train_on_prompt)
 
 
