@@ -26,6 +26,8 @@ from hfpipe.train.evaluate import eval_batches, eval_tokens
 
 QUESTIONS = ["What is 2+2?", "Capital of France?", "Name a colour.", "Say hello.", "Count to three."]
 ANSWERS = ["4.", "Paris.", "Blue.", "Hello!", "One, two, three."]
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|eos|>\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
 
 
 def fake_rows(n, seq_len=4):
@@ -93,10 +95,12 @@ def run(tmp_path_factory):
                for q, a in zip(QUESTIONS, ANSWERS)]
     eval_file = tmp / "eval.jsonl"
     eval_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp / "chat.jinja").write_text(TEMPLATE)
     tiny, out = tiny_checkpoint("llama", num_hidden_layers=2), tmp / "out"
     proc = finetune_cli(tmp, tiny, "--pp", 2, "--max-steps", 4, "--seq-len", 32, "--batch-size", 2,
                         "--no-packing", "--lr", 1e-3, "--eval-dataset", eval_file, "--eval-every", 2,
                         "--log-every", 2, "--keep-best", "--save-hf-at-end", "--output-dir", out,
+                        "--chat-template", tmp / "chat.jinja",
                         "--threads-per-rank", 1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -106,12 +110,19 @@ def run(tmp_path_factory):
 def test_eval_loss_equals_a_transformers_evaluation_of_the_exported_model(run):
     evals = [r for r in run["rows"] if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    data = DataConfig(dataset=str(run["eval_file"]), seq_len=32, packing=False)
+    data = DataConfig(dataset=str(run["eval_file"]), seq_len=32, packing=False,
+                      chat_template=str(run["eval_file"].parent / "chat.jinja"))
     want, tokens = transformers_eval(run["out"] / "hf", run["tiny"], data)
     assert evals[-1]["eval_tokens"] == tokens
     assert abs(evals[-1]["eval_loss"] - want) <= 1e-5, (evals[-1]["eval_loss"], want)
     assert evals[-1]["eval_ppl"] == pytest.approx(math.exp(evals[-1]["eval_loss"]), rel=1e-12)
     assert evals[0]["eval_loss"] != evals[1]["eval_loss"]  # it trained in between
+
+
+def test_the_export_carries_the_chat_template_it_was_trained_with(run):
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(run["out"] / "hf").chat_template == TEMPLATE
 
 
 def test_log_rows_and_plain_lines_follow_log_every(run):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,4 +307,6 @@ class _Run:
 
         if self.pm.dist.rank == 0:
             export_checkpoint(ckpt, self.out / "hf", force=True, progress=False)
+            if self.cfg.chat_template:  # chat as trained: transformers prefers this file's template
+                shutil.copyfile(Path(self.cfg.chat_template).expanduser(), self.out / "hf" / "chat_template.jinja")
         dist.barrier()
