@@ -24,6 +24,7 @@ from typer.core import TyperGroup
 from hfpipe import __version__
 from hfpipe.cli.finetune import FIELD_HELP as _HELP
 from hfpipe.cli.finetune import finetune
+from hfpipe.cli.generate import chat, generate
 
 try:  # typer >= 0.24 ships its own copy of click
     from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -91,6 +92,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command(no_args_is_help=True)(finetune)
+app.command(no_args_is_help=True)(generate)
+app.command(no_args_is_help=True)(chat)
 
 
 class _StderrHandler(logging.StreamHandler):

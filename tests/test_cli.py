@@ -25,7 +25,7 @@ from hfpipe import __version__
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
 
-COMMANDS = ("finetune", "plan", "export", "verify", "quickstart")
+COMMANDS = ("finetune", "plan", "export", "verify", "quickstart", "generate", "chat")
 runner = CliRunner()
 
 
