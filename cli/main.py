@@ -25,6 +25,8 @@ from hfpipe import __version__
 from hfpipe.cli.finetune import FIELD_HELP as _HELP
 from hfpipe.cli.finetune import finetune
 from hfpipe.cli.generate import chat, generate
+from hfpipe.cli.plan import plan
+from hfpipe.cli.recipes import recipes
 
 try:  # typer >= 0.24 ships its own copy of click
     from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -92,8 +94,10 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command(no_args_is_help=True)(finetune)
+app.command(no_args_is_help=True)(plan)
 app.command(no_args_is_help=True)(generate)
 app.command(no_args_is_help=True)(chat)
+app.command()(recipes)
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -134,64 +138,6 @@ def main(
 ) -> None:
     """Pipeline-parallel fine-tuning of Hugging Face decoder models."""
     _setup_logging(log_level)
-
-
-@app.command(no_args_is_help=True)
-def plan(
-    ctx: typer.Context,
-    model: Annotated[str, typer.Argument(
-        help="Model folder, config.json path, bundled model id (e.g. deepseek-ai/DeepSeek-V3) or "
-             "hub id; only config.json is read, no weights.", show_default=False)],
-    pp: Annotated[int, typer.Option(help=_HELP["pp"], show_default=False)],
-    vpp: Annotated[int, typer.Option(help=_HELP["vpp"])] = 1,
-    layout: Annotated[Optional[str], typer.Option(help=_HELP["layout"])] = None,
-    plan_method: Annotated[str, typer.Option(help=_HELP["plan_method"])] = "balanced",
-    schedule: Annotated[Optional[str], typer.Option(
-        help=_SCHEDULE_HELP + " Default: 1f1b, or interleaved-1f1b when --vpp > 1.",
-        show_default=False)] = None,
-    microbatches: Annotated[Optional[int], typer.Option(
-        help="Microbatches per step; default pp * vpp.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
-    batch_size: Annotated[Optional[int], typer.Option(
-        help="Sequences per step (split into the microbatches); default one per microbatch.")] = None,
-    dtype: Annotated[Literal["fp32", "bf16-mixed", "bf16"], typer.Option(help=_HELP["dtype"])] = "bf16-mixed",
-    activation_checkpointing: Annotated[Literal["none", "selective", "full"], typer.Option(
-        help=_HELP["activation_checkpointing"])] = "none",
-    trust_remote_code: Annotated[bool, typer.Option(help=_HELP["trust_remote_code"])] = False,
-    png: Annotated[Optional[Path], typer.Option(
-        help="Also draw the schedule timeline and stage costs into this PNG (needs matplotlib: "
-             "pip install 'hfpipe[plot]').")] = None,
-) -> None:
-    """Plan the pipeline stages of a model and print each rank's parameters, memory (weights,
-    gradients, AdamW state, activations), the balance and the schedule's bubble."""
-    from hfpipe.plan_report import format_report, load_model_config, plan_report
-
-    if png is not None:
-        from hfpipe.cli.plot import require_matplotlib, save_png
-
-        require_matplotlib()
-    config = load_model_config(model, trust_remote_code=trust_remote_code)
-    report = plan_report(config, pp, vpp=vpp, schedule=schedule, layout=layout, method=plan_method,
-                         microbatches=microbatches, seq_len=seq_len, batch_size=batch_size,
-                         dtype=dtype, activation_checkpointing=activation_checkpointing, name=model)
-    if png is not None:
-        save_png(report, png)
-    typer.echo(format_report(report))
-    if png is not None:
-        typer.echo(f"wrote {png}")
-    if (ctx.obj or {}).get("console"):
-        _exit_now()
-
-
-def _exit_now() -> None:
-    """End a finished console run without interpreter teardown.
-
-    Freeing the modules torch and transformers loaded takes 0.5-2 s, a third of a whole
-    ``hfpipe plan``; plan holds no open files or threads, so nothing is lost by skipping it.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @app.command(no_args_is_help=True)

@@ -1,6 +1,6 @@
 """The run configuration: one dataclass, read strictly from YAML, checked when it is built.
 
-A recipe file (``recipes/*.yaml``) holds ``FinetuneConfig`` fields and nothing else; the
+A recipe file (``hfpipe/recipes/*.yaml``) holds ``FinetuneConfig`` fields and nothing else; the
 ``hfpipe finetune`` flags are the same fields spelled ``--batch-size``. Every check lives in
 ``__post_init__``, so a config built from a file, from flags or with ``dataclasses.replace`` is
 checked the same way, and each message names the flag to change.
