@@ -143,8 +143,8 @@ def main(
 @app.command(no_args_is_help=True)
 def export(
     ckpt: Annotated[Path, typer.Argument(
-        help="Training checkpoint folder (DCP files + hfpipe.json), e.g. out/checkpoints/step-00000100.",
-        show_default=False)],
+        help="Training checkpoint folder (DCP files + hfpipe.json), e.g. out/checkpoints/step-00000100, "
+             "or a run folder (its newest checkpoint).", show_default=False)],
     out: Annotated[Path, typer.Argument(help="Hugging Face folder to create.", show_default=False)],
     dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32"], typer.Option(
         help="Tensor dtype; auto keeps the source checkpoint's (FP8 sources become bf16).")] = "auto",
@@ -161,7 +161,9 @@ def export(
     # read when torch loads, so set it before the import (no effect if torch is already loaded).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from hfpipe.checkpoint.export import export_checkpoint
+    from hfpipe.checkpoint.find import find_checkpoint
 
+    ckpt = find_checkpoint(ckpt, "checkpoint")
     written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
                                 source=source, progress=progress)
     typer.echo(f"exported {ckpt} -> {written}")
@@ -196,12 +198,13 @@ def verify(
 def quickstart(
     out: Annotated[Path, typer.Option(help="Working folder for the model, the run and the export.")]
     = Path("hfpipe-quickstart"),
-    steps: Annotated[int, typer.Option(help="Optimizer steps of the fine-tune.")] = 60,
+    steps: Annotated[int, typer.Option(help="Optimizer steps of the fine-tune.")] = 120,
     pp: Annotated[int, typer.Option(help="Pipeline ranks: processes started on this machine.")] = 2,
 ) -> None:
     """Offline end-to-end demo: build a small Llama with a tokenizer, fine-tune it at --pp on the
     chat set shipped with hfpipe, export it, check the export against the pipeline with
-    transformers, and print a greedy generation before and after. No hub access needed."""
+    transformers, and print greedy answers to two prompts before and after. No hub access needed;
+    a second run reuses the model and starts the fine-tune afresh."""
     from hfpipe.quickstart import quickstart as run
 
     result = run(out, steps=steps, pp=pp, echo=typer.echo)

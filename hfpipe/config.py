@@ -289,7 +289,9 @@ def _check_ranges(c: FinetuneConfig) -> None:
     for name in _AT_LEAST_ZERO:
         if getattr(c, name) < 0:
             raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(c, name)}")
-    for name in ("lr", "eps", "max_grad_norm"):
+    if c.lr < 0:  # 0 is allowed: a run that must leave the weights as they are checks a round trip
+        raise ConfigError(f"--lr must be >= 0, got {c.lr}")
+    for name in ("eps", "max_grad_norm"):
         value = getattr(c, name)
         if value is not None and value <= 0:
             raise ConfigError(f"{_flag(name)} must be > 0, got {value}")
