@@ -23,8 +23,9 @@ __all__ = ["require_matplotlib", "save_png", "stage_colors"]
 # The step kind is the fill pattern; the colour is the stage.
 _HATCH = {"F": "", "B": "//", "I": "\\\\", "W": ".."}
 _KIND_NAME = {"F": "forward", "B": "backward", "I": "backward (input grads)", "W": "backward (weight grads)"}
-_MEMORY = (("weights", "weight_bytes", "#4e79a7"), ("grads", "grad_bytes", "#f28e2b"),
-           ("AdamW", "optimizer_bytes", "#76b7b2"), ("activations", "activation_bytes", "#e15759"))
+# Greys, so that no memory colour reads as a stage's.
+_MEMORY = (("weights", "weight_bytes", "#3a3a3a"), ("grads", "grad_bytes", "#7a7a7a"),
+           ("AdamW", "optimizer_bytes", "#b4b4b4"), ("activations", "activation_bytes", "#e2e2e2"))
 _GIB = 1024**3
 
 
@@ -122,7 +123,8 @@ def _draw_memory(ax, report: PlanReport, gpu_memory: int | None) -> None:
     left = [0.0] * len(report.ranks)
     for label, attr, color in _MEMORY:
         sizes = [getattr(k, attr) / _GIB for k in report.ranks]
-        ax.barh([k.rank for k in report.ranks], sizes, left=left, height=0.7, color=color, label=label)
+        ax.barh([k.rank for k in report.ranks], sizes, left=left, height=0.7, color=color, label=label,
+                edgecolor="black", linewidth=0.4)
         left = [a + b for a, b in zip(left, sizes)]
     for k, total in zip(report.ranks, left):
         over = gpu_memory is not None and k.total_bytes > gpu_memory
