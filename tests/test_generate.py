@@ -7,6 +7,7 @@ would leave them), so a generator that silently read the source's weights would 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -42,9 +43,20 @@ def folders(tmp_path_factory):
     return src, trained, root / "run"
 
 
+@functools.cache
+def hf_model(folder: Path):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@functools.cache
+def loaded(model: Path):
+    """hfpipe's generator for ``model``, loaded once per test session."""
+    return load_generator(model)
+
+
 def reference(folder: Path, ids: torch.Tensor, n: int) -> torch.Tensor:
     """What a transformers script gives: from_pretrained + greedy generate."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf_model(folder)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, ids.shape[1]:]
 
@@ -64,24 +76,24 @@ def test_greedy_output_equals_transformers_generate(folders, where):
     gen = load_generator(model)
     ids = gen.encode(PROMPT)
     torch.testing.assert_close(ids, chat_ids(src), rtol=0, atol=0)  # the chat template was applied
-    got = gen.generate_ids(ids, max_new_tokens=24)
-    assert got.tolist() == reference(trained, ids, 24).tolist()
-    assert got.tolist() != reference(src, ids, 24).tolist()  # the checkpoint's weights, not the source's
+    got = gen.generate_ids(ids, max_new_tokens=16)
+    assert got.tolist() == reference(trained, ids, 16).tolist()
+    assert got.tolist() != reference(src, ids, 16).tolist()  # the checkpoint's weights, not the source's
 
 
 def test_streamed_text_is_the_answer(folders):
-    gen = load_generator(folders[1])
+    gen = loaded(folders[1])
     pieces: list[str] = []
     answer = gen.generate(gen.encode(PROMPT, chat_template=False), max_new_tokens=16, stream=pieces.append)
     assert answer and "".join(pieces) == answer
 
 
 def test_sampling_is_seeded_and_differs_from_greedy(folders):
-    gen = load_generator(folders[1])
+    gen = loaded(folders[1])
     ids = gen.encode(PROMPT)
-    a, b = (gen.generate_ids(ids, max_new_tokens=24, temperature=1.5, seed=3) for _ in range(2))
+    a, b = (gen.generate_ids(ids, max_new_tokens=16, temperature=1.5, seed=3) for _ in range(2))
     assert a.tolist() == b.tolist()
-    assert a.tolist() != gen.generate_ids(ids, max_new_tokens=24).tolist()
+    assert a.tolist() != gen.generate_ids(ids, max_new_tokens=16).tolist()
 
 
 def test_cli_generate_prints_the_answer(folders):
@@ -94,14 +106,14 @@ def test_cli_generate_prints_the_answer(folders):
 
 
 def test_no_chat_template_continues_the_raw_text(folders):
-    gen = load_generator(folders[1])
+    gen = loaded(folders[1])
     raw = gen.encode("The sky is", chat_template=False)
     assert raw.tolist() == AutoTokenizer.from_pretrained(folders[1])("The sky is", return_tensors="pt")[
         "input_ids"].tolist()
 
 
 def test_chat_keeps_the_history_and_resets(folders):
-    gen = load_generator(folders[1])
+    gen = loaded(folders[1])
     turns = iter(["hi", "", "and then?", "/reset", "hi"])
     out: list[str] = []
 
