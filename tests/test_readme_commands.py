@@ -39,6 +39,7 @@ def test_the_readme_states_both_commands_and_the_test_extra():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_the_readme_commands_work_in_a_clean_venv(tmp_path):
     repo = tmp_path / "hfpipe"
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
