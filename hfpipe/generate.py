@@ -174,7 +174,7 @@ class Generator:
         out = self.model.generate(
             input_ids.to(self.model.device), attention_mask=torch.ones_like(input_ids),
             generation_config=self._config(max_new_tokens, temperature, top_p),
-            streamer=_Streamer(self.tokenizer, stream) if stream else None)
+            streamer=_streamer(self.tokenizer, stream) if stream else None)
         return out[0, input_ids.shape[1]:].cpu()
 
     def chat(self, read: Callable[[str], str], write: Callable[[str], None], *, system: str | None = None,
@@ -225,22 +225,13 @@ class Generator:
         return cfg
 
 
-def _streamer_class():
+def _streamer(tokenizer, write: Callable[[str], None]):
+    """transformers' TextStreamer (word-safe pieces, prompt skipped), writing through ``write``."""
     from transformers import TextStreamer
 
     class Streamer(TextStreamer):
-        """transformers' TextStreamer (word-safe decoding), writing through a callback."""
-
-        def __init__(self, tokenizer, write: Callable[[str], None]):
-            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-            self.write = write
-
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
             if text:
-                self.write(text)
+                write(text)
 
-    return Streamer
-
-
-def _Streamer(tokenizer, write):  # noqa: N802 - a class, built on first use (transformers import)
-    return _streamer_class()(tokenizer, write)
+    return Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
