@@ -52,7 +52,7 @@ def plan_kwargs(cfg) -> dict:
         cfg: A :class:`hfpipe.config.FinetuneConfig`.
     """
     # The hook for options that change memory: LoRA adds `lora_rank=cfg.lora_rank` here (and the
-    # flag to cli/plan.py's _FIELDS); fits, suggestions and the PNG need nothing more.
+    # `lora_rank` flag to cli/plan.py, named in its _FIELDS); fits, suggestions and the PNG follow.
     return dict(pp=cfg.pp, dp=cfg.dp, vpp=cfg.vpp, schedule=cfg.schedule, layout=cfg.layout,
                 method=cfg.plan_method, microbatches=cfg.num_microbatches, seq_len=cfg.seq_len,
                 batch_size=cfg.batch_size, dtype=cfg.dtype,
