@@ -232,7 +232,7 @@ def test_user_errors_are_one_line_exit_2_and_leave_nothing_behind(tiny, tmp_path
 
 
 def test_debug_adds_the_traceback(tiny):
-    result = run("--debug", "plan", tiny, "--pp", 9)
+    result = run("--debug", "plan", tiny, "--pp", 9, "--batch-size", 9)
     assert result.exit_code == 2
     assert "Traceback" in result.stderr and "PlanError" in result.stderr
     assert result.stderr.splitlines()[-1].startswith("error: --pp 9")
