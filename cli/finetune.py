@@ -41,9 +41,9 @@ def finetune(
     model: Annotated[Optional[str], typer.Argument(
         help="Hub id or local folder with config.json and safetensors; optional when the "
              "recipe sets `model:`.", show_default=False)] = None,
-    recipe: Annotated[Optional[Path], typer.Option(
-        help="Recipe YAML of FinetuneConfig keys (see recipes/); flags given here override it.",
-        show_default=False)] = None,
+    recipe: Annotated[Optional[str], typer.Option(
+        help="A shipped recipe's name (hfpipe recipes lists them) or a YAML file of FinetuneConfig "
+             "keys; flags given here override it.", show_default=False)] = None,
     pp: Annotated[Optional[int], _opt("pp")] = None,
     dp: Annotated[Optional[int], _opt("dp")] = None,
     vpp: Annotated[Optional[int], _opt("vpp")] = None,
@@ -132,7 +132,7 @@ def _next(result: dict, config: FinetuneConfig) -> str:
     return "next:\n" + "\n".join("  " + line for line in lines)
 
 
-def build_config(recipe: Path | None, given: dict) -> FinetuneConfig:
+def build_config(recipe: str | Path | None, given: dict) -> FinetuneConfig:
     """The run's config: the recipe (if any) with the given flags on top.
 
     Raises:
@@ -140,7 +140,9 @@ def build_config(recipe: Path | None, given: dict) -> FinetuneConfig:
         typer.BadParameter: neither MODEL nor --recipe was given.
     """
     if recipe is not None:
-        return FinetuneConfig.from_yaml(recipe, **given)
+        from hfpipe.recipes import find_recipe
+
+        return FinetuneConfig.from_yaml(find_recipe(recipe), **given)
     if "model" not in given:
         raise typer.BadParameter("give a model folder or hub id, or --recipe FILE with a `model:` key",
                                  param_hint="MODEL")

@@ -24,6 +24,9 @@ from typer.core import TyperGroup
 from hfpipe import __version__
 from hfpipe.cli.finetune import FIELD_HELP as _HELP
 from hfpipe.cli.finetune import finetune
+from hfpipe.cli.generate import chat, generate
+from hfpipe.cli.plan import plan
+from hfpipe.cli.recipes import recipes
 
 try:  # typer >= 0.24 ships its own copy of click
     from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -91,6 +94,10 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command(no_args_is_help=True)(finetune)
+app.command(no_args_is_help=True)(plan)
+app.command(no_args_is_help=True)(generate)
+app.command(no_args_is_help=True)(chat)
+app.command()(recipes)
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -134,68 +141,10 @@ def main(
 
 
 @app.command(no_args_is_help=True)
-def plan(
-    ctx: typer.Context,
-    model: Annotated[str, typer.Argument(
-        help="Model folder, config.json path, bundled model id (e.g. deepseek-ai/DeepSeek-V3) or "
-             "hub id; only config.json is read, no weights.", show_default=False)],
-    pp: Annotated[int, typer.Option(help=_HELP["pp"], show_default=False)],
-    vpp: Annotated[int, typer.Option(help=_HELP["vpp"])] = 1,
-    layout: Annotated[Optional[str], typer.Option(help=_HELP["layout"])] = None,
-    plan_method: Annotated[str, typer.Option(help=_HELP["plan_method"])] = "balanced",
-    schedule: Annotated[Optional[str], typer.Option(
-        help=_SCHEDULE_HELP + " Default: 1f1b, or interleaved-1f1b when --vpp > 1.",
-        show_default=False)] = None,
-    microbatches: Annotated[Optional[int], typer.Option(
-        help="Microbatches per step; default pp * vpp.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
-    batch_size: Annotated[Optional[int], typer.Option(
-        help="Sequences per step (split into the microbatches); default one per microbatch.")] = None,
-    dtype: Annotated[Literal["fp32", "bf16-mixed", "bf16"], typer.Option(help=_HELP["dtype"])] = "bf16-mixed",
-    activation_checkpointing: Annotated[Literal["none", "selective", "full"], typer.Option(
-        help=_HELP["activation_checkpointing"])] = "none",
-    trust_remote_code: Annotated[bool, typer.Option(help=_HELP["trust_remote_code"])] = False,
-    png: Annotated[Optional[Path], typer.Option(
-        help="Also draw the schedule timeline and stage costs into this PNG (needs matplotlib: "
-             "pip install 'hfpipe[plot]').")] = None,
-) -> None:
-    """Plan the pipeline stages of a model and print each rank's parameters, memory (weights,
-    gradients, AdamW state, activations), the balance and the schedule's bubble."""
-    from hfpipe.plan_report import format_report, load_model_config, plan_report
-
-    if png is not None:
-        from hfpipe.cli.plot import require_matplotlib, save_png
-
-        require_matplotlib()
-    config = load_model_config(model, trust_remote_code=trust_remote_code)
-    report = plan_report(config, pp, vpp=vpp, schedule=schedule, layout=layout, method=plan_method,
-                         microbatches=microbatches, seq_len=seq_len, batch_size=batch_size,
-                         dtype=dtype, activation_checkpointing=activation_checkpointing, name=model)
-    if png is not None:
-        save_png(report, png)
-    typer.echo(format_report(report))
-    if png is not None:
-        typer.echo(f"wrote {png}")
-    if (ctx.obj or {}).get("console"):
-        _exit_now()
-
-
-def _exit_now() -> None:
-    """End a finished console run without interpreter teardown.
-
-    Freeing the modules torch and transformers loaded takes 0.5-2 s, a third of a whole
-    ``hfpipe plan``; plan holds no open files or threads, so nothing is lost by skipping it.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-@app.command(no_args_is_help=True)
 def export(
     ckpt: Annotated[Path, typer.Argument(
-        help="Training checkpoint folder (DCP files + hfpipe.json), e.g. out/checkpoints/step-00000100.",
-        show_default=False)],
+        help="Training checkpoint folder (DCP files + hfpipe.json), e.g. out/checkpoints/step-00000100, "
+             "or a run folder (its newest checkpoint).", show_default=False)],
     out: Annotated[Path, typer.Argument(help="Hugging Face folder to create.", show_default=False)],
     dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32"], typer.Option(
         help="Tensor dtype; auto keeps the source checkpoint's (FP8 sources become bf16).")] = "auto",
@@ -212,7 +161,9 @@ def export(
     # read when torch loads, so set it before the import (no effect if torch is already loaded).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from hfpipe.checkpoint.export import export_checkpoint
+    from hfpipe.checkpoint.find import find_checkpoint
 
+    ckpt = find_checkpoint(ckpt, "checkpoint")
     written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
                                 source=source, progress=progress)
     typer.echo(f"exported {ckpt} -> {written}")
@@ -247,12 +198,13 @@ def verify(
 def quickstart(
     out: Annotated[Path, typer.Option(help="Working folder for the model, the run and the export.")]
     = Path("hfpipe-quickstart"),
-    steps: Annotated[int, typer.Option(help="Optimizer steps of the fine-tune.")] = 60,
+    steps: Annotated[int, typer.Option(help="Optimizer steps of the fine-tune.")] = 120,
     pp: Annotated[int, typer.Option(help="Pipeline ranks: processes started on this machine.")] = 2,
 ) -> None:
     """Offline end-to-end demo: build a small Llama with a tokenizer, fine-tune it at --pp on the
     chat set shipped with hfpipe, export it, check the export against the pipeline with
-    transformers, and print a greedy generation before and after. No hub access needed."""
+    transformers, and print greedy answers to two prompts before and after. No hub access needed;
+    a second run reuses the model and starts the fine-tune afresh."""
     from hfpipe.quickstart import quickstart as run
 
     result = run(out, steps=steps, pp=pp, echo=typer.echo)

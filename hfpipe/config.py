@@ -1,6 +1,6 @@
 """The run configuration: one dataclass, read strictly from YAML, checked when it is built.
 
-A recipe file (``recipes/*.yaml``) holds ``FinetuneConfig`` fields and nothing else; the
+A recipe file (``hfpipe/recipes/*.yaml``) holds ``FinetuneConfig`` fields and nothing else; the
 ``hfpipe finetune`` flags are the same fields spelled ``--batch-size``. Every check lives in
 ``__post_init__``, so a config built from a file, from flags or with ``dataclasses.replace`` is
 checked the same way, and each message names the flag to change.
@@ -332,7 +332,9 @@ def _check_ranges(c: FinetuneConfig) -> None:
     for name in _AT_LEAST_ZERO:
         if getattr(c, name) < 0:
             raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(c, name)}")
-    for name in ("lr", "eps", "max_grad_norm"):
+    if c.lr < 0:  # 0 is allowed: a run that must leave the weights as they are checks a round trip
+        raise ConfigError(f"--lr must be >= 0, got {c.lr}")
+    for name in ("eps", "max_grad_norm"):
         value = getattr(c, name)
         if value is not None and value <= 0:
             raise ConfigError(f"{_flag(name)} must be > 0, got {value}")

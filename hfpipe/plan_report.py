@@ -14,6 +14,15 @@ bf16-mixed    4 + 2    4      8          fp32 masters, plus the bf16 copy autoca
 bf16          2        2      4          everything bf16; AdamW state in the parameter dtype
 ============  =======  =====  =========  ===================================================
 
+With ``dp > 1`` the stage modules are FSDP2-sharded over dp (as :func:`hfpipe.api` does, each
+decoder layer and then the stage, no reshard after forward): fp32 masters, the sharded gradients
+kept for the optimizer and AdamW state are split ``dp`` ways, but during a schedule step torch's
+pipeline stage keeps the stage's parameters gathered in the compute dtype and accumulates their
+gradients unsharded in the reduce dtype (fp32; bf16 with ``bf16``) until the step's last backward
+(``set_requires_gradient_sync(False)`` for every microbatch before it). So per parameter:
+weights ``master / dp + compute``, grads ``reduce + grad / dp``, optimizer ``adamw / dp`` (see
+:func:`param_bytes`): more dp shrinks a rank down to the 6 bytes (bf16-mixed) it cannot shard.
+
 Activations, bytes per token per decoder layer, from Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", eq. 1: ``s*b*h*(34 + 5*a*s/h)`` for 16-bit
 activations): ``34 * h``. Their ``5*a*s`` term is the stored attention scores; transformers' default
@@ -40,7 +49,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BYTES_PER_PARAM", "PlanReport", "RankReport", "StageReport", "format_report",
+__all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report", "schedule_actions", "timeline"]
 
 #: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
@@ -100,12 +109,14 @@ class PlanReport:
     balance: float  # max / mean stage cost
     bubble: float  # idle share of a step (analytic)
     actions: tuple  # per rank, the (kind, stage, microbatch) steps of the schedule
+    dp: int = 1  # data-parallel pipelines; > 1 shards each rank's state with FSDP2
 
 
 def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
                 method: str = "balanced", microbatches: int | None = None, seq_len: int = 4096,
                 batch_size: int | None = None, dtype: str = "bf16-mixed",
-                activation_checkpointing: str = "none", name: str | None = None) -> PlanReport:
+                activation_checkpointing: str = "none", name: str | None = None,
+                dp: int = 1) -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -122,6 +133,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         dtype: ``fp32``, ``bf16-mixed`` or ``bf16``.
         activation_checkpointing: ``none``, ``selective`` or ``full``.
         name: What to call the model in the report; default the config's own name.
+        dp: Data-parallel degree; above 1, weights, gradients and optimizer state are priced as
+            FSDP2 shards them (see the module docstring).
 
     Raises:
         PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
@@ -136,6 +149,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if activation_checkpointing not in _AC_MODES:
         raise PlanError(f"--activation-checkpointing must be one of {', '.join(_AC_MODES)}; "
                         f"got {activation_checkpointing!r}")
+    if dp < 1:
+        raise PlanError(f"--dp must be >= 1, got {dp}")
     get_adapter(config)
     schedule = schedule or ("interleaved-1f1b" if vpp > 1 else "1f1b")
     vpp = 2 if vpp == 1 and schedule in _MULTI_STAGE else vpp
@@ -157,7 +172,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
         s.cost / mean_cost, counts[s.index], per_mb[s.index],
         counts[s.index] * per_mb[s.index] + (extra if s.layers else 0)) for s in plan.stages)
-    ranks = tuple(_rank_report(r, plan, stages, costs, config, dtype, peaks[r] + extra)
+    ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, dp), peaks[r] + extra)
                   for r in range(pp))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
@@ -167,7 +182,23 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         schedule=schedule, microbatches=m, microbatch_size=batch // m, seq_len=seq_len,
         dtype=dtype, activation_checkpointing=activation_checkpointing, stages=stages,
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
-        actions=actions)
+        actions=actions, dp=dp)
+
+
+#: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
+_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}
+
+
+def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter on one rank at data-parallel ``dp``.
+
+    ``dp == 1`` is :data:`BYTES_PER_PARAM`; above it, FSDP2's shards plus the whole compute-dtype
+    parameters and reduce-dtype gradients a pipeline step keeps (see the module docstring).
+    """
+    if dp == 1:
+        return BYTES_PER_PARAM[dtype]
+    master, compute, grad, optim = _FSDP_BYTES[dtype]
+    return master / dp + compute, grad + grad / dp, optim / dp
 
 
 def _stage_params(stage, costs) -> int:
@@ -186,16 +217,16 @@ def _stage_activations(config, stage, tokens: int, dtype: str, ac: str) -> int:
     return int(per_token * tokens)
 
 
-def _rank_report(rank: int, plan, stages, costs, config, dtype: str, activations: int) -> RankReport:
+def _rank_report(rank: int, plan, stages, costs, config, per_param, activations: int) -> RankReport:
     mine = [s for s in stages if s.rank == rank]
     specs = plan.stages_of_rank(rank)
     params = sum(s.params for s in mine)
     if getattr(config, "tie_word_embeddings", False) and any(s.embed for s in specs) and any(
             s.head for s in specs):
         params -= costs.embed_params  # one shared embedding/head matrix on this rank
-    w, g, o = BYTES_PER_PARAM[dtype]
-    return RankReport(rank, tuple(s.index for s in mine), params, params * w, params * g,
-                      params * o, activations)
+    w, g, o = per_param
+    return RankReport(rank, tuple(s.index for s in mine), params, int(params * w), int(params * g),
+                      int(params * o), activations)
 
 
 def _holds(stage) -> str:
@@ -344,10 +375,12 @@ def _table(header: list[str], rows: list[list], left: int = -1) -> list[str]:
 def format_report(report: PlanReport) -> str:
     """The report as plain-text tables: stages, then ranks, then balance and bubble."""
     r, plan = report, report.plan
-    w, g, o = BYTES_PER_PARAM[r.dtype]
+    w, g, o = (f"{b:g}" for b in param_bytes(r.dtype, r.dp))
+    sharding = f", dp {r.dp} (FSDP2)" if r.dp > 1 else ""
+    fsdp = f", FSDP2 over dp {r.dp}" if r.dp > 1 else ""
     lines = [
         f"{r.model}: {_count(r.total_params)} parameters, {r.num_layers} decoder layers",
-        f"pipeline: pp {plan.pp} x vpp {plan.vpp} ({plan.style} style), schedule {r.schedule}, "
+        f"pipeline: pp {plan.pp} x vpp {plan.vpp} ({plan.style} style){sharding}, schedule {r.schedule}, "
         f"{r.microbatches} microbatches of {r.microbatch_size} x {r.seq_len} tokens, {r.dtype}, "
         f"activation checkpointing {r.activation_checkpointing}",
         "",
@@ -366,7 +399,7 @@ def format_report(report: PlanReport) -> str:
         f"balance {r.balance:.3f} (costliest stage / mean; 1.000 is perfect)",
         f"bubble {100 * r.bubble:.1f}% of each step idle ({r.schedule}, analytic)",
         f"peak memory {_size(worst.total_bytes)} on rank {worst.rank}",
-        f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}); activations "
+        f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "
         f"~34*hidden bytes/token/layer (Korthikanti et al. 2022, SDPA), logits on the head stage",
     ]
     return "\n".join(lines)

@@ -1,60 +1,120 @@
 """The offline quickstart: build a small Llama, fine-tune it at pp=2, export, verify, generate.
 
-Everything runs on this machine with no hub access: the model and tokenizer are built here, the
-data is the chat set shipped with hfpipe, and each step goes through the same code as a real run.
+Everything runs on this machine with no hub access: the model is built here, its tokenizer is
+trained here on the chat set shipped with hfpipe (so words are tokens and a small model learns to
+answer in about a hundred steps), and each step goes through the same code as a real run. Every
+stretch that prints nothing on its own (worker start-up and shutdown, verification) gets a line
+every few seconds, and a second run in the same folder says what it reuses and starts the run afresh.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import threading
+import time
 from pathlib import Path
 
-import torch
-
-__all__ = ["quickstart"]
+__all__ = ["PROMPTS", "quickstart"]
 
 log = logging.getLogger(__name__)
 
-PROMPT = [{"role": "user", "content": "What colour is the sky?"}]
+#: What the model is asked before and after fine-tuning (both are in the shipped chat set).
+PROMPTS = ("What colour is the sky on a clear day?", "How does a cat sound?")
+_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, vocab_size=1024)
+_TICK = 5.0  # seconds between progress lines in otherwise silent stretches
 
 
-def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 60, pp: int = 2,
+def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 120, pp: int = 2,
                echo=print) -> dict:
     """Run the quickstart into ``out``; return what it measured.
 
     Args:
-        out: Working folder (created; ``base/``, ``run/`` and ``run/hf`` go inside).
+        out: Working folder (created; ``base/``, ``run/`` and ``run/hf`` go inside). A model in
+            ``base/`` from an earlier run is reused; an earlier ``run/`` is replaced.
         steps: Optimizer steps of the fine-tune.
         pp: Pipeline ranks.
         echo: Where the human-readable lines go.
     """
+    out = Path(out)
+    base, run = out / "base", out / "run"
+    echo(f"1/4 a small Llama with a tokenizer trained on the shipped chat set, in {base}")
+    if (base / "config.json").is_file():
+        echo("    reusing the model built by an earlier quickstart (delete the folder to rebuild)")
+    else:
+        with _Ticker(echo, lambda: "building"):
+            _build_base(base)
+    with _Ticker(echo, lambda: "generating"):
+        before = _answers(base)
+    for prompt, answer in zip(PROMPTS, before):
+        echo(f"    prompt: {prompt!r}\n    before fine-tuning: {answer!r}")
+    _clear_previous_run(run, echo)
+    echo(f"2/4 fine-tuning {steps} steps at pp={pp} ({pp} worker processes; the loss and a "
+         "progress bar follow once they have loaded)")
+    first, last = _finetune(base, run, steps, pp, echo)
+    echo(f"    loss {first:.3f} -> {last:.3f}")
+    hf = run / "hf"
+    echo(f"3/4 exported to {hf}")
+    echo(f"4/4 checking the export: transformers in this process vs the pipeline in {pp} processes")
+    with _Ticker(echo, lambda: "verifying"):
+        result = _verify(hf, pp)
+    echo(f"    max abs diff of the logits {result['max_abs_diff']:.2e} "
+         f"({'PASS' if result['passed'] else 'FAIL'})")
+    with _Ticker(echo, lambda: "generating"):
+        after = _answers(hf)
+    for prompt, answer in zip(PROMPTS, after):
+        echo(f"    prompt: {prompt!r}\n    after fine-tuning:  {answer!r}")
+    echo(f"next: hfpipe chat {hf}")
+    return {"first_loss": first, "last_loss": last, "before": before, "after": after, **result}
+
+
+def _build_base(base: Path) -> None:
+    from hfpipe.tiny import make_tiny_checkpoint, make_tiny_tokenizer
+
+    make_tiny_checkpoint(base, "llama", max_shard_size="200KB", tokenizer=False, **_MODEL)
+    make_tiny_tokenizer(_MODEL["vocab_size"], _chat_corpus()).save_pretrained(base)
+
+
+def _chat_corpus() -> list[str]:
+    """Every message of the shipped chat set: what the quickstart tokenizer is trained on."""
+    path = Path(__file__).parent / "assets" / "data" / "tiny_chat.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [m["content"] for row in rows for m in row["messages"]]
+
+
+def _clear_previous_run(run: Path, echo) -> None:
+    """Start the run afresh: a resumed finished run would train 0 steps and report no loss."""
+    if not run.exists():
+        return
+    if not ((run / "checkpoints").is_dir() or (run / "metrics.jsonl").is_file()):
+        from hfpipe.config import ConfigError
+
+        raise ConfigError(f"{run} exists and is not a quickstart run; choose another --out")
+    shutil.rmtree(run)
+    echo(f"    removed the previous quickstart run in {run}: this one starts afresh")
+
+
+def _finetune(base: Path, run: Path, steps: int, pp: int, echo) -> tuple[float, float]:
     from hfpipe.config import FinetuneConfig
-    from hfpipe.tiny import make_tiny_checkpoint
     from hfpipe.train.runner import finetune
 
-    out = Path(out)
-    base = out / "base"
-    if not (base / "config.json").is_file():
-        make_tiny_checkpoint(base, "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                             max_shard_size="200KB")
-    echo(f"1/4 built a small Llama (random weights) with a tokenizer in {base}")
-    echo(f"    before fine-tuning: {_generate(base)!r}")
-    cfg = FinetuneConfig(model=str(base), output_dir=str(out / "run"), pp=pp, schedule="1f1b",
+    cfg = FinetuneConfig(model=str(base), output_dir=str(run), pp=pp, schedule="1f1b",
                          dataset="builtin:tiny-chat", seq_len=128, batch_size=8, microbatches=4,
                          max_steps=steps, lr=3e-3, warmup_steps=5, weight_decay=0.0,
-                         save_hf_at_end=True, resume="auto")
-    summary = finetune(cfg)
-    hist = summary.get("history", [])
-    first, last = (hist[0]["loss"], hist[-1]["loss"]) if hist else (float("nan"), float("nan"))
-    echo(f"2/4 fine-tuned {steps} steps at pp={pp}: loss {first:.3f} -> {last:.3f}")
-    hf = out / "run" / "hf"
-    echo(f"3/4 exported to {hf}")
-    result = _verify(hf, pp)
-    echo(f"4/4 transformers vs pipeline logits: max abs diff {result['max_abs_diff']:.2e} "
-         f"({'PASS' if result['passed'] else 'FAIL'})")
-    echo(f"    after fine-tuning:  {_generate(hf)!r}")
-    return {"first_loss": first, "last_loss": last, **result}
+                         save_hf_at_end=True)
+    def status() -> str | None:  # None while the run's own progress bar is on screen
+        if not (run / "metrics.jsonl").is_file():  # written at the first step
+            return "starting workers"
+        return "stopping workers" if (run / "hf" / "config.json").is_file() else None
+
+    with _Ticker(echo, status):
+        summary = finetune(cfg)
+    losses = [row["loss"] for row in summary.get("history", []) if "loss" in row]
+    if not losses:
+        raise RuntimeError(f"the fine-tune in {run} reported no loss; see the log above")
+    return losses[0], losses[-1]
 
 
 def _verify(hf: Path, pp: int) -> dict:
@@ -64,14 +124,41 @@ def _verify(hf: Path, pp: int) -> dict:
     return {"max_abs_diff": r.max_abs_diff, "passed": r.passed}
 
 
-@torch.no_grad()
-def _generate(folder: Path, max_new_tokens: int = 16) -> str:
-    """A short greedy answer to :data:`PROMPT` from the model in ``folder``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _answers(folder: Path, max_new_tokens: int = 24) -> list[str]:
+    """Greedy answers to :data:`PROMPTS` from the model in ``folder`` (hfpipe generate's code)."""
+    from hfpipe.generate import load_generator
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    return tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    gen = load_generator(folder)
+    return [gen.generate(gen.encode(p), max_new_tokens=max_new_tokens).strip() for p in PROMPTS]
+
+
+class _Ticker:
+    """Prints ``    <what>... (N s)`` every few seconds while a silent stretch lasts.
+
+    Args:
+        echo: Where the lines go.
+        what: What is going on now, or None while something else shows progress.
+    """
+
+    def __init__(self, echo, what):
+        self.echo, self.what = echo, what
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _Ticker:
+        self.start = time.monotonic()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        shown = None
+        while not self.stop.wait(_TICK):
+            what = self.what()
+            if what != shown:  # a new stretch: count from here
+                shown, self.start = what, time.monotonic() - _TICK
+            if what is not None:
+                self.echo(f"    {what}... ({time.monotonic() - self.start:.0f} s)")

@@ -173,10 +173,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_tokenizer():
-    """A byte-level BPE tokenizer of :data:`VOCAB` tokens with chat special tokens.
+def make_tiny_tokenizer(vocab_size: int = VOCAB, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens with chat special tokens.
 
-    Byte-level, so any text encodes; trained deterministically on a built-in corpus.
+    Byte-level, so any text encodes; trained deterministically on ``corpus`` (default a built-in
+    one). The quickstart trains it on its chat data, so that words are tokens and a small model
+    learns to answer in a few dozen steps.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -186,12 +188,12 @@ def make_tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(_CORPUS * 4 if corpus is None else corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<|pad|>",

@@ -25,7 +25,7 @@ from hfpipe import __version__
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
 
-COMMANDS = ("finetune", "plan", "export", "verify", "quickstart")
+COMMANDS = ("finetune", "plan", "export", "verify", "quickstart", "generate", "chat", "recipes")
 runner = CliRunner()
 
 
@@ -159,18 +159,20 @@ def test_plan_png_without_matplotlib_says_what_to_install(tiny, tmp_path, monkey
 
 # (id, command line with {tiny} / {<how>} / {ckpt} / {out} placeholders, message, setup)
 CASES = [
-    ("plan: pp above the layer count", "plan {tiny} --pp 9", "reduce --pp", None),
+    ("plan: pp above the layer count", "plan {tiny} --pp 9 --batch-size 9", "reduce --pp", None),
     ("plan: unknown architecture", "plan {gpt2} --pp 2", "unknown architecture 'gpt2'", None),
-    ("plan: unknown schedule", "plan {tiny} --pp 2 --schedule zigzag", "--schedule 'zigzag' is unknown", None),
+    ("plan: unknown schedule", "plan {tiny} --pp 2 --schedule zigzag", "--schedule must be one of", None),
     ("plan: too few microbatches for 1f1b", "plan {tiny} --pp 4 --microbatches 2",
      "needs at least as many microbatches as stages (4)", None),
     ("plan: batch not divisible", "plan {tiny} --pp 2 --batch-size 3",
-     "--batch-size 3 does not divide into --microbatches 2", None),
+     "--batch-size (3) must be a multiple of --microbatches (2, the default pp * vpp)", None),
     ("plan: layout of the wrong layer count", "plan {tiny} --pp 2 --layout Et|tL",
      "--layout has 2 't' layers but the model has 6", None),
     ("plan: remote code without --trust-remote-code", "plan {remote-code} --pp 2",
      "pass --trust-remote-code", None),
-    ("plan: missing --pp", "plan {tiny}", "Missing option '--pp'", None),
+    ("plan: no model", "plan --pp 2", "give a model folder or hub id", None),
+    ("plan: unknown recipe", "plan --recipe llama3_1_8b", "did you mean llama3_1_8b_sft_pp4", None),
+    ("plan: bad --gpu-memory", "plan {tiny} --gpu-memory lots", "--gpu-memory 'lots' is not a size", None),
     ("plan: not a number", "plan {tiny} --pp two", "Invalid value for '--pp'", None),
     ("verify: missing shard", "verify {missing-shard}", "shard file is missing", None),
     ("verify: truncated shard", "verify {truncated-shard}", "truncated shard", None),
@@ -230,7 +232,7 @@ def test_user_errors_are_one_line_exit_2_and_leave_nothing_behind(tiny, tmp_path
 
 
 def test_debug_adds_the_traceback(tiny):
-    result = run("--debug", "plan", tiny, "--pp", 9)
+    result = run("--debug", "plan", tiny, "--pp", 9, "--batch-size", 9)
     assert result.exit_code == 2
     assert "Traceback" in result.stderr and "PlanError" in result.stderr
     assert result.stderr.splitlines()[-1].startswith("error: --pp 9")
@@ -367,4 +369,4 @@ def test_entry_point_plan_prints_everything_before_its_fast_exit():
     proc = entry("plan", "meta-llama/Llama-3.2-1B", "--pp", 2)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("meta-llama/Llama-3.2-1B: 1.24B parameters")
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("per parameter: weights 6 B")
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("per parameter: weights 4 B")  # fp32

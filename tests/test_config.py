@@ -185,7 +185,7 @@ MESSAGES = [
     (dict(seed=-1), "--seed must be >= 0, got -1"),
     (dict(min_lr=-1e-6), "--min-lr must be >= 0, got -1e-06"),
     (dict(weight_decay=-0.1), "--weight-decay must be >= 0, got -0.1"),
-    (dict(lr=0), "--lr must be > 0, got 0.0"),
+    (dict(lr=-1e-5), "--lr must be >= 0, got -1e-05"),
     (dict(eps=0), "--eps must be > 0, got 0.0"),
     (dict(max_grad_norm=0), "--max-grad-norm must be > 0, got 0.0"),
     (dict(lr=1e-5, min_lr=2e-5), "--min-lr (2e-05) must be <= --lr (1e-05)"),

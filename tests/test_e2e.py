@@ -36,6 +36,8 @@ def test_quickstart_runs_offline_and_passes(tmp_path):
     run = hfpipe("quickstart", "--out", "qs", "--steps", 12, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    for marker in ("1/4 built a small Llama", "before fine-tuning:", "2/4 fine-tuned 12 steps at pp=2",
-                   "3/4 exported to", "4/4 transformers vs pipeline logits", "(PASS)", "after fine-tuning:"):
+    for marker in ("1/4 a small Llama", "prompt: 'What colour is the sky on a clear day?'",
+                   "before fine-tuning:", "2/4 fine-tuning 12 steps at pp=2", "    loss ",
+                   "3/4 exported to", "4/4 checking the export", "(PASS)", "after fine-tuning:"):
         assert any(marker in line for line in lines), (marker, run.stdout)
+    assert "nan" not in run.stdout

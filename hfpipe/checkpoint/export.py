@@ -123,6 +123,7 @@ def export_checkpoint(
         _write_weights(tmp, reader, model, groups, shards, progress)
         _write_config(tmp, cfg_json, _dominant_dtype(groups), fp8)
         _copy_side_files(src, tmp)
+        _make_readable(tmp)
         _install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -480,3 +481,18 @@ def _install(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
     else:
         old.unlink()
+
+
+def _make_readable(folder: Path) -> None:
+    """Give the exported files the modes a plain ``open`` gives (0644 under the usual umask 022).
+
+    safetensors writes its files 0600 and ``copy2`` keeps a source's modes; a model folder is
+    meant to be shared with the group, as ``save_pretrained``'s config and tokenizer files are.
+    """
+    probe = folder / ".mode-probe"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777  # 0o666 minus this process's umask
+    probe.unlink()
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(mode)

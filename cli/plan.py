@@ -1,0 +1,90 @@
+"""``hfpipe plan``: what a finetune run would cost each rank, and whether it fits the GPUs.
+
+The options are finetune's own (same names, same defaults, same recipe files), so a plan prices
+exactly the run ``hfpipe finetune`` with the same arguments would start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from hfpipe.cli.finetune import _opt, build_config
+
+__all__ = ["plan"]
+
+_FIELDS = ("pp", "dp", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
+           "batch_size", "dtype", "activation_checkpointing", "trust_remote_code")
+
+
+def plan(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(
+        help="Model folder, config.json path, bundled model id (e.g. deepseek-ai/DeepSeek-V3) or "
+             "hub id; only config.json is read, no weights. Optional when the recipe sets `model:`.",
+        show_default=False)] = None,
+    recipe: Annotated[Optional[str], typer.Option(
+        help="A shipped recipe's name (hfpipe recipes lists them) or a YAML file; flags given here "
+             "override it.", show_default=False)] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(
+        help="Memory of one GPU, e.g. 80GB or 141GB: say per rank whether the plan fits, and the "
+             "nearest changes that would.", show_default=False)] = None,
+    pp: Annotated[Optional[int], _opt("pp")] = None,
+    dp: Annotated[Optional[int], _opt("dp")] = None,
+    vpp: Annotated[Optional[int], _opt("vpp")] = None,
+    schedule: Annotated[Optional[str], _opt("schedule")] = None,
+    layout: Annotated[Optional[str], _opt("layout")] = None,
+    plan_method: Annotated[Optional[str], _opt("plan_method")] = None,
+    microbatches: Annotated[Optional[int], _opt("microbatches")] = None,
+    seq_len: Annotated[Optional[int], _opt("seq_len")] = None,
+    batch_size: Annotated[Optional[int], _opt("batch_size")] = None,
+    dtype: Annotated[Optional[str], _opt("dtype")] = None,
+    activation_checkpointing: Annotated[Optional[str], _opt("activation_checkpointing")] = None,
+    trust_remote_code: Annotated[Optional[bool], _opt(
+        "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
+    png: Annotated[Optional[Path], typer.Option(
+        help="Also draw the schedule timeline and each rank's memory into this PNG (needs "
+             "matplotlib: pip install 'hfpipe[plot]').", show_default=False)] = None,
+) -> None:
+    """Plan the pipeline stages of a finetune run and print each rank's parameters, memory
+    (weights, gradients, AdamW state, activations; dp sharding counted), the balance and the
+    schedule's bubble; with --gpu-memory, whether each rank fits and what would make it fit."""
+    from hfpipe.plan_fit import format_fit, parse_memory, report_for, suggest
+    from hfpipe.plan_report import format_report, load_model_config
+
+    given = {k: v for k, v in locals().items() if k in _FIELDS and v is not None}
+    if model is not None:
+        given["model"] = model
+    cfg = build_config(recipe, given)
+    limit = parse_memory(gpu_memory) if gpu_memory is not None else None
+    if png is not None:
+        from hfpipe.cli.plot import require_matplotlib, save_png
+
+        require_matplotlib()
+    config = load_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    report = report_for(config, cfg)
+    if png is not None:
+        save_png(report, png, gpu_memory=limit)
+    typer.echo(format_report(report))
+    if limit is not None:
+        fits = all(r.total_bytes <= limit for r in report.ranks)
+        typer.echo("\n" + format_fit(report, limit, None if fits else suggest(config, cfg, limit)))
+    if png is not None:
+        typer.echo(f"wrote {png}")
+    if (ctx.obj or {}).get("console"):
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """End a finished console run without interpreter teardown.
+
+    Freeing the modules torch and transformers loaded takes 0.5-2 s, a third of a whole
+    ``hfpipe plan``; plan holds no open files or threads, so nothing is lost by skipping it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,66 @@
+"""Which checkpoint a user means: a step folder, a run folder (its newest step) or a checkpoints folder.
+
+``hfpipe export`` and ``hfpipe generate`` take any of these. When the folder named is not there,
+the error lists the steps that are, so the user can pick one without an ``ls``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hfpipe.checkpoint.dcp import CheckpointError, latest_checkpoint
+
+__all__ = ["find_checkpoint", "is_checkpoint_like"]
+
+_STEP_DIR = re.compile(r"^step-\d{8}$")
+
+
+def is_checkpoint_like(path: str | Path) -> bool:
+    """Whether ``path`` looks like a training checkpoint, a run folder or a checkpoints folder.
+
+    A Hugging Face model folder (``config.json`` and no ``hfpipe.json``/``checkpoints/``) does not.
+    """
+    path = Path(path)
+    if _STEP_DIR.match(path.name) or (path / "hfpipe.json").is_file() or (path / ".metadata").is_file():
+        return True
+    if (path / "config.json").is_file():
+        return False
+    return (path / "checkpoints").is_dir() or any(_steps(path))
+
+
+def find_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
+    """The checkpoint folder ``path`` stands for.
+
+    Args:
+        path: ``OUT/checkpoints/step-00000100``, the run folder ``OUT`` (its newest complete
+            checkpoint) or ``OUT/checkpoints``.
+        what: How the argument is called in error messages.
+
+    Raises:
+        CheckpointError: nothing usable there; the message lists the steps that exist.
+    """
+    path = Path(path)
+    if (path / "hfpipe.json").is_file() or (path / ".metadata").is_file():
+        return path  # a step folder; its contents are checked by whoever reads it
+    for root in (path / "checkpoints", path):
+        latest = latest_checkpoint(root) if root.is_dir() else None
+        if latest is not None:
+            return latest
+    if _STEP_DIR.match(path.name):
+        steps = _steps(path.parent)
+        found = f"existing steps: {', '.join(steps)}" if steps else f"{path.parent} holds no checkpoints"
+        raise CheckpointError(f"{what} {path} not found; {found}")
+    if path.is_dir():
+        raise CheckpointError(f"{what} {path} holds no complete checkpoint (no checkpoints/step-*/); "
+                              "pass a run folder after its first save, or a step folder")
+    raise CheckpointError(f"{what} {path} not found; pass a run folder (OUT) or a step folder "
+                          "like OUT/checkpoints/step-00000100")
+
+
+def _steps(folder: Path) -> list[str]:
+    """Names of the complete step folders in ``folder``, oldest first."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir()
+                  if _STEP_DIR.match(p.name) and (p / "hfpipe.json").is_file() and (p / ".metadata").is_file())

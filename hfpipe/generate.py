@@ -1,0 +1,237 @@
+"""Talk to a model after training: one answer (``hfpipe generate``) or a conversation (``hfpipe chat``).
+
+One process, transformers' own ``generate`` (so the output is exactly what a transformers script
+gives), from a Hugging Face folder or hub id, or straight from a training checkpoint: a step folder
+or a run folder (its newest checkpoint), read tensor by tensor through the DCP reader the exporter
+uses, into the model built from the source folder recorded in the checkpoint's ``hfpipe.json``.
+Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["GenerateError", "Generator", "load_generator"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class GenerateError(ValueError):
+    """The model or the request cannot be used (one line: what and the fix)."""
+
+
+def load_generator(model: str | Path, *, dtype: str = "auto", source: str | Path | None = None,
+                   trust_remote_code: bool = False) -> Generator:
+    """Load a model and its tokenizer for generation.
+
+    Args:
+        model: Hugging Face folder or hub id; or a training checkpoint: a step folder, or a run
+            folder (its newest checkpoint).
+        dtype: ``auto`` (as stored: the checkpoint's training dtype, the folder's ``dtype``) or
+            ``fp32``/``bf16``/``fp16``.
+        source: For a checkpoint: the HF folder the run started from, if it moved since training.
+        trust_remote_code: Allow code from the model repository.
+
+    Raises:
+        GenerateError, CheckpointError, ExportError, SourceError: the message names the fix.
+    """
+    from hfpipe.checkpoint.find import find_checkpoint, is_checkpoint_like
+
+    if dtype not in _DTYPES:
+        raise GenerateError(f"--dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
+    if is_checkpoint_like(model):
+        ckpt = find_checkpoint(model, "MODEL")
+        net, folder = _from_checkpoint(ckpt, source, trust_remote_code)
+        if dtype != "auto":
+            net = net.to(_DTYPES[dtype])
+    else:
+        net, folder = _from_folder(str(model), dtype, trust_remote_code), str(model)
+    return Generator(net.eval(), _tokenizer(folder, trust_remote_code))
+
+
+def _from_folder(name: str, dtype: str, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+        raise GenerateError(f"MODEL {name}: no such folder; pass a model folder, hub id or checkpoint")
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=_DTYPES[dtype],
+                                                    trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # missing files, unknown repo, remote code refused
+        raise GenerateError(f"MODEL {name}: {str(e).splitlines()[0]}") from None
+
+
+def _tokenizer(folder: str | Path, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise GenerateError(f"{folder}: no usable tokenizer ({str(e).splitlines()[0]}); "
+                            "save the tokenizer with the model") from None
+
+
+def _from_checkpoint(ckpt: Path, source: str | Path | None, trust_remote_code: bool):
+    """The full model of a training checkpoint, in memory; and the source folder (tokenizer)."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    from hfpipe.checkpoint.dcp_reader import _DcpReader
+    from hfpipe.checkpoint.export import read_checkpoint_meta
+    from hfpipe.source import load_config
+    from hfpipe.stage import build_meta_model
+
+    meta = read_checkpoint_meta(ckpt)
+    src = Path(source if source is not None else meta["source"]).expanduser()
+    if not (src / "config.json").is_file():
+        raise GenerateError(f"source folder {src} of checkpoint {ckpt} has no config.json (moved?); "
+                            "pass --source <the HF model folder the run started from>")
+    config = copy.deepcopy(load_config(src, trust_remote_code=trust_remote_code))
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # the checkpoint holds dequantised training weights
+    model = build_meta_model(config)
+    expected = remove_tied_weights_from_state_dict(dict(model.state_dict()), model)
+    reader = _DcpReader(ckpt)
+    saved = reader.tensors("model.")
+    missing = [k for k in expected if k not in saved]
+    if missing:
+        raise GenerateError(f"checkpoint {ckpt} lacks model.{missing[0]} ({len(missing)} tensors) of "
+                            f"{src}; pass --source <the HF folder the run started from>")
+    log.info("loading %d tensors from %s (step %d)", len(expected), ckpt, meta["step"])
+    state = {k: reader.read("model." + k) for k in expected}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    _rebuild_buffers(model)
+    return model, src
+
+
+def _rebuild_buffers(model: torch.nn.Module) -> None:
+    """Give the rotary embedding real ``inv_freq`` (non-persistent: not in any checkpoint)."""
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None:
+        model.model.rotary_emb = type(rotary)(config=rotary.config)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise GenerateError(f"{type(model).__name__}: {left[0]} has no value after loading the "
+                            "checkpoint; export it with hfpipe export and generate from the folder")
+
+
+class Generator:
+    """A loaded model and tokenizer that answer prompts.
+
+    Args:
+        model: A transformers causal LM, in eval mode.
+        tokenizer: Its tokenizer.
+    """
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, prompt: str | list[dict], chat_template: bool = True) -> torch.Tensor:
+        """Token ids ``[1, T]`` of a prompt: chat messages (or one user turn) through the chat
+        template when there is one and ``chat_template``, else the raw text."""
+        if isinstance(prompt, str) and not (chat_template and self.has_chat_template):
+            return self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        if not self.has_chat_template:
+            raise GenerateError("this tokenizer has no chat template; use hfpipe generate "
+                                "--no-chat-template, or a model with a chat template")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 return_tensors="pt", return_dict=True)
+        return out["input_ids"]
+
+    def generate(self, input_ids: torch.Tensor, *, stream: Callable[[str], None] | None = None,
+                 **options) -> str:
+        """The completion of ``input_ids`` as text (new tokens only, special tokens skipped);
+        ``stream`` receives it piece by piece as it is produced. Options: :meth:`generate_ids`."""
+        ids = self.generate_ids(input_ids, stream=stream, **options)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def generate_ids(self, input_ids: torch.Tensor, *, max_new_tokens: int = 128,
+                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                     stream: Callable[[str], None] | None = None) -> torch.Tensor:
+        """The new token ids after ``input_ids`` (``[1, T]``), by transformers' ``generate``.
+
+        Greedy when ``temperature`` is 0, else sampled (seeded by ``seed``).
+        """
+        if max_new_tokens < 1:
+            raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise GenerateError(f"--temperature must be >= 0 and --top-p in (0, 1]; got "
+                                f"{temperature}, {top_p}")
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids.to(self.model.device), attention_mask=torch.ones_like(input_ids),
+            generation_config=self._config(max_new_tokens, temperature, top_p),
+            streamer=_streamer(self.tokenizer, stream) if stream else None)
+        return out[0, input_ids.shape[1]:].cpu()
+
+    def chat(self, read: Callable[[str], str], write: Callable[[str], None], *, system: str | None = None,
+             **options) -> list[dict]:
+        """A conversation: user turns from ``read(prompt)`` until it raises EOFError or the user
+        types ``/exit``; ``/reset`` forgets the history. Answers stream through ``write``.
+
+        Returns:
+            The conversation, as chat messages.
+        """
+        if not self.has_chat_template:
+            raise GenerateError("this tokenizer has no chat template, so it cannot chat; use "
+                                "hfpipe generate --no-chat-template --prompt ...")
+        start = [{"role": "system", "content": system}] if system else []
+        messages = list(start)
+        while True:
+            try:
+                line = read("you> ").strip()
+            except (EOFError, KeyboardInterrupt):
+                write("\n")
+                return messages
+            if line in ("/exit", "/quit"):
+                return messages
+            if line == "/reset":
+                messages = list(start)
+                write("(history cleared)\n")
+                continue
+            if not line:
+                continue
+            messages.append({"role": "user", "content": line})
+            write("model> ")
+            answer = self.generate(self.encode(messages), stream=write, **options)
+            write("\n")
+            messages.append({"role": "assistant", "content": answer})
+
+    def _config(self, max_new_tokens: int, temperature: float, top_p: float):
+        """The model's generation config with our choice of decoding on top (greedy by default,
+        whatever sampling the folder's generation_config.json asks for)."""
+        cfg = copy.deepcopy(self.model.generation_config)
+        sample = temperature > 0
+        cfg.update(max_new_tokens=max_new_tokens, do_sample=sample, num_beams=1,
+                   temperature=temperature if sample else None, top_p=top_p if sample else None,
+                   top_k=None, max_length=None)
+        if cfg.pad_token_id is None:
+            cfg.pad_token_id = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id
+        if cfg.eos_token_id is None:
+            cfg.eos_token_id = self.tokenizer.eos_token_id
+        return cfg
+
+
+def _streamer(tokenizer, write: Callable[[str], None]):
+    """transformers' TextStreamer (word-safe pieces, prompt skipped), writing through ``write``."""
+    from transformers import TextStreamer
+
+    class Streamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                write(text)
+
+    return Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)

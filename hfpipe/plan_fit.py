@@ -1,0 +1,184 @@
+"""Does a run fit its GPUs? The plan of a :class:`~hfpipe.config.FinetuneConfig`, checked per rank
+against a memory size, and the nearest changes that make it fit.
+
+``hfpipe plan`` prices exactly what ``hfpipe finetune`` would run: both start from the same
+FinetuneConfig (its defaults, a recipe, flags), and :func:`plan_kwargs` is the one place that turns
+its fields into :func:`hfpipe.plan_report.plan_report` arguments. A feature that changes memory
+(e.g. LoRA's rank) adds its field there and in ``plan_report``; the fit check, the suggestions and
+the CLI then follow without change.
+
+The suggestions try one lever at a time, cheapest first, and report the smallest step of each that
+fits with 10% to spare: activation checkpointing (selective, then full), more pipeline ranks, more data-parallel
+pipelines; if no single lever fits, full activation checkpointing together with pp or dp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from hfpipe.plan import PlanError
+
+__all__ = ["RankFit", "Suggestion", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
+           "report_for", "suggest"]
+
+_AC_ORDER = ("none", "selective", "full")
+_DP_STEPS = (2, 4, 8, 16, 32, 64, 128)
+_PP_FACTORS = (1.25, 1.5, 2, 3, 4, 6, 8)
+_HEADROOM = 0.9  # below 10% free, a plan "fits, tightly": CUDA context, allocator fragmentation
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of GPU memory in ``80GB``, ``80GiB``, ``141G`` or a number of bytes.
+
+    GB counts as GiB here, as GPU makers use it: an "80GB" H100 has 79.6 GiB (81559 MiB), so
+    reading 80 * 10**9 would wrongly refuse a plan that fits. Plans within 10% of the size are
+    reported as tight.
+
+    Raises:
+        PlanError: not a size.
+    """
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)I?B?", str(text).strip().upper())
+    if not m or float(m.group(1)) <= 0:
+        raise PlanError(f"--gpu-memory {text!r} is not a size like 80GB or 141GB")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+
+
+def plan_kwargs(cfg) -> dict:
+    """:func:`~hfpipe.plan_report.plan_report` arguments for a FinetuneConfig (bar the model config).
+
+    Args:
+        cfg: A :class:`hfpipe.config.FinetuneConfig`.
+    """
+    # The hook for options that change memory: LoRA adds `lora_rank=cfg.lora_rank` here (and the
+    # `lora_rank` flag to cli/plan.py, named in its _FIELDS); fits, suggestions and the PNG follow.
+    return dict(pp=cfg.pp, dp=cfg.dp, vpp=cfg.vpp, schedule=cfg.schedule, layout=cfg.layout,
+                method=cfg.plan_method, microbatches=cfg.num_microbatches, seq_len=cfg.seq_len,
+                batch_size=cfg.batch_size, dtype=cfg.dtype,
+                activation_checkpointing=cfg.activation_checkpointing)
+
+
+def report_for(model_config, cfg, name: str | None = None):
+    """The :class:`~hfpipe.plan_report.PlanReport` of running ``cfg`` on ``model_config``."""
+    from hfpipe.plan_report import plan_report
+
+    return plan_report(model_config, name=name or cfg.model, **plan_kwargs(cfg))
+
+
+@dataclass(frozen=True)
+class RankFit:
+    """One rank's peak against the GPU's memory."""
+
+    rank: int
+    peak: int
+    limit: int
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.limit
+
+    @property
+    def tight(self) -> bool:
+        return self.fits and self.peak > _HEADROOM * self.limit
+
+
+def fit_report(report, limit: int) -> list[RankFit]:
+    """Each rank of ``report`` against ``limit`` bytes."""
+    return [RankFit(r.rank, r.total_bytes, limit) for r in report.ranks]
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A change of flags that fits, and the peak it gives."""
+
+    changes: dict  # FinetuneConfig field -> new value
+    peak: int
+    gpus: int  # pp * dp
+
+    def flags(self) -> str:
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.changes.items())
+
+
+def suggest(model_config, cfg, limit: int) -> list[Suggestion]:
+    """The nearest changes of ``cfg`` that fit ``limit`` bytes per rank (see the module docstring)."""
+    found = [s for s in (_lever(model_config, cfg, limit, changes) for changes in _single_levers(cfg))
+             if s is not None]
+    if found or cfg.activation_checkpointing == "full":
+        return found
+    full = {"activation_checkpointing": "full"}
+    for lever in ("pp", "dp"):
+        s = _lever(model_config, cfg, limit, [{**full, **c} for c in _ladder(cfg, lever)])
+        if s is not None:
+            found.append(s)
+    return found
+
+
+def _single_levers(cfg) -> list[list[dict]]:
+    """Per lever, the changes to try in order (nearest first)."""
+    ac = _AC_ORDER[_AC_ORDER.index(cfg.activation_checkpointing) + 1:]
+    return [[{"activation_checkpointing": a} for a in ac], _ladder(cfg, "pp"), _ladder(cfg, "dp")]
+
+
+def _ladder(cfg, lever: str) -> list[dict]:
+    if lever == "dp":
+        return [{"dp": d} for d in _DP_STEPS if d > cfg.dp]
+    if cfg.layout:  # a pinned layout fixes the stage count
+        return []
+    values = sorted({max(cfg.pp + 1, round(cfg.pp * f)) for f in _PP_FACTORS})
+    return [_with_microbatches(cfg, p) for p in values]
+
+
+def _with_microbatches(cfg, pp: int) -> dict:
+    """``--pp pp``, plus the microbatches and batch size a schedule needs at that many stages."""
+    change = {"pp": pp}
+    stages = pp * cfg.vpp
+    if cfg.microbatches and cfg.microbatches < stages:
+        change["microbatches"] = stages
+    m = change.get("microbatches", cfg.microbatches or stages)
+    if cfg.batch_size % m:
+        change["batch_size"] = -(-cfg.batch_size // m) * m
+    return change
+
+
+def _lever(model_config, cfg, limit: int, ladder: list[dict]) -> Suggestion | None:
+    """The first change on ``ladder`` whose plan fits, or None."""
+    from hfpipe.config import ConfigError
+
+    for changes in ladder:
+        try:
+            trial = dataclasses.replace(cfg, **changes)
+            report = report_for(model_config, trial)
+        except (ConfigError, ValueError):  # not a legal plan (too many stages, ...): next rung
+            continue
+        peak = max(r.total_bytes for r in report.ranks)
+        if peak <= _HEADROOM * limit:  # a suggestion should not be tight itself
+            return Suggestion(changes, peak, trial.pp * trial.dp)
+    return None
+
+
+def format_fit(report, limit: int, suggestions: list[Suggestion] | None = None) -> str:
+    """Per rank: fits, fits tightly, or does not fit by how much; then the verdict and suggestions."""
+    from hfpipe.plan_report import _size
+
+    fits = fit_report(report, limit)
+    lines = [f"memory per rank against --gpu-memory {_size(limit)}:"]
+    for f in fits:
+        if not f.fits:
+            verdict = f"does NOT fit, by {_size(f.peak - f.limit)}"
+        else:
+            verdict = f"fits, {_size(f.limit - f.peak)} free" + (" (tight: under 10%)" if f.tight else "")
+        lines.append(f"  rank {f.rank:>3}: {_size(f.peak):>10}  {verdict}")
+    bad = [f for f in fits if not f.fits]
+    gpus = report.plan.pp * report.dp
+    if not bad:
+        lines.append(f"fits: every rank within {_size(limit)} ({gpus} GPUs)")
+        return "\n".join(lines)
+    lines.append(f"does NOT fit: {len(bad)} of {len(fits)} ranks over {_size(limit)}")
+    if suggestions:
+        lines.append("nearest changes that fit (with 10% to spare):")
+        lines += [f"  {s.flags():<48} peak {_size(s.peak)}, {s.gpus} GPUs" for s in suggestions]
+    elif suggestions is not None:
+        lines.append("no single change fits; a rank cannot hold its share at this size even with "
+                     "full activation checkpointing and more pp or dp")
+    return "\n".join(lines)
