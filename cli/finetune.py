@@ -83,6 +83,10 @@ def finetune(
         "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
     threads_per_rank: Annotated[Optional[int], _opt("threads_per_rank")] = None,
     log_every: Annotated[Optional[int], _opt("log_every")] = None,
+    lora_rank: Annotated[Optional[int], _opt("lora_rank")] = None,
+    lora_alpha: Annotated[Optional[float], _opt("lora_alpha")] = None,
+    lora_dropout: Annotated[Optional[float], _opt("lora_dropout")] = None,
+    lora_targets: Annotated[Optional[str], _opt("lora_targets")] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes in the job; run the same command on each.")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's index, 0 .. nnodes-1.")] = 0,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(

@@ -205,16 +205,20 @@ def export(
     source: Annotated[Optional[Path], typer.Option(
         help="The HF model folder the run started from, if it moved since training.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    merge: Annotated[bool, typer.Option(
+        help="LoRA checkpoints: merge the adapters into the base weights (base dtype and layout) "
+             "instead of writing a PEFT adapter folder.")] = False,
 ) -> None:
     """Export a training checkpoint to a Hugging Face folder (config + safetensors) that
-    transformers' from_pretrained loads, whatever pipeline size it was trained with."""
+    transformers' from_pretrained loads, whatever pipeline size it was trained with; a LoRA
+    run's checkpoint to a PEFT adapter folder (PeftModel.from_pretrained), or merged with --merge."""
     # Transparent huge pages for torch's CPU tensors: about 1.5x faster on multi-GB layers. It is
     # read when torch loads, so set it before the import (no effect if torch is already loaded).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from hfpipe.checkpoint.export import export_checkpoint
 
     written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
-                                source=source, progress=progress)
+                                source=source, progress=progress, merge=merge)
     typer.echo(f"exported {ckpt} -> {written}")
 
 

@@ -160,6 +160,7 @@ def test_lora_matches_peft_every_schedule_pp2_tied_llama():
     run_and_check("llama_tied", 2, ALL_SCHEDULES)
 
 
+@pytest.mark.slow
 def test_lora_matches_peft_pp3_deepseek_v3_attention_shared_and_routed_experts():
     run_and_check("deepseek_v3", 3, ("1f1b",), DSV3_LORA)
 

@@ -1,0 +1,223 @@
+"""Export a LoRA training checkpoint: a PEFT adapter folder, or the base with the adapters merged.
+
+A LoRA checkpoint holds only adapters (``model.<stage name>``, e.g.
+``model.model.layers.0.self_attn.q_proj.lora_A.default.weight``) and points at its base model.
+
+- The adapter export writes what ``PeftModel.save_pretrained`` writes: ``adapter_config.json``
+  (the run's ``LoraConfig``, naming the base model) and ``adapter_model.safetensors`` under PEFT's
+  keys (``base_model.model.<name>`` without the adapter name). The key set is checked against the
+  adapters PEFT injects into the full (meta) model, so a folder that loads is a complete one.
+- The merged export rewrites the base checkpoint shard by shard, same file names, keys and dtypes:
+  targeted weights get PEFT's own ``merge()`` (a ``lora.Linear`` built over the base weight, fp32
+  adapters as ``PeftModel`` holds them), every other tensor is copied bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hfpipe.checkpoint.dcp_reader import _DcpReader
+from hfpipe.checkpoint.export import (
+    INDEX,
+    SINGLE,
+    ExportError,
+    _check_out,
+    _copy_side_files,
+    _install,
+    _mkdir,
+    _resolve_source,
+    read_checkpoint_meta,
+)
+
+__all__ = ["export_adapter", "is_lora_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_lora_checkpoint(meta: dict) -> bool:
+    """Whether ``hfpipe.json``'s fields describe a LoRA run."""
+    return isinstance(meta.get("lora"), dict)
+
+
+def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, force: bool = False,
+                   source: str | Path | None = None) -> Path:
+    """Write a LoRA checkpoint as a PEFT adapter folder, or with ``merge`` as a full HF folder.
+
+    Args:
+        ckpt: A LoRA run's checkpoint folder (any pipeline size).
+        out: Folder to create; refused if it exists unless ``force``.
+        merge: Merge the adapters into the base weights (base dtype and key layout).
+        force: Replace an existing ``out`` once the new folder is complete.
+        source: The base model folder, if it moved since training.
+
+    Raises:
+        ExportError: not a LoRA checkpoint, adapters that do not fit the base, or a bad ``out``.
+    """
+    from hfpipe.lora import config_from_dict
+
+    ckpt, out = Path(ckpt).absolute(), Path(out).absolute()
+    meta = read_checkpoint_meta(ckpt)
+    if not is_lora_checkpoint(meta):
+        raise ExportError(f"checkpoint {ckpt} is not a LoRA run's; export it without --merge")
+    src = _resolve_source(meta, source)
+    _check_out(out, force, (ckpt, src))
+    config = config_from_dict(meta["lora"])
+    adapters = _read_adapters(ckpt, config, src)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _mkdir(tmp)
+        if merge:
+            _write_merged(tmp, src, config, adapters)
+        else:
+            _write_adapter(tmp, config, adapters, _base_name(meta, src))
+        _install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
+    return out
+
+
+def _base_name(meta: dict, src: Path) -> str:
+    """The base model as ``adapter_config.json`` names it: the hub id the run used, else the folder."""
+    name = (meta.get("config") or {}).get("model")
+    if isinstance(name, str) and not Path(name).expanduser().exists() and name.count("/") == 1:
+        return name
+    return str(src)
+
+
+def _read_adapters(ckpt: Path, config, src: Path) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of the checkpoint (stage names), checked against PEFT's own set."""
+    reader = _DcpReader(ckpt)
+    saved = reader.tensors("model.")
+    expected = _expected_names(config, src)
+    missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    if missing or extra:
+        raise ExportError(f"checkpoint {ckpt}: adapters differ from the ones PEFT puts on {src}: "
+                          f"missing {missing[:3] or 'none'}, unexpected {extra[:3] or 'none'}; "
+                          "pass the base the run started from (--source)")
+    return {name: reader.read("model." + name) for name in sorted(saved)}
+
+
+def _expected_names(config, src: Path) -> set[str]:
+    """Adapter parameter names PEFT injects into the full model (on the meta device: no memory)."""
+    import copy
+
+    from peft.tuners.lora import LoraModel
+
+    from hfpipe.checkpoint.export import _meta_model
+    from hfpipe.lora import ADAPTER
+
+    model = _meta_model(src)
+    LoraModel(model, copy.deepcopy(config), ADAPTER, low_cpu_mem_usage=True)
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _write_adapter(tmp: Path, config, adapters: dict[str, torch.Tensor], base: str) -> None:
+    from safetensors.torch import save_file
+
+    from hfpipe.lora import peft_key
+
+    config = _copy(config, base_model_name_or_path=base, inference_mode=True)
+    config.save_pretrained(str(tmp))
+    tensors = {peft_key(name): t.contiguous() for name, t in adapters.items()}
+    save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+
+def _copy(config, **changes):
+    import copy
+
+    config = copy.deepcopy(config)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config
+
+
+# --- merge --------------------------------------------------------------------------------------
+
+
+def _write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor]) -> None:
+    """The base checkpoint, shard by shard, with each targeted weight merged by PEFT."""
+    from safetensors.torch import load_file, save_file
+
+    targets = _merge_targets(adapters)
+    weight_map = _weight_map(src)
+    unknown = sorted(t for t in targets if t + ".weight" not in weight_map)
+    if unknown:
+        raise ExportError(f"--merge: {unknown[0]}.weight is not a tensor of the base checkpoint (adapters on "
+                          "fused MoE experts); export the adapter and merge it with PEFT's merge_and_unload()")
+    cfg_json = json.loads((src / "config.json").read_text())
+    if cfg_json.get("quantization_config"):
+        raise ExportError(f"--merge: the base {src} is quantized; export the adapter instead")
+    for fname in sorted(set(weight_map.values())):
+        tensors = load_file(src / fname)
+        here = {t: tensors[t + ".weight"] for t in targets if weight_map[t + ".weight"] == fname}
+        for name, merged in _merge(config, here, adapters).items():
+            tensors[name + ".weight"] = merged
+        save_file(tensors, tmp / fname, metadata={"format": "pt"})
+        del tensors
+    if (src / INDEX).is_file():
+        shutil.copy2(src / INDEX, tmp / INDEX)
+    shutil.copy2(src / "config.json", tmp / "config.json")
+    _copy_side_files(src, tmp)
+
+
+def _merge_targets(adapters: dict[str, torch.Tensor]) -> list[str]:
+    """Module names carrying an adapter (``...q_proj`` of ``...q_proj.lora_A.default.weight``)."""
+    return sorted({name.split(".lora_A.")[0] for name in adapters if ".lora_A." in name})
+
+
+def _weight_map(src: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    if (src / INDEX).is_file():
+        return json.loads((src / INDEX).read_text())["weight_map"]
+    if (src / SINGLE).is_file():
+        with safe_open(src / SINGLE, "pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE)
+    raise ExportError(f"--merge: {src} has no safetensors weights to merge into")
+
+
+def _merge(config, weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` (module name -> base weight) with their adapters merged by PEFT's ``merge()``.
+
+    The modules are rebuilt as plain ``nn.Linear`` layers under their full names, so PEFT applies
+    the config's per-name rank/alpha patterns and scaling exactly as on the whole model.
+    """
+    if not weights:
+        return {}
+    from peft.tuners.lora import LoraModel
+    from peft.tuners.tuners_utils import BaseTunerLayer, cast_adapter_dtype
+
+    from hfpipe.lora import ADAPTER, _attach
+
+    root = nn.Module()
+    for name, w in weights.items():
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
+        linear.weight = nn.Parameter(w, requires_grad=False)
+        _attach(root, name, linear)
+    config = _copy(config, target_modules=set(weights), target_parameters=None)
+    with torch.random.fork_rng(devices=[]):
+        LoraModel(root, config, ADAPTER)
+    cast_adapter_dtype(root, ADAPTER, autocast_adapter_dtype=True)  # fp32 adapters, as PeftModel holds them
+    mine = {k: v for k, v in adapters.items() if k.split(".lora_")[0] in weights}
+    result = root.load_state_dict(mine, strict=False)
+    lora_keys = [k for k, _ in root.named_parameters() if ".lora_" in k]
+    if result.unexpected_keys or set(lora_keys) - set(mine):
+        raise ExportError(f"--merge: adapters of {sorted(weights)[0]} do not fit PEFT's layer; a bug")
+    out = {}
+    for name, module in root.named_modules():
+        if isinstance(module, BaseTunerLayer) and name in weights:
+            module.merge(adapter_names=[ADAPTER])
+            out[name] = module.get_base_layer().weight.detach().contiguous()
+    return out
