@@ -158,6 +158,10 @@ def plan(
     png: Annotated[Optional[Path], typer.Option(
         help="Also draw the schedule timeline and stage costs into this PNG (needs matplotlib: "
              "pip install 'hfpipe[plot]').")] = None,
+    lora_rank: Annotated[Optional[int], typer.Option(
+        help="Price a LoRA run of this rank: frozen base (no grads or AdamW state), fp32 adapters.",
+        show_default=False)] = None,
+    lora_targets: Annotated[str, typer.Option(help=_HELP["lora_targets"])] = "all-linear",
 ) -> None:
     """Plan the pipeline stages of a model and print each rank's parameters, memory (weights,
     gradients, AdamW state, activations), the balance and the schedule's bubble."""
@@ -170,7 +174,8 @@ def plan(
     config = load_model_config(model, trust_remote_code=trust_remote_code)
     report = plan_report(config, pp, vpp=vpp, schedule=schedule, layout=layout, method=plan_method,
                          microbatches=microbatches, seq_len=seq_len, batch_size=batch_size,
-                         dtype=dtype, activation_checkpointing=activation_checkpointing, name=model)
+                         dtype=dtype, activation_checkpointing=activation_checkpointing, name=model,
+                         lora_rank=lora_rank, lora_targets=lora_targets)
     if png is not None:
         save_png(report, png)
     typer.echo(format_report(report))

@@ -100,12 +100,14 @@ class PlanReport:
     balance: float  # max / mean stage cost
     bubble: float  # idle share of a step (analytic)
     actions: tuple  # per rank, the (kind, stage, microbatch) steps of the schedule
+    lora: str | None = None  # a LoRA run's adapters, in words (memory columns are then LoRA's)
 
 
 def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
                 method: str = "balanced", microbatches: int | None = None, seq_len: int = 4096,
                 batch_size: int | None = None, dtype: str = "bf16-mixed",
-                activation_checkpointing: str = "none", name: str | None = None) -> PlanReport:
+                activation_checkpointing: str = "none", name: str | None = None,
+                lora_rank: int | None = None, lora_targets: str = "all-linear") -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -122,6 +124,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         dtype: ``fp32``, ``bf16-mixed`` or ``bf16``.
         activation_checkpointing: ``none``, ``selective`` or ``full``.
         name: What to call the model in the report; default the config's own name.
+        lora_rank, lora_targets: Price a LoRA run instead (frozen base, fp32 adapters).
 
     Raises:
         PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
@@ -161,13 +164,18 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                   for r in range(pp))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
+    lora = None
+    if lora_rank is not None:
+        from hfpipe.lora import describe_plan
+
+        ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets, total - costs.embed_params * tied)
     return PlanReport(
         model=name or getattr(config, "_name_or_path", "") or config.model_type,
         total_params=total - costs.embed_params * tied, num_layers=len(costs.layers), plan=plan,
         schedule=schedule, microbatches=m, microbatch_size=batch // m, seq_len=seq_len,
         dtype=dtype, activation_checkpointing=activation_checkpointing, stages=stages,
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
-        actions=actions)
+        actions=actions, lora=lora)
 
 
 def _stage_params(stage, costs) -> int:
@@ -369,6 +377,8 @@ def format_report(report: PlanReport) -> str:
         f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}); activations "
         f"~34*hidden bytes/token/layer (Korthikanti et al. 2022, SDPA), logits on the head stage",
     ]
+    if r.lora:
+        lines.append(r.lora)
     return "\n".join(lines)
 
 
