@@ -230,7 +230,8 @@ def export(
 @app.command(no_args_is_help=True)
 def verify(
     hf_dir: Annotated[Path, typer.Argument(
-        help="Hugging Face model folder (config.json + safetensors).", show_default=False)],
+        help="Hugging Face model folder (config.json + safetensors), or a PEFT LoRA adapter folder.",
+        show_default=False)],
     pp: Annotated[int, typer.Option(help="Pipeline ranks: processes started on this machine.")] = 2,
     schedule: Annotated[str, typer.Option(help=_SCHEDULE_HELP)] = "1f1b",
     tolerance: Annotated[float, typer.Option(help="Largest allowed absolute logit difference.")] = 1e-5,
@@ -241,7 +242,8 @@ def verify(
 ) -> None:
     """Check that hfpipe's pipeline gives transformers' logits on a model folder: loads it in
     transformers (fp32, one process) and in PP pipeline processes, compares the logits on a
-    sample batch, prints the largest difference and the KL divergence; exits 1 on FAIL."""
+    sample batch, prints the largest difference and the KL divergence; exits 1 on FAIL. A PEFT
+    LoRA adapter folder runs its base with the adapters, against PeftModel.from_pretrained."""
     import hfpipe.verify
 
     result = hfpipe.verify.verify(hf_dir, pp=pp, schedule=schedule, tolerance=tolerance,
@@ -258,13 +260,16 @@ def quickstart(
     = Path("hfpipe-quickstart"),
     steps: Annotated[int, typer.Option(help="Optimizer steps of the fine-tune.")] = 60,
     pp: Annotated[int, typer.Option(help="Pipeline ranks: processes started on this machine.")] = 2,
+    lora: Annotated[bool, typer.Option(
+        help="Train rank-16 LoRA adapters on the frozen base instead; the export is a PEFT adapter "
+             "folder, checked against PeftModel.")] = False,
 ) -> None:
     """Offline end-to-end demo: build a small Llama with a tokenizer, fine-tune it at --pp on the
     chat set shipped with hfpipe, export it, check the export against the pipeline with
     transformers, and print a greedy generation before and after. No hub access needed."""
     from hfpipe.quickstart import quickstart as run
 
-    result = run(out, steps=steps, pp=pp, echo=typer.echo)
+    result = run(out, steps=steps, pp=pp, echo=typer.echo, lora=lora)
     if not result["passed"]:
         raise typer.Exit(FAILURE_EXIT)
 

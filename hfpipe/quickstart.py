@@ -19,7 +19,7 @@ PROMPT = [{"role": "user", "content": "What colour is the sky?"}]
 
 
 def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 60, pp: int = 2,
-               echo=print) -> dict:
+               echo=print, lora: bool = False) -> dict:
     """Run the quickstart into ``out``; return what it measured.
 
     Args:
@@ -27,6 +27,8 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 60, pp: in
         steps: Optimizer steps of the fine-tune.
         pp: Pipeline ranks.
         echo: Where the human-readable lines go.
+        lora: Train rank-16 LoRA adapters (``run-lora/``; the export is a PEFT adapter folder,
+            verified against ``PeftModel``) instead of every weight.
     """
     from hfpipe.config import FinetuneConfig
     from hfpipe.tiny import make_tiny_checkpoint
@@ -40,18 +42,22 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 60, pp: in
                              max_shard_size="200KB")
     echo(f"1/4 built a small Llama (random weights) with a tokenizer in {base}")
     echo(f"    before fine-tuning: {_generate(base)!r}")
-    cfg = FinetuneConfig(model=str(base), output_dir=str(out / "run"), pp=pp, schedule="1f1b",
+    run = out / ("run-lora" if lora else "run")
+    extra = dict(lora_rank=16, lora_alpha=32, lr=1e-2) if lora else dict(lr=3e-3)
+    cfg = FinetuneConfig(model=str(base), output_dir=str(run), pp=pp, schedule="1f1b",
                          dataset="builtin:tiny-chat", seq_len=128, batch_size=8, microbatches=4,
-                         max_steps=steps, lr=3e-3, warmup_steps=5, weight_decay=0.0,
-                         save_hf_at_end=True, resume="auto")
+                         max_steps=steps, warmup_steps=5, weight_decay=0.0,
+                         save_hf_at_end=True, resume="auto", **extra)
     summary = finetune(cfg)
     hist = summary.get("history", [])
     first, last = (hist[0]["loss"], hist[-1]["loss"]) if hist else (float("nan"), float("nan"))
-    echo(f"2/4 fine-tuned {steps} steps at pp={pp}: loss {first:.3f} -> {last:.3f}")
-    hf = out / "run" / "hf"
-    echo(f"3/4 exported to {hf}")
+    what = "LoRA rank 16 (base frozen)" if lora else "every weight"
+    echo(f"2/4 fine-tuned {steps} steps at pp={pp}, {what}: loss {first:.3f} -> {last:.3f}")
+    hf = run / "hf"
+    echo(f"3/4 exported to {hf}" + (" (a PEFT adapter folder)" if lora else ""))
     result = _verify(hf, pp)
-    echo(f"4/4 transformers vs pipeline logits: max abs diff {result['max_abs_diff']:.2e} "
+    oracle = "PEFT" if lora else "transformers"
+    echo(f"4/4 {oracle} vs pipeline logits: max abs diff {result['max_abs_diff']:.2e} "
          f"({'PASS' if result['passed'] else 'FAIL'})")
     echo(f"    after fine-tuning:  {_generate(hf)!r}")
     return {"first_loss": first, "last_loss": last, **result}
@@ -69,8 +75,15 @@ def _generate(folder: Path, max_new_tokens: int = 16) -> str:
     """A short greedy answer to :data:`PROMPT` from the model in ``folder``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    from hfpipe.lora import read_adapter_folder
+
+    adapter = read_adapter_folder(folder)  # a PEFT adapter folder: its base with the adapters
+    tok = AutoTokenizer.from_pretrained(adapter[0] if adapter else folder)
+    model = AutoModelForCausalLM.from_pretrained(adapter[0] if adapter else folder).eval()
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, folder).eval()
     ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)

@@ -224,3 +224,11 @@ def test_lora_targets_matching_no_module_are_refused_before_any_process_starts(b
     with pytest.raises(LoraError, match="--lora-targets qq_proj match no module of the llama model"):
         finetune(config(base, tmp_path / "out", lora_targets="qq_proj"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_verify_runs_an_adapter_folder_on_its_base_against_peft(reference):
+    from hfpipe.verify import verify
+
+    result = verify(reference["out"] / "hf", pp=2)
+    assert result.passed and result.max_abs_diff <= TOL
