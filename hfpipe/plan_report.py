@@ -166,7 +166,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
     lora = None
     if lora_rank is not None:
-        from hfpipe.lora import describe_plan
+        from hfpipe.lora.memory import describe_plan
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets, total - costs.embed_params * tied)
     return PlanReport(

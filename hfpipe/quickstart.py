@@ -75,7 +75,7 @@ def _generate(folder: Path, max_new_tokens: int = 16) -> str:
     """A short greedy answer to :data:`PROMPT` from the model in ``folder``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hfpipe.lora import read_adapter_folder
+    from hfpipe.lora.folder import read_adapter_folder
 
     adapter = read_adapter_folder(folder)  # a PEFT adapter folder: its base with the adapters
     tok = AutoTokenizer.from_pretrained(adapter[0] if adapter else folder)

@@ -78,7 +78,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     from hfpipe.plan import plan_pipeline
     from hfpipe.source import ModelSource
 
-    from hfpipe.lora import read_adapter_folder
+    from hfpipe.lora.folder import read_adapter_folder
 
     for flag, value in (("--seq-len", seq_len), ("--batch-size", batch or 1)):
         if value < 1:
@@ -186,7 +186,7 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
     try:
         error = None
         try:
-            from hfpipe.lora import load_adapter_weights, read_adapter_folder
+            from hfpipe.lora.folder import load_adapter_weights, read_adapter_folder
 
             lora = read_adapter_folder(adapter_dir)[1] if adapter_dir else None
             pm = load_pipeline(hf_dir, pp=plan.pp, vpp=plan.vpp, schedule=schedule, microbatches=microbatches,

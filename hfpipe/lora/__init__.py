@@ -13,6 +13,10 @@ only does what a split model needs around that:
 - adapters stay fp32 over a bf16 base (PEFT's ``autocast_adapter_dtype``);
 - :func:`adapter_view` gives DCP one module holding only the adapters, so checkpoints hold them
   and their optimizer state only.
+
+Beside it: :mod:`hfpipe.lora.memory` (``hfpipe plan --lora-rank``), :mod:`hfpipe.lora.folder` (PEFT
+adapter folders for ``hfpipe verify`` and the quickstart); the adapter export and merge live in
+:mod:`hfpipe.checkpoint.adapter`.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["LoraError", "ADAPTER", "PEFT_PREFIX", "resolve_config", "add_adapters", "adapter_view",
-           "adapter_names", "peft_key", "config_to_dict", "config_from_dict", "lora_config"]
+__all__ = ["LoraError", "ADAPTER", "PEFT_PREFIX", "lora_config", "resolve_config", "add_adapters",
+           "adapter_view", "peft_key", "config_to_dict", "config_from_dict", "from_finetune_config",
+           "preflight"]
 
 #: PEFT's name for the one adapter hfpipe trains.
 ADAPTER = "default"
@@ -142,13 +147,6 @@ def add_adapters(modules: list[nn.Module], config, *, seed: int = 0) -> None:
         del module.peft_config  # set by LoraModel; the PipelineModel keeps the config
 
 
-def adapter_names(modules: list[nn.Module]) -> list[str]:
-    """This rank's trainable (adapter) parameter names, each shared tensor once."""
-    from hfpipe.train.optim import unique_parameters
-
-    return [n for n, _ in unique_parameters(modules)]
-
-
 def adapter_view(modules: list[nn.Module]) -> nn.Module:
     """One module holding only this rank's adapters, under their full-model names (for DCP).
 
@@ -229,111 +227,3 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
     if saved is not None and saved.get("r") != config.r:
         raise LoraError(f"--resume {resume} holds rank-{saved.get('r')} adapters; pass --lora-rank {saved.get('r')}")
 
-
-def adapter_params(model_config, rank: int, targets: str = "all-linear") -> dict[str, int]:
-    """Adapter parameters per part of the model for ``--lora-rank``/``--lora-targets`` (for ``plan``).
-
-    Counted on the meta model from the modules PEFT would adapt: ``rank * (in + out)`` each.
-
-    Returns:
-        ``{"embed": n, "head": n, "layer.<i>": n, ...}`` (parts without adapters are 0 or absent).
-    """
-    from hfpipe.stage import build_meta_model, model_config as hf_config
-
-    meta = build_meta_model(hf_config(model_config))
-    config = resolve_config(lora_config(rank, targets=targets), meta)
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    out: dict[str, int] = {"embed": 0, "head": 0}
-    for name, module in meta.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Embedding)) or not check_target_module_exists(config, name):
-            continue
-        shape = module.weight.shape
-        part = name.split(".")
-        key = f"layer.{part[2]}" if name.startswith("model.layers.") else (
-            "embed" if isinstance(module, nn.Embedding) else "head")
-        out[key] = out.get(key, 0) + rank * (shape[0] + shape[1])
-    return out
-
-
-def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, base_weight_bytes: int):
-    """A plan's :class:`~hfpipe.plan_report.RankReport` for a LoRA run of the same layout.
-
-    The base is frozen: its weights stay (in ``dtype``'s storage, ``base_weight_bytes`` per
-    parameter) but it has no gradients and no AdamW state. The adapters are fp32 weights, fp32
-    gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each. Activations are the full run's:
-    backward still goes through every base layer, for the adapters below it.
-    """
-    import dataclasses
-
-    n = sum(counts.get("embed", 0) * s.embed + counts.get("head", 0) * s.head
-            + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)
-    base = rank_report.params
-    return dataclasses.replace(rank_report, weight_bytes=base * base_weight_bytes + 4 * n,
-                               grad_bytes=4 * n, optimizer_bytes=8 * n), n
-
-
-def describe_plan(ranks, plan, model_config, dtype: str, rank: int, targets: str, total: int):
-    """``plan``'s rank reports priced for LoRA, and the line that says so (for ``hfpipe plan``)."""
-    from hfpipe.plan_report import BYTES_PER_PARAM
-
-    counts = adapter_params(model_config, rank, targets)
-    # frozen base: bf16-mixed keeps fp32 masters and the bf16 copy; nothing else changes per weight
-    base_bytes = BYTES_PER_PARAM[dtype][0]
-    out, n_all = [], 0
-    for r in ranks:
-        report, n = rank_memory(r, plan.stages_of_rank(r.rank), counts, dtype, base_bytes)
-        out.append(report)
-        n_all += n
-    line = (f"LoRA rank {rank} on {targets}: {n_all:,} adapter parameters ({100 * n_all / max(1, total):.2f}% "
-            f"of the model); base frozen (weights {base_bytes} B/param, no grads or AdamW state), "
-            "adapters fp32: weights 4 + grads 4 + AdamW 8 B/param")
-    return tuple(out), line
-
-
-# --- PEFT adapter folders (hfpipe verify, the quickstart) ----------------------------------------
-
-
-def read_adapter_folder(folder) -> tuple[str, object] | None:
-    """``(base model, LoraConfig)`` of a PEFT LoRA adapter folder, or ``None`` for any other folder.
-
-    Raises:
-        LoraError: an adapter folder that is not LoRA's or names no base model.
-    """
-    from pathlib import Path
-
-    from peft import LoraConfig, PeftConfig
-
-    folder = Path(folder)
-    if not (folder / "adapter_config.json").is_file():
-        return None
-    config = PeftConfig.from_pretrained(str(folder))
-    if not isinstance(config, LoraConfig):
-        raise LoraError(f"{folder / 'adapter_config.json'}: a {config.peft_type} adapter; hfpipe trains LoRA only")
-    if not config.base_model_name_or_path:
-        raise LoraError(f"{folder / 'adapter_config.json'} names no base model (base_model_name_or_path)")
-    config.inference_mode = False  # PEFT would freeze the adapters; hfpipe finds them as the trainable ones
-    return config.base_model_name_or_path, config
-
-
-def load_adapter_weights(modules: list[nn.Module], folder) -> None:
-    """Copy ``adapter_model.safetensors`` of a PEFT folder into this rank's adapters (by PEFT key).
-
-    Raises:
-        LoraError: an adapter of this rank is missing from the file.
-    """
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    path = Path(folder) / "adapter_model.safetensors"
-    with safe_open(path, "pt") as f, torch.no_grad():
-        keys = set(f.keys())
-        for module in modules:
-            for name, p in module.named_parameters():
-                if not p.requires_grad:
-                    continue
-                key = peft_key(name)
-                if key not in keys:
-                    raise LoraError(f"{path}: {key} is missing; the adapter does not match its adapter_config.json")
-                p.copy_(f.get_tensor(key))
