@@ -232,3 +232,44 @@ def test_verify_runs_an_adapter_folder_on_its_base_against_peft(reference):
 
     result = verify(reference["out"] / "hf", pp=2)
     assert result.passed and result.max_abs_diff <= TOL
+
+
+def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets) -> Path:
+    """A LoRA checkpoint as the trainer writes it, from a PEFT model with random adapters."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.lora import config_to_dict, resolve_config
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            state["model." + name.removeprefix("base_model.model.")] = 0.1 * torch.randn(p.shape, generator=g)
+    dcp.save(state, checkpoint_id=ckpt, no_dist=True)
+    meta = {"format": 1, "step": 3, "source": str(base), "source_dtype": "bfloat16", "tied": False,
+            "config": {"model": str(base)}, "lora": config_to_dict(resolve_config(config, model.base_model.model))}
+    (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+def test_a_bf16_base_merges_in_bf16_bit_for_bit_as_peft_merge_and_unload(tmp_path):
+    from hfpipe.tiny import make_tiny_checkpoint
+
+    base = make_tiny_checkpoint(tmp_path / "base", "llama", num_hidden_layers=2, dtype=torch.bfloat16, tokenizer=False)
+    ckpt = lora_checkpoint_from_peft(base, tmp_path / "step-00000003", "all-linear")
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter")
+    merged = export_checkpoint(ckpt, tmp_path / "merged", merge=True)
+    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+
+    want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
+                                     adapter).merge_and_unload().state_dict()
+    got, src = tensors(merged), tensors(base)
+    assert sorted(got) == sorted(src) and all(t.dtype == torch.bfloat16 for t in got.values())
+    assert sum(not torch.equal(got[k], src[k]) for k in src) == 2 * 7  # every linear layer but the head
+    for key, t in got.items():
+        assert torch.equal(t, want[key]), key
