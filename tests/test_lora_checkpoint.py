@@ -234,7 +234,7 @@ def test_verify_runs_an_adapter_folder_on_its_base_against_peft(reference):
     assert result.passed and result.max_abs_diff <= TOL
 
 
-def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets) -> Path:
+def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets, parameters=None) -> Path:
     """A LoRA checkpoint as the trainer writes it, from a PEFT model with random adapters."""
     import torch.distributed.checkpoint as dcp
     from peft import LoraConfig, get_peft_model
@@ -242,7 +242,8 @@ def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets) -> Path:
 
     from hfpipe.lora import config_to_dict, resolve_config
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=parameters,
+                        task_type="CAUSAL_LM")
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
     g = torch.Generator().manual_seed(0)
     state = {}
@@ -273,3 +274,21 @@ def test_a_bf16_base_merges_in_bf16_bit_for_bit_as_peft_merge_and_unload(tmp_pat
     assert sum(not torch.equal(got[k], src[k]) for k in src) == 2 * 7  # every linear layer but the head
     for key, t in got.items():
         assert torch.equal(t, want[key]), key
+
+
+def test_adapters_on_fused_moe_experts_export_for_peft_and_refuse_to_merge(tmp_path):
+    """DeepSeek-V3's routed experts are one 3-D parameter in memory (PEFT's target_parameters) but
+    per-expert tensors in the checkpoint: the adapter exports; merging says to merge with PEFT."""
+    from peft import get_peft_model_state_dict
+
+    base = tiny_checkpoint("deepseek_v3", num_hidden_layers=3)
+    ckpt = lora_checkpoint_from_peft(base, tmp_path / "step-00000003", ["q_b_proj", "o_proj"],
+                                     ["mlp.experts.gate_up_proj"])
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter")
+    model = _peft(base, adapter)
+    saved = load_file(adapter / "adapter_model.safetensors")
+    assert sorted(saved) == sorted(get_peft_model_state_dict(model))
+    assert any(".mlp.experts.lora_A." in k for k in saved)
+    with pytest.raises(ExportError, match="fused MoE experts.*merge_and_unload"):
+        export_checkpoint(ckpt, tmp_path / "merged", merge=True)
+    assert not (tmp_path / "merged").exists()
