@@ -276,19 +276,25 @@ def test_a_bf16_base_merges_in_bf16_bit_for_bit_as_peft_merge_and_unload(tmp_pat
         assert torch.equal(t, want[key]), key
 
 
-def test_adapters_on_fused_moe_experts_export_for_peft_and_refuse_to_merge(tmp_path):
+def test_adapters_on_fused_moe_experts_export_for_peft_and_merge_into_per_expert_tensors(tmp_path):
     """DeepSeek-V3's routed experts are one 3-D parameter in memory (PEFT's target_parameters) but
-    per-expert tensors in the checkpoint: the adapter exports; merging says to merge with PEFT."""
+    per-expert tensors in the checkpoint: the adapter exports for PEFT, and the merge writes the
+    per-expert tensors PEFT's merge_and_unload() + save_pretrained writes, bit for bit."""
     from peft import get_peft_model_state_dict
 
     base = tiny_checkpoint("deepseek_v3", num_hidden_layers=3)
     ckpt = lora_checkpoint_from_peft(base, tmp_path / "step-00000003", ["q_b_proj", "o_proj"],
-                                     ["mlp.experts.gate_up_proj"])
+                                     ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     adapter = export_checkpoint(ckpt, tmp_path / "adapter")
     model = _peft(base, adapter)
     saved = load_file(adapter / "adapter_model.safetensors")
     assert sorted(saved) == sorted(get_peft_model_state_dict(model))
     assert any(".mlp.experts.lora_A." in k for k in saved)
-    with pytest.raises(ExportError, match="fused MoE experts.*merge_and_unload"):
-        export_checkpoint(ckpt, tmp_path / "merged", merge=True)
-    assert not (tmp_path / "merged").exists()
+    merged = export_checkpoint(ckpt, tmp_path / "merged", merge=True)
+    model.merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+    got, want, src = tensors(merged), tensors(tmp_path / "peft-merged"), tensors(base)
+    assert sorted(got) == sorted(src) == sorted(want)
+    changed = {k for k in src if not torch.equal(got[k], src[k])}
+    assert any(".mlp.experts.5.up_proj." in k for k in changed) and any(".o_proj." in k for k in changed)
+    for key in src:
+        assert got[key].dtype == src[key].dtype and torch.equal(got[key], want[key]), key

@@ -7,26 +7,20 @@ A LoRA checkpoint holds only adapters (``model.<stage name>``, e.g.
   (the run's ``LoraConfig``, naming the base model) and ``adapter_model.safetensors`` under PEFT's
   keys (``base_model.model.<name>`` without the adapter name). The key set is checked against the
   adapters PEFT injects into the full (meta) model, so a folder that loads is a complete one.
-- The merged export rewrites the base checkpoint shard by shard, same file names, keys and dtypes:
-  targeted weights get PEFT's own ``merge()`` (a ``lora.Linear`` built over the base weight, fp32
-  adapters as ``PeftModel`` holds them), every other tensor is copied bit for bit.
+- The merged export (:mod:`hfpipe.checkpoint.merge`) rewrites the base checkpoint shard by shard,
+  same file names, keys and dtypes, each targeted weight merged by PEFT's own ``merge()``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from hfpipe.checkpoint.dcp_reader import _DcpReader
 from hfpipe.checkpoint.export import (
-    INDEX,
-    SINGLE,
     ExportError,
     _check_out,
     _copy_side_files,
@@ -77,7 +71,9 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
         shutil.rmtree(tmp, ignore_errors=True)
         _mkdir(tmp)
         if merge:
-            _write_merged(tmp, src, config, adapters)
+            from hfpipe.checkpoint.merge import write_merged
+
+            write_merged(tmp, src, config, adapters)
         else:
             _write_adapter(tmp, config, adapters, _base_name(meta, src))
         _install(tmp, out)
@@ -141,83 +137,3 @@ def _copy(config, **changes):
     for k, v in changes.items():
         setattr(config, k, v)
     return config
-
-
-# --- merge --------------------------------------------------------------------------------------
-
-
-def _write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor]) -> None:
-    """The base checkpoint, shard by shard, with each targeted weight merged by PEFT."""
-    from safetensors.torch import load_file, save_file
-
-    targets = _merge_targets(adapters)
-    weight_map = _weight_map(src)
-    unknown = sorted(t for t in targets if t + ".weight" not in weight_map)
-    if unknown:
-        raise ExportError(f"--merge: {unknown[0]}.weight is not a tensor of the base checkpoint (adapters on "
-                          "fused MoE experts); export the adapter and merge it with PEFT's merge_and_unload()")
-    cfg_json = json.loads((src / "config.json").read_text())
-    if cfg_json.get("quantization_config"):
-        raise ExportError(f"--merge: the base {src} is quantized; export the adapter instead")
-    for fname in sorted(set(weight_map.values())):
-        tensors = load_file(src / fname)
-        here = {t: tensors[t + ".weight"] for t in targets if weight_map[t + ".weight"] == fname}
-        for name, merged in _merge(config, here, adapters).items():
-            tensors[name + ".weight"] = merged
-        save_file(tensors, tmp / fname, metadata={"format": "pt"})
-        del tensors
-    if (src / INDEX).is_file():
-        shutil.copy2(src / INDEX, tmp / INDEX)
-    shutil.copy2(src / "config.json", tmp / "config.json")
-    _copy_side_files(src, tmp)
-
-
-def _merge_targets(adapters: dict[str, torch.Tensor]) -> list[str]:
-    """Module names carrying an adapter (``...q_proj`` of ``...q_proj.lora_A.default.weight``)."""
-    return sorted({name.split(".lora_A.")[0] for name in adapters if ".lora_A." in name})
-
-
-def _weight_map(src: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    if (src / INDEX).is_file():
-        return json.loads((src / INDEX).read_text())["weight_map"]
-    if (src / SINGLE).is_file():
-        with safe_open(src / SINGLE, "pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE)
-    raise ExportError(f"--merge: {src} has no safetensors weights to merge into")
-
-
-def _merge(config, weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` (module name -> base weight) with their adapters merged by PEFT's ``merge()``.
-
-    The modules are rebuilt as plain ``nn.Linear`` layers under their full names, so PEFT applies
-    the config's per-name rank/alpha patterns and scaling exactly as on the whole model.
-    """
-    if not weights:
-        return {}
-    from peft.tuners.lora import LoraModel
-    from peft.tuners.tuners_utils import BaseTunerLayer, cast_adapter_dtype
-
-    from hfpipe.lora import ADAPTER, _attach
-
-    root = nn.Module()
-    for name, w in weights.items():
-        linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
-        linear.weight = nn.Parameter(w, requires_grad=False)
-        _attach(root, name, linear)
-    config = _copy(config, target_modules=set(weights), target_parameters=None)
-    with torch.random.fork_rng(devices=[]):
-        LoraModel(root, config, ADAPTER)
-    cast_adapter_dtype(root, ADAPTER, autocast_adapter_dtype=True)  # fp32 adapters, as PeftModel holds them
-    mine = {k: v for k, v in adapters.items() if k.split(".lora_")[0] in weights}
-    result = root.load_state_dict(mine, strict=False)
-    lora_keys = [k for k, _ in root.named_parameters() if ".lora_" in k]
-    if result.unexpected_keys or set(lora_keys) - set(mine):
-        raise ExportError(f"--merge: adapters of {sorted(weights)[0]} do not fit PEFT's layer; a bug")
-    out = {}
-    for name, module in root.named_modules():
-        if isinstance(module, BaseTunerLayer) and name in weights:
-            module.merge(adapter_names=[ADAPTER])
-            out[name] = module.get_base_layer().weight.detach().contiguous()
-    return out
