@@ -37,3 +37,23 @@ def test_plan_prices_a_lora_run(tiny):  # noqa: F811
     assert "LoRA rank 4 on all-linear:" in lora.stdout and "LoRA" not in full.stdout
     assert_user_error(run("plan", tiny, "--pp", 2, "--lora-rank", 4, "--lora-targets", "nope"),
                       "--lora-targets nope match no module of the llama model")
+
+
+def test_lora_configs_that_would_change_the_base_are_refused():
+    import pytest
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.lora import LoraError, resolve_config
+    from hfpipe.tiny import tiny_config
+
+    import torch
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama_tied"))
+    with pytest.raises(LoraError, match="init_lora_weights='pissa' is not supported"):
+        resolve_config(LoraConfig(target_modules=["q_proj"], init_lora_weights="pissa"), meta)
+    with pytest.raises(LoraError, match="tied embedding/head is not supported"):
+        resolve_config(LoraConfig(target_modules=["q_proj", "lm_head"]), meta)
+    with pytest.raises(LoraError, match="DoRA"):
+        resolve_config(LoraConfig(target_modules=["q_proj"], use_dora=True), meta)

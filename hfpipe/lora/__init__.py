@@ -98,6 +98,13 @@ def _check_targets(config, names: list[str], meta_model: nn.Module) -> None:
     if config.modules_to_save or config.trainable_token_indices:
         raise LoraError("LoraConfig.modules_to_save / trainable_token_indices are not supported; "
                         "train adapters only")
+    if config.init_lora_weights not in (True, False, "gaussian"):
+        # PiSSA, OLoRA, CorDA, LoftQ and EVA rewrite the base weights or need data at injection:
+        # the base would no longer be the checkpoint a LoRA checkpoint points at.
+        raise LoraError(f"LoraConfig init_lora_weights={config.init_lora_weights!r} is not supported; "
+                        "use True (PEFT's default) or 'gaussian'")
+    if config.use_dora:
+        raise LoraError("LoraConfig use_dora=True (DoRA) is not supported under pipelining yet; use LoRA")
 
 
 def _targets(config) -> str:
