@@ -43,7 +43,7 @@ def is_lora_checkpoint(meta: dict) -> bool:
 
 
 def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, force: bool = False,
-                   source: str | Path | None = None) -> Path:
+                   source: str | Path | None = None, dtype: str = "auto") -> Path:
     """Write a LoRA checkpoint as a PEFT adapter folder, or with ``merge`` as a full HF folder.
 
     Args:
@@ -52,6 +52,7 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
         merge: Merge the adapters into the base weights (base dtype and key layout).
         force: Replace an existing ``out`` once the new folder is complete.
         source: The base model folder, if it moved since training.
+        dtype: Must be ``auto``: adapters stay fp32 (as PEFT saves them), a merge keeps the base's dtypes.
 
     Raises:
         ExportError: not a LoRA checkpoint, adapters that do not fit the base, or a bad ``out``.
@@ -62,6 +63,9 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
     meta = read_checkpoint_meta(ckpt)
     if not is_lora_checkpoint(meta):
         raise ExportError(f"checkpoint {ckpt} is not a LoRA run's; export it without --merge")
+    if dtype != "auto":
+        raise ExportError(f"--dtype {dtype} does not apply to a LoRA checkpoint: the adapter stays fp32 and "
+                          "--merge keeps the base checkpoint's dtypes; drop --dtype")
     src = _resolve_source(meta, source)
     _check_out(out, force, (ckpt, src))
     config = config_from_dict(meta["lora"])

@@ -110,7 +110,7 @@ def export_checkpoint(
     if "lora" in meta or merge:  # adapters only: PEFT's adapter folder, or merged into the base
         from hfpipe.checkpoint.adapter import export_adapter
 
-        return export_adapter(ckpt, out, merge=merge, force=force, source=source)
+        return export_adapter(ckpt, out, merge=merge, force=force, source=source, dtype=dtype)
     src = _resolve_source(meta, source)
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)
