@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from test_cli import assert_user_error, fake_runner, run, tiny  # noqa: F401 - fixtures
@@ -40,14 +41,12 @@ def test_plan_prices_a_lora_run(tiny):  # noqa: F811
 
 
 def test_lora_configs_that_would_change_the_base_are_refused():
-    import pytest
+    import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     from hfpipe.lora import LoraError, resolve_config
     from hfpipe.tiny import tiny_config
-
-    import torch
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(tiny_config("llama_tied"))
@@ -57,3 +56,15 @@ def test_lora_configs_that_would_change_the_base_are_refused():
         resolve_config(LoraConfig(target_modules=["q_proj", "lm_head"]), meta)
     with pytest.raises(LoraError, match="DoRA"):
         resolve_config(LoraConfig(target_modules=["q_proj"], use_dora=True), meta)
+
+
+@pytest.mark.slow
+def test_quickstart_lora_runs_offline_and_passes_against_peft(tmp_path):
+    from test_e2e import hfpipe
+
+    run = hfpipe("quickstart", "--lora", "--out", "qs", "--steps", 12, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for marker in ("2/4 fine-tuned 12 steps at pp=2, LoRA rank 16", "(a PEFT adapter folder)",
+                   "4/4 PEFT vs pipeline logits", "(PASS)"):
+        assert marker in run.stdout, (marker, run.stdout)
+    assert (tmp_path / "qs" / "run-lora" / "hf" / "adapter_model.safetensors").is_file()
