@@ -129,8 +129,9 @@ def test_a_full_checkpoint_is_not_resumed_as_lora(base, reference, tmp_path):
 # --- export -------------------------------------------------------------------------------------
 
 
-def logits_worker(ckpt: str, ids: torch.Tensor) -> torch.Tensor | None:
-    """The pipeline's logits with the checkpoint's adapters, loaded at pp=2."""
+def logits_worker(ckpt: str, ids: torch.Tensor, api_out: str) -> torch.Tensor | None:
+    """The pipeline's logits with the checkpoint's adapters, loaded at pp=2; then
+    ``pm.save_pretrained(api_out)``, which writes a PEFT adapter folder for a LoRA pipeline."""
     from hfpipe.api import load_pipeline
     from hfpipe.checkpoint.dcp import load_checkpoint
     from hfpipe.lora import config_from_dict
@@ -139,15 +140,17 @@ def logits_worker(ckpt: str, ids: torch.Tensor) -> torch.Tensor | None:
     pm = load_pipeline(meta["source"], pp=2, lora=config_from_dict(meta["lora"]))
     load_checkpoint(ckpt, pm.view(), None)
     logits = pm.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    pm.save_pretrained(api_out)
     torch.distributed.destroy_process_group()
     return logits
 
 
 @pytest.fixture(scope="module")
-def pipeline_logits(reference) -> dict:
+def pipeline_logits(reference, tmp_path_factory) -> dict:
     ids = torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(0))
-    results = run_ranks(logits_worker, 2, str(step_dir(reference["out"], STEPS)), ids)
-    return {"ids": ids, "logits": next(r for r in results.values() if r is not None)}
+    api_out = tmp_path_factory.mktemp("api") / "adapter"
+    results = run_ranks(logits_worker, 2, str(step_dir(reference["out"], STEPS)), ids, str(api_out))
+    return {"ids": ids, "logits": next(r for r in results.values() if r is not None), "api_out": api_out}
 
 
 def _peft(base, adapter):
@@ -172,6 +175,9 @@ def test_the_adapter_export_loads_in_peft_with_the_pipeline_logits(base, referen
         got = model(pipeline_logits["ids"]).logits
     assert (got - pipeline_logits["logits"]).abs().max().item() <= TOL
     assert (saved[next(k for k in saved if "lora_B" in k)]).abs().max() > 0  # it did train
+    api = pipeline_logits["api_out"]  # pm.save_pretrained of a LoRA pipeline: the same folder
+    assert_same_state(load_file(api / "adapter_model.safetensors"), saved)
+    assert json.loads((api / "adapter_config.json").read_text()) == cfg
 
 
 def test_the_merged_export_equals_peft_merge_and_unload(base, reference, pipeline_logits, tmp_path):
