@@ -128,7 +128,9 @@ def _write_adapter(tmp: Path, config, adapters: dict[str, torch.Tensor], base: s
 
     from hfpipe.lora import peft_key
 
-    config = _copy(config, base_model_name_or_path=base, inference_mode=True)
+    targets = config.target_modules
+    config = _copy(config, base_model_name_or_path=base, inference_mode=True,  # sorted: same file every time
+                   target_modules=sorted(targets) if isinstance(targets, (set, list)) else targets)
     config.save_pretrained(str(tmp))
     tensors = {peft_key(name): t.contiguous() for name, t in adapters.items()}
     save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
