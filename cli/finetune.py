@@ -95,6 +95,10 @@ def finetune(
     eval_batches: Annotated[Optional[int], _opt("eval_batches")] = None,
     keep_best: Annotated[Optional[bool], _opt("keep_best", "--keep-best/--no-keep-best")] = None,
     report_to: Annotated[Optional[str], _opt("report_to")] = None,
+    lora_rank: Annotated[Optional[int], _opt("lora_rank")] = None,
+    lora_alpha: Annotated[Optional[float], _opt("lora_alpha")] = None,
+    lora_dropout: Annotated[Optional[float], _opt("lora_dropout")] = None,
+    lora_targets: Annotated[Optional[str], _opt("lora_targets")] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes in the job; run the same command on each.")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's index, 0 .. nnodes-1.")] = 0,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(

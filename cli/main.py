@@ -154,9 +154,13 @@ def export(
     source: Annotated[Optional[Path], typer.Option(
         help="The HF model folder the run started from, if it moved since training.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    merge: Annotated[bool, typer.Option(
+        help="LoRA checkpoints: merge the adapters into the base weights (base dtype and layout) "
+             "instead of writing a PEFT adapter folder.")] = False,
 ) -> None:
     """Export a training checkpoint to a Hugging Face folder (config + safetensors) that
-    transformers' from_pretrained loads, whatever pipeline size it was trained with."""
+    transformers' from_pretrained loads, whatever pipeline size it was trained with; a LoRA
+    run's checkpoint to a PEFT adapter folder (PeftModel.from_pretrained), or merged with --merge."""
     # Transparent huge pages for torch's CPU tensors: about 1.5x faster on multi-GB layers. It is
     # read when torch loads, so set it before the import (no effect if torch is already loaded).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
@@ -165,14 +169,15 @@ def export(
 
     ckpt = find_checkpoint(ckpt, "checkpoint")
     written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
-                                source=source, progress=progress)
+                                source=source, progress=progress, merge=merge)
     typer.echo(f"exported {ckpt} -> {written}")
 
 
 @app.command(no_args_is_help=True)
 def verify(
     hf_dir: Annotated[Path, typer.Argument(
-        help="Hugging Face model folder (config.json + safetensors).", show_default=False)],
+        help="Hugging Face model folder (config.json + safetensors), or a PEFT LoRA adapter folder.",
+        show_default=False)],
     pp: Annotated[int, typer.Option(help="Pipeline ranks: processes started on this machine.")] = 2,
     schedule: Annotated[str, typer.Option(help=_SCHEDULE_HELP)] = "1f1b",
     tolerance: Annotated[float, typer.Option(help="Largest allowed absolute logit difference.")] = 1e-5,
@@ -183,7 +188,8 @@ def verify(
 ) -> None:
     """Check that hfpipe's pipeline gives transformers' logits on a model folder: loads it in
     transformers (fp32, one process) and in PP pipeline processes, compares the logits on a
-    sample batch, prints the largest difference and the KL divergence; exits 1 on FAIL."""
+    sample batch, prints the largest difference and the KL divergence; exits 1 on FAIL. A PEFT
+    LoRA adapter folder runs its base with the adapters, against PeftModel.from_pretrained."""
     import hfpipe.verify
 
     result = hfpipe.verify.verify(hf_dir, pp=pp, schedule=schedule, tolerance=tolerance,
@@ -200,6 +206,9 @@ def quickstart(
     = Path("hfpipe-quickstart"),
     steps: Annotated[int, typer.Option(help="Optimizer steps of the fine-tune.")] = 120,
     pp: Annotated[int, typer.Option(help="Pipeline ranks: processes started on this machine.")] = 2,
+    lora: Annotated[bool, typer.Option(
+        help="Train rank-16 LoRA adapters on the frozen base instead; the export is a PEFT adapter "
+             "folder, checked against PeftModel.")] = False,
 ) -> None:
     """Offline end-to-end demo: build a small Llama with a tokenizer, fine-tune it at --pp on the
     chat set shipped with hfpipe, export it, check the export against the pipeline with
@@ -207,7 +216,7 @@ def quickstart(
     a second run reuses the model and starts the fine-tune afresh."""
     from hfpipe.quickstart import quickstart as run
 
-    result = run(out, steps=steps, pp=pp, echo=typer.echo)
+    result = run(out, steps=steps, pp=pp, echo=typer.echo, lora=lora)
     if not result["passed"]:
         raise typer.Exit(FAILURE_EXIT)
 

@@ -18,7 +18,8 @@ from hfpipe.cli.finetune import _opt, build_config
 __all__ = ["plan"]
 
 _FIELDS = ("pp", "dp", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
-           "batch_size", "dtype", "activation_checkpointing", "trust_remote_code")
+           "batch_size", "dtype", "activation_checkpointing", "trust_remote_code", "lora_rank",
+           "lora_targets")
 
 
 def plan(
@@ -46,6 +47,8 @@ def plan(
     activation_checkpointing: Annotated[Optional[str], _opt("activation_checkpointing")] = None,
     trust_remote_code: Annotated[Optional[bool], _opt(
         "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
+    lora_rank: Annotated[Optional[int], _opt("lora_rank")] = None,
+    lora_targets: Annotated[Optional[str], _opt("lora_targets")] = None,
     png: Annotated[Optional[Path], typer.Option(
         help="Also draw the schedule timeline and each rank's memory into this PNG (needs "
              "matplotlib: pip install 'hfpipe[plot]').", show_default=False)] = None,

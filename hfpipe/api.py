@@ -50,6 +50,7 @@ class PipelineModel:
         modules: This rank's stage modules (parameter names are the full model's).
         pipe: The schedule driver.
         tied_group: Group summing the tied embedding's gradient halves, or ``None``.
+        lora: The ``LoraConfig`` whose adapters are the only trainable parameters, or ``None``.
     """
 
     source: ModelSource
@@ -58,6 +59,7 @@ class PipelineModel:
     modules: list
     pipe: Pipeline
     tied_group: object = None
+    lora: object = None  # the resolved peft.LoraConfig of a LoRA run (base frozen), or None
 
     @property
     def loss_rank(self) -> int:
@@ -90,9 +92,16 @@ class PipelineModel:
         return bool(getattr(self.source.config, "tie_word_embeddings", False))
 
     def view(self):
-        """One module holding this rank's parameters under their full-model names (for DCP)."""
+        """One module holding this rank's parameters under their full-model names (for DCP).
+
+        Under LoRA it holds the adapters only: they are all a checkpoint needs besides the base.
+        """
         from hfpipe.checkpoint.dcp import rank_view
 
+        if self.lora is not None:
+            from hfpipe.lora import adapter_view
+
+            return adapter_view(self.modules)
         return rank_view(self.modules, self.tied)
 
     def save_checkpoint(self, root: str, step: int, optimizer=None, *, keep: int | None = None,
@@ -113,6 +122,10 @@ class PipelineModel:
                 "source_dtype": str(dtype).replace("torch.", ""),
                 "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp},
                 "world": {"pp": self.dist.pp, "dp": self.dist.dp}, "train": {}, **(extra or {})}
+        if self.lora is not None:
+            from hfpipe.lora import config_to_dict
+
+            meta["lora"] = config_to_dict(self.lora)  # the base is meta["source"]
         return save_checkpoint(Path(root), step, self.view(), optimizer, meta, keep=keep,
                                async_save=async_save)
 
@@ -154,7 +167,8 @@ def _default_pp(dp: int) -> int:
 def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | None = None,
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
-                  trust_remote_code: bool = False, dist: Dist | None = None) -> PipelineModel:
+                  trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
+                  seed: int = 0) -> PipelineModel:
     """Load this rank's stages of ``model`` (folder or hub id) ready to train.
 
     Args:
@@ -169,6 +183,9 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
         activation_checkpointing: ``none``, ``full`` (every layer) or ``selective`` (every other layer).
         trust_remote_code: Allow configs that need remote code.
         dist: An existing :class:`Dist` (default: join/create the process group).
+        lora: A ``peft.LoraConfig``: inject PEFT's LoRA adapters and freeze the base weights;
+            ``parameters()`` then yields only the adapters.
+        seed: Seeds the LoRA adapters' initialisation (per adapter, whatever the pipeline size).
     """
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
@@ -186,12 +203,17 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
              stats.bytes_read / 1e6, len(stats.files_opened))
     for m in modules:
         m.activation_checkpointing = activation_checkpointing
+    if lora is not None:
+        from hfpipe.lora import add_adapters, resolve_config
+
+        lora = resolve_config(lora, modules[0]._hf_model)
+        add_adapters(modules, lora, seed=seed)
     if dp > 1 or compute_dtype != param_dtype:
         _shard(modules, dist, compute_dtype)
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     group = tied_groups(plan, dist, tied)
     pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device)
-    return PipelineModel(source, plan, dist, modules, pipe, group)
+    return PipelineModel(source, plan, dist, modules, pipe, group, lora)
 
 
 def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:

@@ -180,6 +180,17 @@ class FinetuneConfig:
     """Where metrics go, comma-separated: jsonl (metrics.jsonl), tensorboard (tb/), wandb
     (needs the wandb extra; WANDB_MODE=offline works), or none."""
 
+    # --- LoRA ---
+    lora_rank: int | None = None
+    """Train PEFT LoRA adapters of this rank on frozen base weights; null trains every weight."""
+    lora_alpha: float | None = None
+    """LoRA scale numerator (adapters are scaled by lora_alpha / lora_rank); null means 2 * lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input; 0 keeps the run exactly reproducible."""
+    lora_targets: str = "all-linear"
+    """Modules that get adapters: all-linear (every linear layer but the output head) or a comma
+    list of module names such as q_proj,k_proj,v_proj,o_proj."""
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
@@ -189,6 +200,7 @@ class FinetuneConfig:
         _fit_vpp(self)
         _check_microbatches(self)
         _check_eval_and_reports(self)
+        _check_lora(self)
 
     @property
     def num_microbatches(self) -> int:
@@ -389,6 +401,24 @@ def _check_eval_and_reports(c: FinetuneConfig) -> None:
             raise ConfigError(f"--report-to {name!r} is unknown; choose from {', '.join(REPORTS)}{hint}")
     if "none" in names and len(names) > 1:
         raise ConfigError(f"--report-to none cannot be combined with {c.report_to!r}")
+def _check_lora(c: FinetuneConfig) -> None:
+    import re
+
+    if c.lora_rank is None:
+        for name, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", "all-linear")):
+            if getattr(c, name) != default:
+                raise ConfigError(f"{_flag(name)} applies to LoRA runs only; add --lora-rank R (e.g. 16)")
+        return
+    if c.lora_rank < 1:
+        raise ConfigError(f"--lora-rank must be >= 1, got {c.lora_rank}")
+    if c.lora_alpha is not None and c.lora_alpha <= 0:
+        raise ConfigError(f"--lora-alpha must be > 0, got {c.lora_alpha}")
+    if not 0.0 <= c.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {c.lora_dropout}")
+    names = [t.strip() for t in c.lora_targets.split(",")]
+    if c.lora_targets != "all-linear" and not all(re.fullmatch(r"[A-Za-z0-9_.]+", t) for t in names):
+        raise ConfigError(f"--lora-targets must be all-linear or a comma list of module names like "
+                          f"q_proj,v_proj; got {c.lora_targets!r}")
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -52,8 +52,23 @@ def load_generator(model: str | Path, *, dtype: str = "auto", source: str | Path
         if dtype != "auto":
             net = net.to(_DTYPES[dtype])
     else:
-        net, folder = _from_folder(str(model), dtype, trust_remote_code), str(model)
+        net, folder = _from_folder_or_adapter(str(model), dtype, trust_remote_code)
     return Generator(net.eval(), _tokenizer(folder, trust_remote_code))
+
+
+def _from_folder_or_adapter(name: str, dtype: str, trust_remote_code: bool):
+    """An HF model folder, or a PEFT adapter folder on its base (the export of a LoRA run)."""
+    from hfpipe.lora.folder import read_adapter_folder
+
+    adapter = read_adapter_folder(name) if Path(name).expanduser().is_dir() else None
+    if adapter is None:
+        return _from_folder(name, dtype, trust_remote_code), name
+    from peft import PeftModel
+
+    base = adapter[0]
+    net = PeftModel.from_pretrained(_from_folder(base, dtype, trust_remote_code), name)
+    has_tokenizer = any((Path(name) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return net, name if has_tokenizer else base
 
 
 def _from_folder(name: str, dtype: str, trust_remote_code: bool):
@@ -88,6 +103,9 @@ def _from_checkpoint(ckpt: Path, source: str | Path | None, trust_remote_code: b
     from hfpipe.stage import build_meta_model
 
     meta = read_checkpoint_meta(ckpt)
+    if meta.get("lora"):
+        raise GenerateError(f"checkpoint {ckpt} holds a LoRA run's adapters only: export it first "
+                            f"(hfpipe export {ckpt} OUT) and generate from OUT, the PEFT adapter folder")
     src = Path(source if source is not None else meta["source"]).expanduser()
     if not (src / "config.json").is_file():
         raise GenerateError(f"source folder {src} of checkpoint {ckpt} has no config.json (moved?); "

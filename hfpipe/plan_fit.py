@@ -51,12 +51,12 @@ def plan_kwargs(cfg) -> dict:
     Args:
         cfg: A :class:`hfpipe.config.FinetuneConfig`.
     """
-    # The hook for options that change memory: LoRA adds `lora_rank=cfg.lora_rank` here (and the
-    # `lora_rank` flag to cli/plan.py, named in its _FIELDS); fits, suggestions and the PNG follow.
+    # Every option that changes memory goes through here, so fits, suggestions and the PNG follow.
     return dict(pp=cfg.pp, dp=cfg.dp, vpp=cfg.vpp, schedule=cfg.schedule, layout=cfg.layout,
                 method=cfg.plan_method, microbatches=cfg.num_microbatches, seq_len=cfg.seq_len,
                 batch_size=cfg.batch_size, dtype=cfg.dtype,
-                activation_checkpointing=cfg.activation_checkpointing)
+                activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
+                lora_targets=cfg.lora_targets)
 
 
 def report_for(model_config, cfg, name: str | None = None):

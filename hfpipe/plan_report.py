@@ -110,13 +110,14 @@ class PlanReport:
     bubble: float  # idle share of a step (analytic)
     actions: tuple  # per rank, the (kind, stage, microbatch) steps of the schedule
     dp: int = 1  # data-parallel pipelines; > 1 shards each rank's state with FSDP2
+    lora: str | None = None  # a LoRA run's adapters, in words (memory columns are then LoRA's)
 
 
 def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
                 method: str = "balanced", microbatches: int | None = None, seq_len: int = 4096,
                 batch_size: int | None = None, dtype: str = "bf16-mixed",
                 activation_checkpointing: str = "none", name: str | None = None,
-                dp: int = 1) -> PlanReport:
+                dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear") -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -135,6 +136,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         name: What to call the model in the report; default the config's own name.
         dp: Data-parallel degree; above 1, weights, gradients and optimizer state are priced as
             FSDP2 shards them (see the module docstring).
+        lora_rank, lora_targets: Price a LoRA run instead (frozen base, fp32 adapters).
 
     Raises:
         PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
@@ -176,13 +178,18 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                   for r in range(pp))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
+    lora = None
+    if lora_rank is not None:
+        from hfpipe.lora.memory import describe_plan
+
+        ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets, total - costs.embed_params * tied)
     return PlanReport(
         model=name or getattr(config, "_name_or_path", "") or config.model_type,
         total_params=total - costs.embed_params * tied, num_layers=len(costs.layers), plan=plan,
         schedule=schedule, microbatches=m, microbatch_size=batch // m, seq_len=seq_len,
         dtype=dtype, activation_checkpointing=activation_checkpointing, stages=stages,
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
-        actions=actions, dp=dp)
+        actions=actions, dp=dp, lora=lora)
 
 
 #: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
@@ -402,6 +409,8 @@ def format_report(report: PlanReport) -> str:
         f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "
         f"~34*hidden bytes/token/layer (Korthikanti et al. 2022, SDPA), logits on the head stage",
     ]
+    if r.lora:
+        lines.append(r.lora)
     return "\n".join(lines)
 
 

@@ -56,7 +56,8 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     """Run ``hf_dir`` through a ``pp``-rank pipeline and compare its logits with transformers'.
 
     Args:
-        hf_dir: A Hugging Face model folder (config.json + safetensors).
+        hf_dir: A Hugging Face model folder (config.json + safetensors), or a PEFT LoRA adapter
+            folder: then its base runs with the adapters, against ``PeftModel.from_pretrained``.
         pp: Pipeline ranks (processes started on this machine).
         schedule: Pipeline schedule; interleaved and V schedules put two stages on each rank.
         tolerance: Largest allowed absolute logit difference.
@@ -77,10 +78,14 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     from hfpipe.plan import plan_pipeline
     from hfpipe.source import ModelSource
 
+    from hfpipe.lora.folder import read_adapter_folder
+
     for flag, value in (("--seq-len", seq_len), ("--batch-size", batch or 1)):
         if value < 1:
             raise PipelineError(f"{flag} must be >= 1, got {value}")
-    source = ModelSource.open(hf_dir, trust_remote_code=trust_remote_code)
+    adapter = read_adapter_folder(hf_dir)  # a PEFT LoRA folder: its base, with the adapters on top
+    adapter_dir = str(hf_dir) if adapter else None
+    source = ModelSource.open(adapter[0] if adapter else hf_dir, trust_remote_code=trust_remote_code)
     get_adapter(source.config)
     vpp = 2 if schedule in _MULTI_STAGE else 1
     microbatches = pp * vpp
@@ -89,9 +94,9 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), seq_len=seq_len)
     _check_shards(source)
     inputs = _sample_batch(source.config, batch, seq_len)
-    reference = _reference_logits(source.folder, inputs, trust_remote_code)
+    reference = _reference_logits(source.folder, inputs, trust_remote_code, adapter_dir)
     results = launch(_rank_logits, pp, str(source.folder), plan, schedule, microbatches, inputs,
-                     trust_remote_code)
+                     trust_remote_code, adapter_dir)
     logits = _gather(results)
     return _compare(reference, logits, inputs["attention_mask"].bool(), tolerance, pp, schedule)
 
@@ -139,8 +144,9 @@ def _quiet_transformers():
 
 
 @torch.no_grad()
-def _reference_logits(folder: Path, inputs: dict, trust_remote_code: bool) -> torch.Tensor:
-    """transformers' logits (fp32, one process); the model is freed before returning."""
+def _reference_logits(folder: Path, inputs: dict, trust_remote_code: bool,
+                      adapter_dir: str | None = None) -> torch.Tensor:
+    """transformers' logits (fp32, one process), through PEFT with an adapter; the model is freed."""
     from transformers import AutoModelForCausalLM
 
     from hfpipe.loader import LoadError
@@ -155,13 +161,17 @@ def _reference_logits(folder: Path, inputs: dict, trust_remote_code: bool) -> to
             what = kind.split("_")[0]
             raise LoadError(f"{folder}: {len(keys)} {what} tensor(s) in transformers' load, e.g. "
                             f"{keys[0]}; config.json does not match the weights")
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
     logits = model.eval()(**inputs, use_cache=False).logits.float()  # (B, T, V)
     del model
     return logits
 
 
 def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: dict,
-                 trust_remote_code: bool):
+                 trust_remote_code: bool, adapter_dir: str | None = None):
     """One pipeline rank: load its stages, run the batch; the last stage's rank returns logits.
 
     User errors come back as values, not exceptions, after every rank has agreed that loading
@@ -176,8 +186,13 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
     try:
         error = None
         try:
+            from hfpipe.lora.folder import load_adapter_weights, read_adapter_folder
+
+            lora = read_adapter_folder(adapter_dir)[1] if adapter_dir else None
             pm = load_pipeline(hf_dir, pp=plan.pp, vpp=plan.vpp, schedule=schedule, microbatches=microbatches,
-                               trust_remote_code=trust_remote_code, dist=mesh)
+                               trust_remote_code=trust_remote_code, dist=mesh, lora=lora)
+            if adapter_dir:
+                load_adapter_weights(pm.modules, adapter_dir)
         except ValueError as e:  # hfpipe's user-facing errors are ValueErrors
             error = ("error", type(e).__module__, type(e).__qualname__, str(e))
         failed = torch.tensor([error is not None], dtype=torch.int64, device=mesh.device)

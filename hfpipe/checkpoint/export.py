@@ -84,8 +84,12 @@ def export_checkpoint(
     force: bool = False,
     source: str | Path | None = None,
     progress: bool = True,
+    merge: bool = False,
 ) -> Path:
     """Write the model of a training checkpoint as a folder ``from_pretrained`` loads.
+
+    A LoRA run's checkpoint becomes a PEFT adapter folder, or with ``merge`` the base model with
+    the adapters merged (see :mod:`hfpipe.checkpoint.adapter`).
 
     Args:
         ckpt: Checkpoint folder (DCP files + ``hfpipe.json``), from a run at any pp size.
@@ -96,12 +100,17 @@ def export_checkpoint(
         force: Replace an existing ``out`` (only once the new folder is complete).
         source: The HF folder the run started from, if it moved since training.
         progress: Show a progress bar.
+        merge: For a LoRA checkpoint, merge the adapters into the base weights.
 
     Returns:
         The output folder.
     """
     ckpt, out = Path(ckpt).absolute(), Path(out).absolute()
     meta = read_checkpoint_meta(ckpt)
+    if "lora" in meta or merge:  # adapters only: PEFT's adapter folder, or merged into the base
+        from hfpipe.checkpoint.adapter import export_adapter
+
+        return export_adapter(ckpt, out, merge=merge, force=force, source=source, dtype=dtype)
     src = _resolve_source(meta, source)
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)

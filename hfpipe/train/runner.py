@@ -55,7 +55,9 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     if not cfg.resume and any(ckpts.glob("step-*")):
         raise CheckpointError(f"--output-dir {cfg.output_dir} already holds checkpoints; "
                               "pass --resume auto to continue, or choose another --output-dir")
-    resolve_resume(cfg.resume, cfg.output_dir)
+    from hfpipe.lora import preflight as lora_preflight
+
+    lora_preflight(cfg, source.config, resolve_resume(cfg.resume, cfg.output_dir))
     _check_writable(Path(cfg.output_dir))
 
 
@@ -146,6 +148,7 @@ def run_worker(cfg_dict: dict) -> dict:
     """One rank of a run (module level so the launcher can start it)."""
     from hfpipe.api import load_pipeline
     from hfpipe.distributed import init_distributed
+    from hfpipe.lora import from_finetune_config
     from hfpipe.train.optim import build_optimizer, build_scheduler
 
     cfg = FinetuneConfig.from_dict(cfg_dict)
@@ -155,7 +158,8 @@ def run_worker(cfg_dict: dict) -> dict:
     pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, vpp=cfg.vpp, schedule=cfg.schedule,
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
                        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
-                       trust_remote_code=cfg.trust_remote_code, dist=dist_info)
+                       trust_remote_code=cfg.trust_remote_code, dist=dist_info,
+                       lora=from_finetune_config(cfg), seed=cfg.seed)
     examples, held = _load_data(cfg, pm, dist_info)
     total = _total_steps(cfg, examples)
     optimizer = build_optimizer(pm.modules, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps)

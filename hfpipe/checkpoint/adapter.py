@@ -1,0 +1,145 @@
+"""Export a LoRA training checkpoint: a PEFT adapter folder, or the base with the adapters merged.
+
+A LoRA checkpoint holds only adapters (``model.<stage name>``, e.g.
+``model.model.layers.0.self_attn.q_proj.lora_A.default.weight``) and points at its base model.
+
+- The adapter export writes what ``PeftModel.save_pretrained`` writes: ``adapter_config.json``
+  (the run's ``LoraConfig``, naming the base model) and ``adapter_model.safetensors`` under PEFT's
+  keys (``base_model.model.<name>`` without the adapter name). The key set is checked against the
+  adapters PEFT injects into the full (meta) model, so a folder that loads is a complete one.
+- The merged export (:mod:`hfpipe.checkpoint.merge`) rewrites the base checkpoint shard by shard,
+  same file names, keys and dtypes, each targeted weight merged by PEFT's own ``merge()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from hfpipe.checkpoint.dcp_reader import _DcpReader
+from hfpipe.checkpoint.export import (
+    ExportError,
+    _check_out,
+    _copy_side_files,
+    _install,
+    _mkdir,
+    _resolve_source,
+    read_checkpoint_meta,
+)
+
+__all__ = ["export_adapter", "is_lora_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_lora_checkpoint(meta: dict) -> bool:
+    """Whether ``hfpipe.json``'s fields describe a LoRA run."""
+    return isinstance(meta.get("lora"), dict)
+
+
+def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, force: bool = False,
+                   source: str | Path | None = None, dtype: str = "auto") -> Path:
+    """Write a LoRA checkpoint as a PEFT adapter folder, or with ``merge`` as a full HF folder.
+
+    Args:
+        ckpt: A LoRA run's checkpoint folder (any pipeline size).
+        out: Folder to create; refused if it exists unless ``force``.
+        merge: Merge the adapters into the base weights (base dtype and key layout).
+        force: Replace an existing ``out`` once the new folder is complete.
+        source: The base model folder, if it moved since training.
+        dtype: Must be ``auto``: adapters stay fp32 (as PEFT saves them), a merge keeps the base's dtypes.
+
+    Raises:
+        ExportError: not a LoRA checkpoint, adapters that do not fit the base, or a bad ``out``.
+    """
+    from hfpipe.lora import config_from_dict
+
+    ckpt, out = Path(ckpt).absolute(), Path(out).absolute()
+    meta = read_checkpoint_meta(ckpt)
+    if not is_lora_checkpoint(meta):
+        raise ExportError(f"checkpoint {ckpt} is not a LoRA run's; export it without --merge")
+    if dtype != "auto":
+        raise ExportError(f"--dtype {dtype} does not apply to a LoRA checkpoint: the adapter stays fp32 and "
+                          "--merge keeps the base checkpoint's dtypes; drop --dtype")
+    src = _resolve_source(meta, source)
+    _check_out(out, force, (ckpt, src))
+    config = config_from_dict(meta["lora"])
+    adapters = _read_adapters(ckpt, config, src)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _mkdir(tmp)
+        if merge:
+            from hfpipe.checkpoint.merge import write_merged
+
+            write_merged(tmp, src, config, adapters)
+        else:
+            _write_adapter(tmp, config, adapters, _base_name(meta, src))
+        _install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
+    return out
+
+
+def _base_name(meta: dict, src: Path) -> str:
+    """The base model as ``adapter_config.json`` names it: the hub id the run used, else the folder."""
+    name = (meta.get("config") or {}).get("model")
+    if isinstance(name, str) and not Path(name).expanduser().exists() and name.count("/") == 1:
+        return name
+    return str(src)
+
+
+def _read_adapters(ckpt: Path, config, src: Path) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of the checkpoint (stage names), checked against PEFT's own set."""
+    reader = _DcpReader(ckpt)
+    saved = reader.tensors("model.")
+    expected = _expected_names(config, src)
+    missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    if missing or extra:
+        raise ExportError(f"checkpoint {ckpt}: adapters differ from the ones PEFT puts on {src}: "
+                          f"missing {missing[:3] or 'none'}, unexpected {extra[:3] or 'none'}; "
+                          "pass the base the run started from (--source)")
+    return {name: reader.read("model." + name) for name in sorted(saved)}
+
+
+def _expected_names(config, src: Path) -> set[str]:
+    """Adapter parameter names PEFT injects into the full model (on the meta device: no memory)."""
+    import copy
+
+    from peft.tuners.lora import LoraModel
+
+    from hfpipe.checkpoint.export import _meta_model
+    from hfpipe.lora import ADAPTER
+
+    model = _meta_model(src)
+    LoraModel(model, copy.deepcopy(config), ADAPTER, low_cpu_mem_usage=True)
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _write_adapter(tmp: Path, config, adapters: dict[str, torch.Tensor], base: str) -> None:
+    from safetensors.torch import save_file
+
+    from hfpipe.lora import peft_key
+
+    targets = config.target_modules
+    config = _copy(config, base_model_name_or_path=base, inference_mode=True,  # sorted: same file every time
+                   target_modules=sorted(targets) if isinstance(targets, (set, list)) else targets)
+    config.save_pretrained(str(tmp))
+    tensors = {peft_key(name): t.contiguous() for name, t in adapters.items()}
+    save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+
+def _copy(config, **changes):
+    import copy
+
+    config = copy.deepcopy(config)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config

@@ -1,0 +1,199 @@
+"""Merge a LoRA run's adapters into its base checkpoint, in the base's files, keys and dtypes.
+
+Every targeted weight is merged by PEFT's own ``merge()``: the module is rebuilt under its full
+name over the base tensor, PEFT injects its LoRA layer there (so the config's per-name rank and
+alpha patterns and its scaling apply as on the whole model), the fp32 adapters are loaded as
+``PeftModel`` holds them, and ``merge()`` adds the delta in the base dtype. Two kinds of targets:
+
+- ``nn.Linear`` modules (attention, dense and shared-expert MLPs): the checkpoint tensor is
+  ``<module>.weight`` itself, merged in place in its shard;
+- fused MoE experts (PEFT's ``target_parameters``, e.g. ``mlp.experts.gate_up_proj`` of shape
+  [E, 2I, H]): the checkpoint holds per-expert tensors (``mlp.experts.3.gate_proj.weight``), so the
+  fused tensor is built with transformers' conversion (as the loader does), merged, and written
+  back per expert with ``revert_weight_conversion`` (as ``save_pretrained`` does). One layer's
+  experts are held at a time.
+
+Untargeted tensors are copied bit for bit. The output is written shard by shard (peak memory: a
+shard, or one layer's experts).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hfpipe.checkpoint.export import INDEX, SINGLE, ExportError, _copy_side_files
+
+__all__ = ["write_merged"]
+
+
+def write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor]) -> None:
+    """Write the base checkpoint ``src`` into ``tmp`` with ``adapters`` (stage names) merged."""
+    from safetensors.torch import load_file, save_file
+
+    cfg_json = json.loads((src / "config.json").read_text())
+    if cfg_json.get("quantization_config"):
+        raise ExportError(f"--merge: the base {src} is quantized; export the adapter instead")
+    weight_map = _weight_map(src)
+    targets = _merge_targets(adapters)
+    linear = [t for t in targets if t + ".weight" in weight_map]
+    experts = _FusedExperts(src, config, adapters, [t for t in targets if t not in linear])
+    for fname in sorted(set(weight_map.values())):
+        tensors = load_file(src / fname)
+        here = {t: tensors[t + ".weight"] for t in linear if weight_map[t + ".weight"] == fname}
+        for name, merged in _merge(config, here, adapters).items():
+            tensors[name + ".weight"] = merged
+        tensors.update(experts.merged_in(fname, weight_map))
+        save_file(tensors, tmp / fname, metadata={"format": "pt"})
+        del tensors
+    if (src / INDEX).is_file():
+        shutil.copy2(src / INDEX, tmp / INDEX)
+    shutil.copy2(src / "config.json", tmp / "config.json")
+    _copy_side_files(src, tmp)
+
+
+def _merge_targets(adapters: dict[str, torch.Tensor]) -> list[str]:
+    """Modules carrying an adapter (``...q_proj`` of ``...q_proj.lora_A.default.weight``); a
+    nested PEFT wrapper (``...experts.base_layer``) counts as its module."""
+    out = set()
+    for name in adapters:
+        if ".lora_A." in name:
+            path = name.split(".lora_A.")[0]
+            while path.endswith(".base_layer"):
+                path = path.removesuffix(".base_layer")
+            out.add(path)
+    return sorted(out)
+
+
+def _weight_map(src: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    if (src / INDEX).is_file():
+        return json.loads((src / INDEX).read_text())["weight_map"]
+    if (src / SINGLE).is_file():
+        with safe_open(src / SINGLE, "pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE)
+    raise ExportError(f"--merge: {src} has no safetensors weights to merge into")
+
+
+def _peft_merge(root: nn.Module, config, adapters: dict[str, torch.Tensor], prefixes) -> None:
+    """Inject PEFT's LoRA layers into ``root``, load the adapters under ``prefixes``, merge them."""
+    from peft.tuners.lora import LoraModel
+    from peft.tuners.tuners_utils import BaseTunerLayer, cast_adapter_dtype
+
+    from hfpipe.lora import ADAPTER
+
+    with torch.random.fork_rng(devices=[]):
+        LoraModel(root, config, ADAPTER)
+    cast_adapter_dtype(root, ADAPTER, autocast_adapter_dtype=True)  # fp32 adapters, as PeftModel holds them
+    mine = {k: v for k, v in adapters.items() if any(k.startswith(p + ".") for p in prefixes)}
+    result = root.load_state_dict(mine, strict=False)
+    lora_keys = {k for k, _ in root.named_parameters() if ".lora_" in k}
+    if result.unexpected_keys or lora_keys != set(mine):
+        raise ExportError(f"--merge: the adapters of {sorted(prefixes)[0]} do not fit PEFT's layer; "
+                          "was the checkpoint written for this base? (--source)")
+    for _, module in root.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge(adapter_names=[ADAPTER])
+
+
+def _merge(config, weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` (module name -> base ``nn.Linear`` weight) with their adapters merged."""
+    if not weights:
+        return {}
+    from hfpipe.lora import _attach
+
+    root, linears = nn.Module(), {}
+    for name, w in weights.items():
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
+        linear.weight = nn.Parameter(w, requires_grad=False)
+        _attach(root, name, linear)
+        linears[name] = linear
+    config = _copy(config, target_modules=set(weights), target_parameters=None)
+    _peft_merge(root, config, adapters, list(weights))
+    return {name: linear.weight.detach().contiguous() for name, linear in linears.items()}
+
+
+def _copy(config, **changes):
+    config = copy.deepcopy(config)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config
+
+
+class _FusedExperts:
+    """Per-expert checkpoint tensors of fused expert parameters, merged one module at a time."""
+
+    def __init__(self, src: Path, config, adapters: dict[str, torch.Tensor], modules: list[str]) -> None:
+        self.src, self.config, self.adapters, self.modules = src, config, adapters, modules
+        self._cache: dict[str, torch.Tensor] = {}
+        self._done: set[str] = set()
+        if modules:
+            from hfpipe.checkpoint.export import _meta_model
+            from hfpipe.loader import model_key_mapper
+
+            self.meta = _meta_model(src)
+            mapper = model_key_mapper(self.meta)
+            self.sources: dict[str, list[tuple[str, object, object]]] = {}  # fused param -> its keys
+            for key in _weight_map(src):
+                target, converter, pattern = mapper(key)
+                if converter is not None and target.rpartition(".")[0] in modules:
+                    self.sources.setdefault(target, []).append((key, converter, pattern))
+            missing = [m for m in modules if not any(t.rpartition(".")[0] == m for t in self.sources)]
+            if missing:
+                raise ExportError(f"--merge: {missing[0]} carries an adapter but is not a module of {src}; "
+                                  "pass the base the run started from (--source)")
+
+    def merged_in(self, fname: str, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
+        """Merged per-expert tensors that live in shard ``fname``."""
+        out = {}
+        for module in self.modules:
+            keys = {k for t, srcs in self.sources.items() if t.rpartition(".")[0] == module for k, _, _ in srcs}
+            if any(weight_map[k] == fname for k in keys):
+                if not keys & self._cache.keys():
+                    self._cache.update(self._merge_module(module))
+                for k in keys:
+                    if weight_map[k] == fname:
+                        out[k] = self._cache.pop(k)
+        return out
+
+    def _merge_module(self, module: str) -> dict[str, torch.Tensor]:
+        """Build the module's fused parameters from the checkpoint, merge, revert to per-expert keys."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        from hfpipe.lora import _attach
+
+        layer = copy.deepcopy(self.meta.get_submodule(module))
+        fused = {t: self._fused(t) for t in self.sources if t.rpartition(".")[0] == module}
+        for target, tensor in fused.items():
+            setattr(layer, target.rpartition(".")[2], nn.Parameter(tensor, requires_grad=False))
+        root = nn.Module()
+        _attach(root, module, layer)
+        config = _copy(self.config, target_modules=[])  # only the parameter targets are in this module
+        _peft_merge(root, config, self.adapters, [module])
+        merged = {t: getattr(layer, t.rpartition(".")[2]).detach() for t in fused}
+        out = revert_weight_conversion(self.meta, merged)
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def _fused(self, target: str) -> torch.Tensor:
+        """The in-memory fused tensor ``target`` from its per-expert checkpoint tensors."""
+        from safetensors import safe_open
+
+        weight_map = _weight_map(self.src)
+        sources = self.sources[target]
+        converter = copy.deepcopy(sources[0][1])
+        by_file: dict[str, list] = {}
+        for key, _, pattern in sources:
+            by_file.setdefault(weight_map[key], []).append((key, pattern))
+        for fname, items in by_file.items():
+            with safe_open(self.src / fname, "pt") as f:
+                for key, pattern in items:
+                    converter.add_tensor(target, key, pattern, f.get_tensor(key))
+        from transformers import AutoConfig
+
+        return converter.convert(target, config=AutoConfig.from_pretrained(self.src))[target]

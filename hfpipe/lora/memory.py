@@ -1,0 +1,74 @@
+"""What a LoRA run costs each rank, for ``hfpipe plan --lora-rank``.
+
+The adapters are counted on the meta model from the modules PEFT would adapt (``rank * (in + out)``
+each); the frozen base keeps its weights but has no gradients or optimizer state.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hfpipe.lora import lora_config, resolve_config
+
+__all__ = ["adapter_params", "rank_memory", "describe_plan"]
+
+
+def adapter_params(model_config, rank: int, targets: str = "all-linear") -> dict[str, int]:
+    """Adapter parameters per part of the model for ``--lora-rank``/``--lora-targets`` (for ``plan``).
+
+    Counted on the meta model from the modules PEFT would adapt: ``rank * (in + out)`` each.
+
+    Returns:
+        ``{"embed": n, "head": n, "layer.<i>": n, ...}`` (parts without adapters are 0 or absent).
+    """
+    from hfpipe.stage import build_meta_model, model_config as hf_config
+
+    meta = build_meta_model(hf_config(model_config))
+    config = resolve_config(lora_config(rank, targets=targets), meta)
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    out: dict[str, int] = {"embed": 0, "head": 0}
+    for name, module in meta.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or not check_target_module_exists(config, name):
+            continue
+        shape = module.weight.shape
+        part = name.split(".")
+        key = f"layer.{part[2]}" if name.startswith("model.layers.") else (
+            "embed" if isinstance(module, nn.Embedding) else "head")
+        out[key] = out.get(key, 0) + rank * (shape[0] + shape[1])
+    return out
+
+
+def rank_memory(rank_report, specs, counts: dict[str, int], base_weight_bytes: int):
+    """A plan's :class:`~hfpipe.plan_report.RankReport` for a LoRA run of the same layout.
+
+    The base is frozen: its weights stay (in ``dtype``'s storage, ``base_weight_bytes`` per
+    parameter) but it has no gradients and no AdamW state. The adapters are fp32 weights, fp32
+    gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each. Activations are the full run's:
+    backward still goes through every base layer, for the adapters below it.
+    """
+    import dataclasses
+
+    n = sum(counts.get("embed", 0) * s.embed + counts.get("head", 0) * s.head
+            + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)
+    base = rank_report.params
+    return dataclasses.replace(rank_report, weight_bytes=base * base_weight_bytes + 4 * n,
+                               grad_bytes=4 * n, optimizer_bytes=8 * n), n
+
+
+def describe_plan(ranks, plan, model_config, dtype: str, rank: int, targets: str, total: int):
+    """``plan``'s rank reports priced for LoRA, and the line that says so (for ``hfpipe plan``)."""
+    from hfpipe.plan_report import BYTES_PER_PARAM
+
+    counts = adapter_params(model_config, rank, targets)
+    # frozen base: bf16-mixed keeps fp32 masters and the bf16 copy; nothing else changes per weight
+    base_bytes = BYTES_PER_PARAM[dtype][0]
+    out, n_all = [], 0
+    for r in ranks:
+        report, n = rank_memory(r, plan.stages_of_rank(r.rank), counts, base_bytes)
+        out.append(report)
+        n_all += n
+    line = (f"LoRA rank {rank} on {targets}: {n_all:,} adapter parameters ({100 * n_all / max(1, total):.2f}% "
+            f"of the model); base frozen (weights {base_bytes} B/param, no grads or AdamW state), "
+            "adapters fp32: weights 4 + grads 4 + AdamW 8 B/param")
+    return tuple(out), line

@@ -1,0 +1,74 @@
+"""``hfpipe plan --lora-rank``: a LoRA run priced per rank, and the shipped LoRA recipe fits.
+
+The adapter counts are checked against PEFT's own injection into the whole model: a rank's
+adapters are the ``PeftModel``'s trainable parameters that live in that rank's stages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfpipe.config import FinetuneConfig, bundled_config_dir
+from hfpipe.plan_report import format_report, plan_report, BYTES_PER_PARAM
+from hfpipe.tiny import tiny_config
+
+GIB = 1024**3
+
+
+def peft_trainable_by_layer(config, targets) -> dict[str, int]:
+    """PEFT's trainable parameters on the meta model, by ``layer.<i>`` / ``embed`` / ``head``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    peft = get_peft_model(model, LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
+    out: dict[str, int] = {}
+    for name, p in peft.named_parameters():
+        if p.requires_grad:
+            parts = name.removeprefix("base_model.model.").split(".")
+            key = f"layer.{parts[2]}" if parts[:2] == ["model", "layers"] else parts[0]
+            out[key] = out.get(key, 0) + p.numel()
+    return out
+
+
+@pytest.mark.parametrize("kind, targets", [("llama", "all-linear"), ("deepseek_v3", ["q_b_proj", "o_proj"])])
+def test_lora_memory_per_rank_is_the_adapters_of_its_stages(kind, targets):
+    config = tiny_config(kind, num_hidden_layers=6)
+    full = plan_report(config, 3, dtype="bf16", seq_len=64)
+    lora = plan_report(config, 3, dtype="bf16", seq_len=64, lora_rank=8,
+                       lora_targets=targets if isinstance(targets, str) else ",".join(targets))
+    per_layer = peft_trainable_by_layer(config, targets)
+    assert "head" not in per_layer and "embed" not in per_layer  # all-linear leaves the head alone
+    for f, r in zip(full.ranks, lora.ranks):
+        layers = [i for s in full.plan.stages_of_rank(r.rank) for i in s.layers]
+        n = sum(per_layer.get(f"layer.{i}", 0) for i in layers)
+        assert n > 0
+        assert (r.grad_bytes, r.optimizer_bytes) == (4 * n, 8 * n)  # fp32 grads and AdamW, adapters only
+        assert r.weight_bytes == f.params * BYTES_PER_PARAM["bf16"][0] + 4 * n  # frozen bf16 base + fp32 adapters
+        assert r.activation_bytes == f.activation_bytes and r.params == f.params
+    text = format_report(lora)
+    assert f"LoRA rank 8 on {','.join(targets) if not isinstance(targets, str) else targets}: " \
+           f"{sum(per_layer.values()):,} adapter parameters" in text
+
+
+def test_the_70b_lora_recipe_fits_8_x_80gb():
+    recipe = Path(__file__).parents[1] / "hfpipe" / "recipes" / "llama3_1_70b_lora_pp8.yaml"
+    cfg = FinetuneConfig.from_yaml(recipe)
+    assert (cfg.pp, cfg.dp, cfg.lora_rank, cfg.dtype) == (8, 1, 16, "bf16")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(bundled_config_dir(cfg.model))
+    report = plan_report(config, cfg.pp, schedule=cfg.schedule, microbatches=cfg.num_microbatches,
+                         seq_len=cfg.seq_len, batch_size=cfg.batch_size, dtype=cfg.dtype,
+                         activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
+                         lora_targets=cfg.lora_targets)
+    peak = max(r.total_bytes for r in report.ranks)
+    assert peak < 80e9 * 0.95, f"peak {peak / GIB:.1f} GiB"
+    full = plan_report(config, cfg.pp, schedule=cfg.schedule, microbatches=cfg.num_microbatches,
+                       seq_len=cfg.seq_len, batch_size=cfg.batch_size, dtype="bf16-mixed",
+                       activation_checkpointing=cfg.activation_checkpointing)
+    assert max(r.total_bytes for r in full.ranks) > 80e9  # what LoRA buys: full fine-tuning does not fit
