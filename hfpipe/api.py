@@ -154,7 +154,8 @@ def _default_pp(dp: int) -> int:
 def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | None = None,
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
-                  trust_remote_code: bool = False, dist: Dist | None = None) -> PipelineModel:
+                  trust_remote_code: bool = False, dist: Dist | None = None,
+                  loss_chunk_tokens: int | None = None) -> PipelineModel:
     """Load this rank's stages of ``model`` (folder or hub id) ready to train.
 
     Args:
@@ -169,6 +170,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
         activation_checkpointing: ``none``, ``full`` (every layer) or ``selective`` (every other layer).
         trust_remote_code: Allow configs that need remote code.
         dist: An existing :class:`Dist` (default: join/create the process group).
+        loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
+            chunk's logits stay near 64 MB; 0: full logits). See :mod:`hfpipe.head_loss`.
     """
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
@@ -190,7 +193,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
         _shard(modules, dist, compute_dtype)
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     group = tied_groups(plan, dist, tied)
-    pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device)
+    pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device,
+                    loss_chunk_tokens=loss_chunk_tokens)
     return PipelineModel(source, plan, dist, modules, pipe, group)
 
 
