@@ -171,7 +171,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
         trust_remote_code: Allow configs that need remote code.
         dist: An existing :class:`Dist` (default: join/create the process group).
         loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
-            chunk's logits stay near 64 MB; 0: full logits). See :mod:`hfpipe.head_loss`.
+            chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.head_loss`.
     """
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)

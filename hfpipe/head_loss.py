@@ -24,7 +24,7 @@ __all__ = ["AUTO_CHUNK_BYTES", "chunk_tokens", "chunked_loss_sum"]
 
 #: Default budget of one chunk's fp32 logits. Small enough that a chunk's logits, log-softmax and
 #: their gradients are a few hundred MB at a 128k vocabulary; large enough for efficient matmuls.
-AUTO_CHUNK_BYTES = 64 * 2**20
+AUTO_CHUNK_BYTES = 256 * 2**20
 
 
 def chunk_tokens(vocab_size: int, setting: int | None = None) -> int:

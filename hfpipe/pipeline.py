@@ -2,8 +2,9 @@
 
 torch's schedules do the ordering, the send/recv and the backward; this module only chooses the
 schedule, checks microbatch counts up front in the user's terms, keeps the loss exact (summed
-cross-entropy over a known global token count, ``scale_grads=False``), and rebuilds the schedule
-when the batch shape changes, since torch's stages size their receive buffers on first use.
+cross-entropy over a known global token count, ``scale_grads=False``), and resizes the stages
+when the batch shape changes (hfpipe.stage_shapes), since torch's stages size their receive
+buffers on first use.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from hfpipe.head_loss import chunk_tokens, chunked_loss_sum
+from hfpipe.stage_shapes import resize_schedule
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -146,7 +148,8 @@ class Pipeline:
         self.group = group
         self.device = device
         self.loss = TokenLoss()
-        self._schedules: dict = {}  # (shape, kwargs, mode) -> schedule, most recent last
+        self._schedules: dict = {}  # (kwargs, mode, chunked head) -> (shape, schedule), most recent last
+        self.builds = 0  # schedules (and torch stages) built so far
 
     @property
     def has_loss(self) -> bool:
@@ -158,22 +161,30 @@ class Pipeline:
         return any(m.is_first for m in self.modules)
 
     def _get_schedule(self, shape, kwargs, mode: str):
-        """A schedule for ``mode`` ("train", "loss" or "logits") and this batch shape."""
-        key = (tuple(shape), tuple(sorted(kwargs)), mode, self._set_head(shape, mode))
-        schedule = self._schedules.pop(key, None)
-        if schedule is None:
-            # New shapes: torch's stages size their receive buffers on first use, so each shape
-            # gets its own stages (a few are kept, e.g. for alternating train and eval batches).
+        """A schedule for ``mode`` ("train", "loss" or "logits") and this batch shape.
+
+        A new shape resizes the stages of the schedule kept for this mode (hfpipe.stage_shapes);
+        only where that cannot be done are new stages built.
+        """
+        key = (tuple(sorted(kwargs)), mode, self._set_head(shape, mode))
+        shape = tuple(shape)
+        entry = self._schedules.pop(key, None)
+        if entry is not None and entry[0] != shape:
+            rows, rest = divmod(shape[0], self.microbatches)
+            if rest or not resize_schedule(entry[1], (rows, shape[1])):
+                entry = None
+        if entry is None:
             pstages = [PipelineStage(m, m.spec.index, self.num_stages, self.device, group=self.group)
                        for m in self.modules]
             cls = SCHEDULES[self.schedule_name]
             arg = pstages[0] if self.schedule_name in SINGLE_STAGE else pstages
             loss_fn = None if mode == "logits" else self.loss
-            schedule = cls(arg, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            entry = (shape, cls(arg, self.microbatches, loss_fn=loss_fn, scale_grads=False))
+            self.builds += 1
             while len(self._schedules) >= _KEEP_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
-        self._schedules[key] = schedule
-        return schedule
+        self._schedules[key] = (shape, entry[1])
+        return entry[1]
 
     def _set_head(self, shape, mode: str) -> bool:
         """Route the last stage's head through the chunked loss for this batch (or not).

@@ -33,14 +33,22 @@ def _data():
     return hidden, targets
 
 
+def _grads(loss_fn, hidden, params):
+    """The loss and, after one backward, the gradients of ``hidden`` and every parameter."""
+    for t in [hidden, *params]:
+        t.grad = None
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), [t.grad.clone() for t in [hidden, *params]]
+
+
 @pytest.mark.parametrize("chunk", [2, 7, 128, 10_000])
 def test_chunked_loss_and_gradients_equal_the_plain_loss(chunk):
     logits_fn, params = _head()
     hidden, targets = _data()
-    plain = F.cross_entropy(logits_fn(hidden).flatten(0, 1), targets.flatten(), reduction="sum") / 37.0
-    want = torch.autograd.grad(plain, [hidden, *params])
-    got_loss = chunked_loss_sum(logits_fn, hidden, targets, chunk, 37.0)
-    got = torch.autograd.grad(got_loss, [hidden, *params])
+    plain, want = _grads(lambda: F.cross_entropy(logits_fn(hidden).flatten(0, 1), targets.flatten(),
+                                                 reduction="sum") / 37.0, hidden, params)
+    got_loss, got = _grads(lambda: chunked_loss_sum(logits_fn, hidden, targets, chunk, 37.0), hidden, params)
     torch.testing.assert_close(got_loss, plain, atol=1e-5, rtol=0)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
@@ -49,12 +57,30 @@ def test_chunked_loss_and_gradients_equal_the_plain_loss(chunk):
                                    atol=1e-5, rtol=0)
 
 
+def test_gradients_accumulate_like_backward():
+    """A second microbatch adds to the gradients already there (grad accumulation)."""
+    logits_fn, params = _head()
+    hidden, targets = _data()
+    plain = lambda: F.cross_entropy(logits_fn(hidden).flatten(0, 1), targets.flatten(), reduction="sum") / 9.0
+    for t in params:
+        t.grad = None
+    plain().backward()
+    plain().backward()
+    want = [p.grad.clone() for p in params]
+    for t in params:
+        t.grad = None
+    chunked_loss_sum(logits_fn, hidden, targets, 16, 9.0).backward()
+    chunked_loss_sum(logits_fn, hidden, targets, 16, 9.0).backward()
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w, atol=1e-5, rtol=0)
+
+
 def test_a_scaled_loss_scales_the_gradients():
     logits_fn, params = _head()
     hidden, targets = _data()
-    plain = F.cross_entropy(logits_fn(hidden).flatten(0, 1), targets.flatten(), reduction="sum") / 37.0
-    want = torch.autograd.grad(3.0 * plain, [hidden, *params])
-    got = torch.autograd.grad(3.0 * chunked_loss_sum(logits_fn, hidden, targets, 16, 37.0), [hidden, *params])
+    _, want = _grads(lambda: 3.0 * F.cross_entropy(logits_fn(hidden).flatten(0, 1), targets.flatten(),
+                                                   reduction="sum") / 37.0, hidden, params)
+    _, got = _grads(lambda: 3.0 * chunked_loss_sum(logits_fn, hidden, targets, 16, 37.0), hidden, params)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
 
@@ -85,7 +111,7 @@ def test_no_tensor_as_large_as_the_logits_is_made():
 
 def test_chunks_follow_a_logits_budget_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("HFPIPE_LOSS_CHUNK_TOKENS", raising=False)
-    assert chunk_tokens(128256) * 128256 * 4 <= 64 * 2**20 < (chunk_tokens(128256) + 1) * 128256 * 4
+    assert chunk_tokens(128256) * 128256 * 4 <= 256 * 2**20 < (chunk_tokens(128256) + 1) * 128256 * 4
     assert chunk_tokens(128256, 0) == 0 and chunk_tokens(128256, 300) == 300
     monkeypatch.setenv("HFPIPE_LOSS_CHUNK_TOKENS", "5")
     assert chunk_tokens(128256) == 5 and chunk_tokens(128256, 0) == 0
