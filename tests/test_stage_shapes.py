@@ -29,7 +29,7 @@ def counting_worker(*args) -> dict:
     return out
 
 
-@pytest.mark.parametrize("schedules", [("1f1b", "zbv")])
+@pytest.mark.parametrize("schedules", [("1f1b",), pytest.param(("1f1b", "zbv"), marks=pytest.mark.slow)])
 def test_varying_lengths_reuse_the_stages_and_stay_exact(schedules):
     path = str(tiny_checkpoint("llama_tied", num_hidden_layers=8))
     ref = reference_run(path)
@@ -37,5 +37,6 @@ def test_varying_lengths_reuse_the_stages_and_stay_exact(schedules):
     for rank, r in results.items():
         built = r.pop("built")
         # 1f1b: one stage per rank; zbv: two. Built once, whatever the shapes.
-        assert sorted(built) == sorted([rank, rank, 3 - rank]), f"rank {rank} built {built}"
+        want = [rank] + ([rank, 3 - rank] if "zbv" in schedules else [])
+        assert sorted(built) == sorted(want), f"rank {rank} built {built}"
     check_equal(ref, results, schedules)
