@@ -155,3 +155,24 @@ def test_chunked_loss_every_schedule(kind):
     from test_train_equivalence import ALL_SCHEDULES
 
     _run_chunked(kind, 2, ALL_SCHEDULES, options={"activation_checkpointing": "selective"})
+
+
+def test_plan_counts_the_chunked_head(monkeypatch):
+    """Llama-3 8B at 4096 tokens: the head stage keeps hidden and head gradients, not the logits."""
+    from transformers import LlamaConfig
+
+    import hfpipe.head_loss as head_loss
+    from hfpipe.plan_report import plan_report
+
+    monkeypatch.delenv("HFPIPE_LOSS_CHUNK_TOKENS", raising=False)
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8)
+
+    def head_stage():
+        return plan_report(cfg, 4, seq_len=4096, batch_size=4, dtype="bf16-mixed").stages[-1]
+
+    chunked = head_stage().activation_bytes_per_microbatch
+    monkeypatch.setattr(head_loss, "AUTO_CHUNK_BYTES", 1 << 62)  # one chunk: the plain head
+    plain = head_stage().activation_bytes_per_microbatch
+    tokens, v, h = 4096, 128256, 4096
+    assert plain - chunked == tokens * v * (2 + 4) - (tokens * h * 2 + v * h * 2)
