@@ -93,7 +93,7 @@ def _results(out: Path) -> tuple[list, dict]:
     return metrics, weights
 
 
-@pytest.mark.parametrize("pp, dp", [(2, 1), (2, 2)])
+@pytest.mark.parametrize("pp, dp", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_two_hosts_end_bitwise_equal_to_one(two_hosts, tmp_path, pp, dp):
     model = tiny_checkpoint("llama_tied", num_hidden_layers=4)
     one = subprocess.run([sys.executable, "-m", "hfpipe.cli.main", *map(str, _finetune_args(model, pp, dp, "one"))],
