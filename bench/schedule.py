@@ -406,6 +406,7 @@ def _report(a: dict, pp2: dict, pp1: dict) -> None:
     sh = pp2["shapes"]
     print(_row("4. pp=2 steps at varying lengths / fixed length, same tokens", _col(sh["varying"]),
                _col(sh["fixed"]), "shapes"))
+    print(_row("   CPU s, both ranks: varying / fixed", _col(sh["varying"], "cpu"), _col(sh["fixed"], "cpu")))
     print(f"   (lengths {a['seq'] - a['seq'] // 4} and {a['seq'] + a['seq'] // 4} vs {a['seq']} twice; schedules "
           f"built during these steps: {sh['rebuilds']})")
     if pp2["hf_error"]:
