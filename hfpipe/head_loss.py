@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 __all__ = ["AUTO_CHUNK_BYTES", "chunk_tokens", "chunked_loss_sum"]
 
-#: Default budget of one chunk's fp32 logits. Small enough that a chunk's logits, log-softmax and
-#: their gradients are a few hundred MB at a 128k vocabulary; large enough for efficient matmuls.
+#: Default budget of one chunk's fp32 logits (523 tokens at a 128k vocabulary). A chunk's logits,
+#: log-softmax and their gradients then take about 1 GB, whatever the microbatch; the chunk's
+#: matmuls stay large enough to run at full speed.
 AUTO_CHUNK_BYTES = 256 * 2**20
 
 
@@ -33,8 +34,11 @@ def chunk_tokens(vocab_size: int, setting: int | None = None) -> int:
     ``HFPIPE_LOSS_CHUNK_TOKENS`` stands in for an unset ``setting`` (e.g. to run the exactness
     suite with tiny chunks on tiny models, where the budget would never chunk).
     """
-    if setting is None and os.environ.get("HFPIPE_LOSS_CHUNK_TOKENS"):
-        setting = int(os.environ["HFPIPE_LOSS_CHUNK_TOKENS"])
+    env = os.environ.get("HFPIPE_LOSS_CHUNK_TOKENS")
+    if setting is None and env:
+        if not env.strip().isdigit():
+            raise ValueError(f"HFPIPE_LOSS_CHUNK_TOKENS={env!r} must be a whole number of tokens (0: off)")
+        setting = int(env)
     if setting is not None:
         return max(0, int(setting))
     return max(1, AUTO_CHUNK_BYTES // (4 * vocab_size))
