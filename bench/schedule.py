@@ -14,6 +14,8 @@ processes, each figure the median of ``--repeats`` runs after ``--warmup``:
    transformers' own pipeline parallelism (``from_pretrained(..., distributed_config=
    DistributedConfig(pp_size=2))``), which runs the whole batch through rank 0, then rank 1, and
    broadcasts the logits to every rank. Goal >= 1.7.
+4. pp=2, one thread per rank: two 1F1B steps whose sequence lengths change every step (seq -/+ a
+   quarter) / two steps at the fixed length (the same token count). Goal <= 1.05.
 
 Ratios are the medians of per-repeat ratios (both sides timed in the same repeat, in rotating
 order), so load from other jobs shifts both sides alike; the spread column shows what is left. A
@@ -37,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the spawned ranks import this file too
 
-GOALS = {"1f1b": ("<=", 1.10), "pp1": ("<=", 1.05), "forward": (">=", 1.7)}
+GOALS = {"1f1b": ("<=", 1.10), "pp1": ("<=", 1.05), "forward": (">=", 1.7), "shapes": ("<=", 1.05)}
 
 
 # ---------------------------------------------------------------- setup
@@ -187,6 +189,27 @@ def _train_fns(pm, batch: dict, a: dict) -> dict:
             "trainer": lambda: _sync_time(lambda: trainer.step(batch))}
 
 
+def _shape_fns(pm, a: dict) -> dict:
+    """Two 1F1B steps at seq -/+ seq/4 (a new shape every step) vs two at seq: the same tokens."""
+    import torch
+
+    from hfpipe.pipeline import count_tokens
+
+    short, long = a["seq"] - a["seq"] // 4, a["seq"] + a["seq"] // 4
+    batches = {n: _batch({**a, "seq": n}) for n in (short, a["seq"], long)}
+
+    def steps(lengths):
+        def run():
+            for n in lengths:
+                pm.pipe.train_step(batches[n], count_tokens(batches[n]["labels"]))
+            for m in pm.modules:
+                m.zero_grad(set_to_none=True)
+        return lambda: _sync_time(run)
+
+    torch.manual_seed(0)
+    return {"varying": steps((short, long)), "fixed": steps((a["seq"], a["seq"]))}
+
+
 # ---------------------------------------------------------------- 3. forward vs transformers' PP
 
 
@@ -256,7 +279,10 @@ def _pp2_rank(folder: str, a: dict) -> dict:
     train = _repeat(a, _train_fns(pm, batch, a))
     fns, error, hf_layers = _forward_fns(pm, folder, batch, a)
     forward = _repeat(a, fns)
-    return {"train": train, "forward": forward, "hf_error": error, "threads": torch.get_num_threads(),
+    builds = pm.pipe.builds
+    shapes = _repeat(a, _shape_fns(pm, a))
+    shapes["rebuilds"] = pm.pipe.builds - builds
+    return {"train": train, "forward": forward, "shapes": shapes, "hf_error": error, "threads": torch.get_num_threads(),
             "stages": [(s.layers[0], s.layers[-1], s.embed, s.head) for s in pm.plan.stages],
             "hf_layers": hf_layers}
 
@@ -377,6 +403,12 @@ def _report(a: dict, pp2: dict, pp1: dict) -> None:
     _report_1f1b(a, pp2["train"])
     _report_pp1(pp1)
     _report_forward(a, pp2["forward"])
+    sh = pp2["shapes"]
+    print(_row("4. pp=2 steps at varying lengths / fixed length, same tokens", _col(sh["varying"]),
+               _col(sh["fixed"]), "shapes"))
+    print(_row("   CPU s, both ranks: varying / fixed", _col(sh["varying"], "cpu"), _col(sh["fixed"], "cpu")))
+    print(f"   (lengths {a['seq'] - a['seq'] // 4} and {a['seq'] + a['seq'] // 4} vs {a['seq']} twice; schedules "
+          f"built during these steps: {sh['rebuilds']})")
     if pp2["hf_error"]:
         print(f"\ntransformers' pipeline parallelism could not run here: {pp2['hf_error']}")
     print("\nratio 3 = transformers' time / hfpipe's (throughput, higher is better); the others hfpipe / ref. "

@@ -168,7 +168,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
                   trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
-                  seed: int = 0) -> PipelineModel:
+                  seed: int = 0, loss_chunk_tokens: int | None = None) -> PipelineModel:
     """Load this rank's stages of ``model`` (folder or hub id) ready to train.
 
     Args:
@@ -186,6 +186,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
         lora: A ``peft.LoraConfig``: inject PEFT's LoRA adapters and freeze the base weights;
             ``parameters()`` then yields only the adapters.
         seed: Seeds the LoRA adapters' initialisation (per adapter, whatever the pipeline size).
+        loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
+            chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.head_loss`.
     """
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
@@ -212,7 +214,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
         _shard(modules, dist, compute_dtype)
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     group = tied_groups(plan, dist, tied)
-    pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device)
+    pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device,
+                    loss_chunk_tokens=loss_chunk_tokens)
     return PipelineModel(source, plan, dist, modules, pipe, group, lora)
 
 

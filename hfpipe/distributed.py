@@ -5,12 +5,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Dist", "LaunchError", "init_distributed", "pick_device", "in_launched_env"]
+__all__ = ["Dist", "LaunchError", "first_host", "init_distributed", "pick_device", "in_launched_env"]
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,17 @@ def _env_from_slurm() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
     os.environ.setdefault("MASTER_PORT", "29500")
     if "MASTER_ADDR" not in os.environ:
-        nodes = os.environ.get("SLURM_JOB_NODELIST", "localhost")
-        os.environ["MASTER_ADDR"] = nodes.split(",")[0].split("[")[0]
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "localhost")
+        os.environ["MASTER_ADDR"] = first_host(nodes)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: ``gpu[07-08,10],cpu1`` -> ``gpu07``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        return "localhost"
+    prefix, ranges = m.groups()
+    return prefix + re.split(r"[,-]", ranges)[0] if ranges else prefix
 
 
 @dataclass

@@ -26,8 +26,10 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         fn: A module-level (picklable) function.
         nprocs: Processes on this node.
         nnodes: Nodes in the job; with more than one, ``rdzv_endpoint`` (host:port) is required.
-        node_rank: Unused by c10d rendezvous (kept for the CLI's symmetry with torchrun).
-        rdzv_endpoint: Rendezvous host:port; defaults to a free port on localhost.
+        node_rank: This node's index: its workers are global ranks ``node_rank * nprocs ..``.
+        rdzv_endpoint: Rendezvous host:port; defaults to a free port on localhost. With several
+            nodes, node 0 listens there (host = node 0's address), as torchrun's
+            ``--master-addr/--master-port`` with ``--node-rank``.
         threads_per_rank: Torch intra-op threads per process (CPU runs).
         timeout_s: Rendezvous / join timeout.
 
@@ -42,14 +44,17 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
     env_threads = str(threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs))
     os.environ.setdefault("OMP_NUM_THREADS", env_threads)
+    # Several nodes meet by torch's static rendezvous: ranks follow --node-rank (c10d's dynamic
+    # one numbers nodes by arrival), and every node must name the same run (no random id).
+    multi = nnodes > 1
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nprocs,
-        run_id=f"hfpipe-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
+        run_id=f"hfpipe-{rdzv_endpoint}" if multi else f"hfpipe-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="static" if multi else "c10d",
         rdzv_endpoint=rdzv_endpoint or "localhost:0",
-        rdzv_configs={"timeout": int(timeout_s)},
+        rdzv_configs={"timeout": int(timeout_s), **({"rank": node_rank} if multi else {})},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",

@@ -2,8 +2,9 @@
 
 torch's schedules do the ordering, the send/recv and the backward; this module only chooses the
 schedule, checks microbatch counts up front in the user's terms, keeps the loss exact (summed
-cross-entropy over a known global token count, ``scale_grads=False``), and rebuilds the schedule
-when the batch shape changes, since torch's stages size their receive buffers on first use.
+cross-entropy over a known global token count, ``scale_grads=False``), and resizes the stages
+when the batch shape changes (hfpipe.stage_shapes), since torch's stages size their receive
+buffers on first use.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
+
+from hfpipe.head_loss import chunk_tokens, chunked_loss_sum
+from hfpipe.stage_shapes import resize_schedule
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -87,20 +91,31 @@ class TokenLoss:
 
     Dividing every microbatch by the same global count (all microbatches, all dp ranks) makes
     the summed gradient equal the single-process full-batch mean, whatever the padding.
+
+    With ``head`` set (the last stage module, whose forward then stops at the final hidden
+    states), the loss applies ``head.logits`` ``chunk`` tokens at a time (hfpipe.head_loss).
     """
 
     def __init__(self) -> None:
         self.denominator = 1.0
+        self.head = None
+        self.chunk = 0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, labels) / self.denominator
+    def __call__(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return chunked_loss_sum(self.head.logits, out, _shift(labels), self.chunk, self.denominator,
+                                    IGNORE_INDEX)
+        return token_loss_sum(out, labels) / self.denominator
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy (fp32) over labels != -100; labels are unshifted."""
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T): predict token t+1 at t
-    return F.cross_entropy(logits.float().flatten(0, -2), shifted.flatten().to(logits.device),
+    return F.cross_entropy(logits.float().flatten(0, -2), _shift(labels).flatten().to(logits.device),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _shift(labels: torch.Tensor) -> torch.Tensor:
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T): predict token t+1 at t
 
 
 def count_tokens(labels: torch.Tensor) -> int:
@@ -118,17 +133,23 @@ class Pipeline:
         microbatches: Microbatches per step.
         group: The pipeline process group.
         device: This rank's device.
+        loss_chunk_tokens: Tokens per chunk of the last stage's loss (hfpipe.head_loss); ``None``
+            sizes chunks to a logits budget and chunks only microbatches larger than one chunk;
+            0 computes the full logits in the last stage's forward.
     """
 
-    def __init__(self, stages, num_stages: int, schedule: str, microbatches: int, group, device) -> None:
+    def __init__(self, stages, num_stages: int, schedule: str, microbatches: int, group, device,
+                 loss_chunk_tokens: int | None = None) -> None:
         self.modules = stages
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.num_stages = num_stages
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.group = group
         self.device = device
         self.loss = TokenLoss()
-        self._schedules: dict = {}  # (shape, kwargs, mode) -> schedule, most recent last
+        self._schedules: dict = {}  # (kwargs, mode, chunked head) -> (shape, schedule), most recent last
+        self.builds = 0  # schedules (and torch stages) built so far
 
     @property
     def has_loss(self) -> bool:
@@ -140,22 +161,47 @@ class Pipeline:
         return any(m.is_first for m in self.modules)
 
     def _get_schedule(self, shape, kwargs, mode: str):
-        """A schedule for ``mode`` ("train", "loss" or "logits") and this batch shape."""
-        key = (tuple(shape), tuple(sorted(kwargs)), mode)
-        schedule = self._schedules.pop(key, None)
-        if schedule is None:
-            # New shapes: torch's stages size their receive buffers on first use, so each shape
-            # gets its own stages (a few are kept, e.g. for alternating train and eval batches).
+        """A schedule for ``mode`` ("train", "loss" or "logits") and this batch shape.
+
+        A new shape resizes the stages of the schedule kept for this mode (hfpipe.stage_shapes);
+        only where that cannot be done are new stages built.
+        """
+        key = (tuple(sorted(kwargs)), mode, self._set_head(shape, mode))
+        shape = tuple(shape)
+        entry = self._schedules.pop(key, None)
+        if entry is not None and entry[0] != shape:
+            rows, rest = divmod(shape[0], self.microbatches)
+            if rest or not resize_schedule(entry[1], (rows, shape[1])):
+                entry = None
+        if entry is None:
             pstages = [PipelineStage(m, m.spec.index, self.num_stages, self.device, group=self.group)
                        for m in self.modules]
             cls = SCHEDULES[self.schedule_name]
             arg = pstages[0] if self.schedule_name in SINGLE_STAGE else pstages
             loss_fn = None if mode == "logits" else self.loss
-            schedule = cls(arg, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            entry = (shape, cls(arg, self.microbatches, loss_fn=loss_fn, scale_grads=False))
+            self.builds += 1
             while len(self._schedules) >= _KEEP_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
-        self._schedules[key] = schedule
-        return schedule
+        self._schedules[key] = (shape, entry[1])
+        return entry[1]
+
+    def _set_head(self, shape, mode: str) -> bool:
+        """Route the last stage's head through the chunked loss for this batch (or not).
+
+        Only training and evaluation losses chunk; logits asked for are whole.
+        """
+        last = next((m for m in self.modules if m.is_last), None)
+        chunk = 0
+        if last is not None and mode != "logits":
+            vocab = getattr(last.lm_head, "out_features", None) or last.config.vocab_size
+            chunk = chunk_tokens(vocab, self.loss_chunk_tokens)
+            if not 0 < chunk < shape[0] // self.microbatches * shape[1]:
+                chunk = 0  # one chunk would hold the whole microbatch: nothing to save
+        if last is not None:
+            last.head_in_loss = chunk > 0
+        self.loss.head, self.loss.chunk = (last if chunk else None), chunk
+        return chunk > 0
 
     def _inputs(self, batch: dict):
         ids = batch["input_ids"]
@@ -193,6 +239,7 @@ class Pipeline:
         for m in self.modules:
             m.eval()
         try:
+            self._set_head(batch["input_ids"].shape, "logits")
             if self._local_hops:
                 return self._forward_in_order(batch)
             shape, args, kwargs = self._inputs(batch)

@@ -32,7 +32,9 @@ only its input (``2 * h``), plus one layer's ``34 * h`` recomputed for one micro
 ``selective`` checkpoints every other layer of a stage (the first, third, ...), as
 :class:`hfpipe.stage.PipelineStageModule` does. fp32 activations double every figure. The stage with the
 head also keeps, per token, the logits in the compute dtype and cross-entropy's fp32
-log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32). An MTP layer costs a layer plus
+log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32), unless the microbatch is larger
+than one chunk of :mod:`hfpipe.head_loss`: then it keeps the gradient of its hidden states
+(``h`` per token) and of the head (``vocab * h`` per microbatch). An MTP layer costs a layer plus
 its own logits.
 
 Microbatches in flight come from torch's own schedule (the action list each rank runs, as
@@ -48,6 +50,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from hfpipe.head_loss import chunk_tokens
 
 __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report", "schedule_actions", "timeline"]
@@ -220,6 +224,11 @@ def _stage_activations(config, stage, tokens: int, dtype: str, ac: str) -> int:
     stored = {"none": 0, "full": n, "selective": (n + 1) // 2}[ac]  # layers recomputed in backward
     layers = (2 * stored + 34 * (n - stored + len(stage.mtp))) * h * scale
     logits = config.vocab_size * (_ACT_BYTES[dtype] + 4)
+    if stage.head and 0 < chunk_tokens(config.vocab_size) < tokens:
+        # hfpipe.head_loss: no logits kept, but the hidden states' gradient and the head's
+        # (vocab x hidden) gradient wait for the backward (one chunk's logits are transient)
+        kept = tokens * h * _ACT_BYTES[dtype] + config.vocab_size * h * _ACT_BYTES[dtype]
+        return int((layers + logits * len(stage.mtp)) * tokens + kept)
     per_token = layers + logits * (stage.head + len(stage.mtp))
     return int(per_token * tokens)
 

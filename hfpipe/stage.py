@@ -70,6 +70,9 @@ class PipelineStageModule(nn.Module):
         self.model.rotary_emb = full.model.rotary_emb
         self.lm_head = full.lm_head if spec.head else None
         self.activation_checkpointing = "none"
+        # When set (training on the last stage), forward stops at the final hidden states and the
+        # loss applies :meth:`logits` chunk by chunk (hfpipe.head_loss), never holding (B, T, V).
+        self.head_in_loss = False
         if self.lm_head is not None and self.model.embed_tokens is None and getattr(config, "tie_word_embeddings", False):
             # The head of a tied model lives apart from the embedding here: give it its own
             # parameter (loaded from the embedding's tensor; gradients summed by the trainer).
@@ -95,9 +98,13 @@ class PipelineStageModule(nn.Module):
             for n, (idx, layer) in enumerate(self.model.layers.items()):
                 mask = masks[_mask_kind(self.config, int(idx))]
                 h = self._run_layer(n, layer, h, mask, rope, position_ids)
-        if self.is_last:
-            h = self.lm_head(self.model.norm(h))  # (B, T, V)
+        if self.is_last and not self.head_in_loss:
+            h = self.logits(h)  # (B, T, V)
         return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, then the head: hidden states (B, T, H) -> logits (B, T, V), token by token."""
+        return self.lm_head(self.model.norm(hidden))
 
     def _masks(self, h, attention_mask, position_ids) -> dict:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from hfpipe.checkpoint import export as export_mod
 from hfpipe.checkpoint import ExportError, export_checkpoint, read_checkpoint_meta
+from hfpipe.checkpoint.hf_writer import ShardWriter
 from hfpipe.tiny import make_fp8_checkpoint, make_tiny_checkpoint
 
 BLOCK = 128  # DeepSeek-V3's FP8 weight block
@@ -265,14 +266,15 @@ def test_a_failure_mid_export_leaves_no_output_and_no_temp_folder(tiny, tmp_path
         out.mkdir()
         (out / "old.txt").write_text("old")
     written = []
+    opened = ShardWriter.__init__
 
-    def failing_writer(path, shard):
+    def failing_writer(self, path, specs):
         if written:
             raise OSError("disk full")
         written.append(path)
-        save_file(shard, path)
+        opened(self, path, specs)
 
-    monkeypatch.setattr(export_mod, "_write_shard", failing_writer)
+    monkeypatch.setattr(ShardWriter, "__init__", failing_writer)
     with pytest.raises(OSError, match="disk full"):
         export_checkpoint(ckpt, out, max_shard_size="100KB", force=True, progress=False)
     assert written  # it did fail midway

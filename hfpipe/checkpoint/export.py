@@ -2,10 +2,10 @@
 
 The data path: DCP metadata -> a plan on a meta-device model (which tensors, in which groups, under
 which exported names, in which shard) -> one decoder layer at a time: read from DCP, revert
-transformers' in-memory weight conversions (fused MoE experts -> per-expert keys), cast, append to
-the open shard -> write the shard as soon as it is complete. Shards break between layers, so peak
-memory is about one output shard (or one layer, if that is larger), whatever the model size. Everything is written into a hidden sibling folder and renamed
-into place at the end, so ``out`` is either the old folder or a complete new one.
+transformers' in-memory weight conversions (fused MoE experts -> per-expert keys), cast, write
+each tensor to its place in its shard file (hfpipe.checkpoint.hf_writer: headers first, from the
+plan). Peak memory is about one layer, whatever the model or shard size. Everything is written
+into a hidden sibling folder and renamed into place at the end, so ``out`` is either the old folder or a complete new one.
 """
 
 from __future__ import annotations
@@ -377,23 +377,64 @@ def _shard_names(n: int) -> list[str]:
 def _write_weights(
     tmp: Path, reader: _DcpReader, model, groups: list[_Group], shards: list[list[str]], progress: bool
 ) -> None:
-    """Stream groups into shards: read, convert, cast; write each shard once all its keys are in."""
+    """Stream groups into shards: read, convert, cast, write each tensor to its place at once.
+
+    Every shard's layout is known from the plan, so its header goes first and no shard is ever
+    gathered in memory (hfpipe.checkpoint.hf_writer): peak memory is one group.
+    """
     from tqdm.auto import tqdm
+
+    from hfpipe.checkpoint.hf_writer import ShardWriter
 
     names, specs = _shard_names(len(shards)), _flat(groups)
     total = sum(_nbytes(*spec) for spec in specs.values())
-    pending: dict[str, torch.Tensor] = {}
-    done = 0
-    with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not progress) as bar:
-        for group in groups:
-            pending.update(_convert_group(reader, model, group))
-            while done < len(shards) and all(k in pending for k in shards[done]):
-                bar.update(_flush(tmp / names[done], shards[done], pending))
-                done += 1
+    shard_of = {k: i for i, keys in enumerate(shards) for k in keys}
+    writers: dict[int, ShardWriter] = {}
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not progress) as bar:
+            for group in groups:
+                raw = _raw_group(reader, group)
+                items = raw.items() if raw is not None else _convert_group(reader, model, group).items()
+                for key, value in items:
+                    i = shard_of[key]
+                    if i not in writers:
+                        writers[i] = ShardWriter(tmp / names[i], {k: specs[k] for k in shards[i]})
+                    w = writers[i]
+                    bar.update(w.copy(key, value) if raw is not None else w.write(key, value))
+                    if not w.remaining:
+                        writers.pop(i).close()
+                _trim_heap()
+        if writers:
+            raise ExportError(f"shards {sorted(writers)} were left incomplete; a bug")
+    finally:
+        for w in writers.values():
+            w.fd is not None and os.close(w.fd)
     weight_map = {k: names[i] for i, keys in enumerate(shards) for k in keys}
     params = sum(shape.numel() for shape, _ in specs.values())
     index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
     (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _raw_group(reader: _DcpReader, group: _Group) -> dict | None:
+    """Exported key -> raw byte spans in the DCP files, if the whole group can be copied as is.
+
+    That is when transformers converts nothing (same names; renamings and merges change names),
+    nothing is cast, and DCP stored each tensor (or its FSDP row blocks) whole
+    (hfpipe.checkpoint.dcp_raw). Otherwise the group is read and converted in memory.
+    """
+    from hfpipe.checkpoint.dcp_raw import raw_spans
+
+    if set(group.out) != set(group.fqns):
+        return None
+    spans = {}
+    for fqn in group.fqns:
+        md = reader.metadata.state_dict_metadata["model." + fqn]
+        if (tuple(md.size), md.properties.dtype) != (tuple(group.out[fqn][0]), group.out[fqn][1]):
+            return None
+        spans[fqn] = raw_spans(reader.path, reader.metadata, "model." + fqn, reader.file_view)
+        if spans[fqn] is None:
+            return None
+    return spans
 
 
 def _convert_group(reader: _DcpReader, model, group: _Group) -> dict[str, torch.Tensor]:
@@ -408,16 +449,6 @@ def _convert_group(reader: _DcpReader, model, group: _Group) -> dict[str, torch.
     if got != {k: tuple(shape) for k, (shape, _) in group.out.items()}:
         raise ExportError(f"converting {group.fqns[0]} gave {_few(got)}, planned {_few(group.out)}; a bug")
     return {k: t.to(group.out[k][1]).contiguous() for k, t in converted.items()}
-
-
-def _flush(path: Path, keys: list[str], pending: dict[str, torch.Tensor]) -> int:
-    """Write the shard of ``keys`` (taking them out of ``pending``); the bytes written."""
-    shard = {k: pending.pop(k) for k in keys}
-    _write_shard(path, shard)
-    nbytes = sum(t.nbytes for t in shard.values())
-    del shard
-    _trim_heap()
-    return nbytes
 
 
 @functools.cache
@@ -438,18 +469,6 @@ def _trim_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-
-
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """One safetensors shard, as ``save_pretrained`` writes it.
-
-    Not DCP's ``HuggingFaceStorageWriter``: its files carry extra ``DCP_*`` header metadata and it
-    wants the whole state dict in one ``dcp.save`` call, which defeats streaming layer by layer.
-    ``safetensors.save_file`` writes straight from the tensors' memory (no second copy).
-    """
-    from safetensors.torch import save_file
-
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _write_config(tmp: Path, cfg_json: dict, dtype: torch.dtype, fp8: bool) -> None:

@@ -1,0 +1,145 @@
+"""Benchmark: the last stage's loss with and without token chunks (hfpipe.head_loss), on CPU.
+
+Builds hfpipe's own last stage (``model.norm`` + ``lm_head``, no decoder layers, so the head is
+all there is to measure) of a random Llama with a Llama-3 vocabulary (128256) and runs one
+microbatch of 1 x 4096 tokens through it the way the pipeline does: the stage's forward, the
+output kept until backward (as torch's ``PipelineStage`` keeps it), :class:`hfpipe.pipeline.TokenLoss`,
+backward. Two figures, each variant against the other:
+
+- peak memory of the head's loss computation: peak RSS during the step minus RSS just before it,
+  in a fresh child per variant; the parameters' ``.grad`` already exist (as on every microbatch
+  but the first), so both sides count only what the loss adds. Goal: chunked <= 1/4 of plain.
+- step time: forward + backward of the microbatch, both variants in one child, alternating, the
+  median of the per-repeat ratios. Goal: chunked <= 1.05 x plain. CPU seconds are shown too.
+
+Run:  python bench/head.py [--hidden 2048] [--vocab 128256] [--seq 4096] [--repeats 5] [--chunk N]
+Memory: the plain variant needs about 5 x seq x vocab x 4 bytes (~10 GB at the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _stage(a):
+    """The last stage of a one-stage-per-rank Llama, materialised with random weights."""
+    import torch
+    from transformers import LlamaConfig
+
+    from hfpipe.plan import StageSpec
+    from hfpipe.stage import build_stage_modules
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                         num_hidden_layers=2, num_attention_heads=max(1, a.hidden // 128),
+                         tie_word_embeddings=False)
+    (stage,) = build_stage_modules(config, [StageSpec(1, (), embed=False, head=True)])
+    stage.to_empty(device="cpu")
+    with torch.no_grad():
+        stage.lm_head.weight.normal_(0, 0.02)
+        stage.model.norm.weight.fill_(1.0)
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p)  # as after the first microbatch of a step
+    return stage
+
+
+def _step(stage, loss_fn, hidden, labels, chunk: int) -> tuple[float, float]:
+    """One microbatch through the last stage as the schedule runs it; wall and CPU seconds."""
+    stage.head_in_loss = chunk > 0
+    loss_fn.head, loss_fn.chunk = (stage if chunk else None), chunk
+    x = hidden.detach().requires_grad_()  # as received from the previous stage
+    start, cpu = time.perf_counter(), time.process_time()
+    out = stage(x)  # the schedule keeps the output until the backward
+    loss = loss_fn(out, labels)
+    loss.backward()
+    seconds = (time.perf_counter() - start, time.process_time() - cpu)
+    del out, loss
+    return seconds
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _child(a) -> dict:
+    import torch
+
+    from hfpipe.head_loss import chunk_tokens
+    from hfpipe.pipeline import TokenLoss
+
+    torch.set_num_threads(a.threads)
+    stage = _stage(a)
+    hidden = torch.randn(1, a.seq, a.hidden)
+    labels = torch.randint(0, a.vocab, (1, a.seq))
+    loss_fn = TokenLoss()
+    loss_fn.denominator = float(a.seq)
+    chunk = chunk_tokens(a.vocab, a.chunk)
+    if a.mode in ("plain", "chunked"):
+        before = _rss()
+        _step(stage, loss_fn, hidden, labels, chunk if a.mode == "chunked" else 0)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        return {"peak": peak, "chunk": chunk}
+    times = {"plain": [], "chunked": []}
+    for r in range(a.warmup + a.repeats):
+        order = ("plain", "chunked") if r % 2 else ("chunked", "plain")
+        for name in order:
+            t = _step(stage, loss_fn, hidden, labels, chunk if name == "chunked" else 0)
+            if r >= a.warmup:
+                times[name].append(t)
+    return times
+
+
+def _run_child(a, mode: str) -> dict:
+    args = [sys.executable, __file__, "--child", mode] + [f"--{k}={v}" for k, v in
+                                                           vars(a).items() if k not in ("child", "mode") and v is not None]
+    out = subprocess.run(args, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: hfpipe's budget)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--child", dest="mode", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.mode:
+        print(json.dumps(_child(a)))
+        return
+    gb = 1e9
+    print(f"last stage: norm + lm_head, hidden {a.hidden}, vocab {a.vocab}, microbatch 1 x {a.seq}, "
+          f"fp32, {a.threads} threads")
+    plain, chunked = _run_child(a, "plain"), _run_child(a, "chunked")
+    times = _run_child(a, "time")
+    ratios = sorted(c[0] / p[0] for c, p in zip(times["chunked"], times["plain"]))
+    cpu = sorted(c[1] / p[1] for c, p in zip(times["chunked"], times["plain"]))
+    mem = chunked["peak"] / plain["peak"]
+    print(f"chunk: {chunked['chunk']} tokens")
+    print(f"{'':24}{'plain':>10}{'chunked':>10}{'ratio':>8}  goal")
+    print(f"{'peak memory of the loss':24}{plain['peak'] / gb:9.2f}G{chunked['peak'] / gb:9.2f}G"
+          f"{mem:8.3f}  <= 0.25 {'met' if mem <= 0.25 else 'NOT met'}")
+    med = statistics.median(ratios)
+    wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
+    print(f"{'step time (median)':24}{wall['plain']:9.3f}s{wall['chunked']:9.3f}s{med:8.3f}  <= 1.05 "
+          f"{'met' if med <= 1.05 else 'NOT met'}   (per-repeat ratios {min(ratios):.3f}..{max(ratios):.3f})")
+    print(f"{'CPU s (work done)':24}{'':20}{statistics.median(cpu):8.3f}  (diagnostic; per-repeat "
+          f"{min(cpu):.3f}..{max(cpu):.3f}: less disturbed by other jobs than wall time)")
+
+
+if __name__ == "__main__":
+    main()

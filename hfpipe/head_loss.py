@@ -1,0 +1,133 @@
+"""The last stage's loss in chunks of tokens, so the full (B, T, V) logits never exist.
+
+For a 128k vocabulary one microbatch of 4096 tokens makes 2.1 GB of fp32 logits, and as much
+again for each of their log-softmax and gradients: this, not the layers, often sets the last
+rank's peak memory. Here the last stage hands its final hidden states to the loss, which runs
+``stage.logits`` (norm -> head -> the family's logit transforms) on a few tokens at a time.
+
+Each chunk's backward runs right away, inside the loss's forward: the chunk's logits die before
+the next chunk starts, and no logits are recomputed later (a per-chunk checkpoint would pay one
+more head matmul, a third of the head's time). What is kept for the backward is the gradient of
+the hidden states (B, T, H) and one summed gradient per head parameter (V, H), the same size as
+the gradient the plain loss makes. Everything is plain torch autograd over the stage's own
+modules, so it runs on CPU and CUDA, under FSDP2 mixed precision, and with any ``logits``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AUTO_CHUNK_BYTES", "chunk_tokens", "chunked_loss_sum"]
+
+#: Default budget of one chunk's fp32 logits (523 tokens at a 128k vocabulary). A chunk's logits,
+#: log-softmax and their gradients then take about 1 GB, whatever the microbatch; the chunk's
+#: matmuls stay large enough to run at full speed.
+AUTO_CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_tokens(vocab_size: int, setting: int | None = None) -> int:
+    """Tokens per chunk: ``setting`` if given (0 turns chunking off), else fit the byte budget.
+
+    ``HFPIPE_LOSS_CHUNK_TOKENS`` stands in for an unset ``setting`` (e.g. to run the exactness
+    suite with tiny chunks on tiny models, where the budget would never chunk).
+    """
+    env = os.environ.get("HFPIPE_LOSS_CHUNK_TOKENS")
+    if setting is None and env:
+        if not env.strip().isdigit():
+            raise ValueError(f"HFPIPE_LOSS_CHUNK_TOKENS={env!r} must be a whole number of tokens (0: off)")
+        setting = int(env)
+    if setting is not None:
+        return max(0, int(setting))
+    return max(1, AUTO_CHUNK_BYTES // (4 * vocab_size))
+
+
+def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
+                     denominator: float, ignore_index: int = -100) -> torch.Tensor:
+    """Sum of cross-entropy / ``denominator`` over ``targets`` != ``ignore_index``, chunk by chunk.
+
+    Args:
+        logits_fn: Maps hidden states (B, t, H) to logits (B, t, V) token by token (``stage.logits``).
+        hidden: The last stage's final hidden states (B, T, H).
+        targets: Already shifted labels (B, T): the token each position predicts.
+        chunk: Tokens per chunk (split along T; each chunk holds ``B * t <= chunk`` tokens).
+        denominator: The global token count the loss is divided by.
+
+    Returns:
+        A float32 scalar equal to ``cross_entropy(logits_fn(hidden), targets, reduction="sum") /
+        denominator``, with the same gradients for ``hidden`` and every parameter ``logits_fn`` uses.
+    """
+    step = max(1, chunk // hidden.shape[0])
+    targets = targets.to(hidden.device)
+    if not torch.is_grad_enabled():
+        parts = [_chunk_loss(logits_fn, hidden[:, s:s + step], targets[:, s:s + step], ignore_index)
+                 for s in range(0, hidden.shape[1], step)]
+        return torch.stack(parts).sum() / denominator
+    params = _parameters_used(logits_fn, hidden)
+    return _ChunkedLoss.apply(hidden, targets, logits_fn, step, float(denominator), ignore_index, *params)
+
+
+def _chunk_loss(logits_fn, hidden, targets, ignore_index) -> torch.Tensor:
+    logits = logits_fn(hidden)  # (B, t, V), the only logits alive at a time
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
+                           reduction="sum")
+
+
+def _parameters_used(logits_fn, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """The trainable tensors ``logits_fn`` reads, found in the autograd graph of one token's logits.
+
+    Read from the graph rather than listed by name, so a family's logit transforms, a LoRA head,
+    or FSDP2's unsharded parameters (the tensors in use at this moment) are all covered.
+    """
+    with torch.enable_grad():
+        probe = logits_fn(hidden[:1, :1].detach())
+    found, seen, stack = [], set(), [probe.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad nodes hold the leaf tensor
+        if leaf is not None:
+            found.append(leaf)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """Loss forward and backward per chunk in ``forward``; ``backward`` hands the kept gradients on.
+
+    ``backward`` may run twice on one graph (zero-bubble schedules take the input gradient first
+    and the weight gradient later, retaining the graph), so it never consumes what it keeps.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, targets, logits_fn, step, denominator, ignore_index, *params):
+        need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[6:]
+        wanted = [p for p, need in zip(params, need_p) if need]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_p: list = [None] * len(wanted)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[1], step):
+            h = hidden[:, s:s + step].detach().requires_grad_(need_h)
+            with torch.enable_grad():
+                loss = _chunk_loss(logits_fn, h, targets[:, s:s + step], ignore_index) / denominator
+            grads = torch.autograd.grad(loss, ([h] if need_h else []) + wanted, allow_unused=True)
+            if need_h:
+                grad_h[:, s:s + step] = grads[0]
+                grads = grads[1:]
+            for i, g in enumerate(grads):
+                if g is not None:
+                    grad_p[i] = g if grad_p[i] is None else grad_p[i].add_(g)
+            total += loss.detach()
+        it = iter(grad_p)
+        ctx.grads = [grad_h] + [next(it) if need else None for need in need_p]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        unit = bool(grad_out == 1)  # the schedules' loss.backward(): hand the kept tensors on as they are
+        grads = [g if g is None or unit else g * grad_out for g in ctx.grads]
+        return (grads[0], None, None, None, None, None, *grads[1:])
