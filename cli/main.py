@@ -45,6 +45,11 @@ class _OneLineErrors(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         console = args is None  # a real `hfpipe ...` process, not a test runner's call
         args = list(sys.argv[1:] if console else args)
+        if "--debug" in args:  # accepted after the subcommand too: it is a global option
+            args = ["--debug"] + [a for a in args if a != "--debug"]
+            os.environ["HFPIPE_DEBUG"] = "1"  # workers' failures then keep torch's full report
+        if console:
+            _no_stdin()
         extra.setdefault("obj", {"console": console})
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
@@ -60,6 +65,15 @@ class _OneLineErrors(TyperGroup):
         if not standalone_mode:
             return code
         sys.exit(code or 0)
+
+
+def _no_stdin() -> None:
+    """No hfpipe command reads stdin: a library that would prompt (transformers' "run custom
+    code? [y/N]") gets end-of-file and refuses instead of waiting for, or obeying, a keystroke."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
 
 
 def _report(e: Exception, debug: bool) -> int:

@@ -69,8 +69,8 @@ def _generate(folder: Path, max_new_tokens: int = 16) -> str:
     """A short greedy answer to :data:`PROMPT` from the model in ``folder``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False).eval()
     ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)

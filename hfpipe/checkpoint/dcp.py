@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
 
 __all__ = ["CheckpointError", "PendingSave", "rank_view", "save_checkpoint", "load_checkpoint",
            "latest_checkpoint", "resolve_resume"]
@@ -210,9 +213,9 @@ def check_complete(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} missing; "
                                   "resume from an earlier checkpoint")
     try:
-        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as e:  # truncated or not DCP's
-        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({type(e).__name__}); "
+        storage = read_metadata(path).storage_data
+    except UnsafeMetadataError as e:  # truncated, not DCP's, or crafted to run code
+        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({e}); "
                               "resume from an earlier checkpoint") from None
     files = sorted({info.relative_path for info in storage.values()})
     missing = [name for name in files if not (path / name).is_file()]
@@ -241,7 +244,7 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
     meta = read_meta(path)
     state = _states(view, optimizer)
     rank_key = f"rank{dist.get_rank()}"
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     if f"rng.{rank_key}" in saved:  # same world size: restore this rank's RNG exactly
         state["rng"] = {rank_key: torch.get_rng_state()}
     missing = [f"model.{k}" for k in state["model"] if f"model.{k}" not in saved]
@@ -249,8 +252,8 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
         raise CheckpointError(f"checkpoint {path} lacks {missing[0]} ({len(missing)} tensors missing); "
                               "it was written for another model")
     try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # DCP raises a wrapper naming the rank; keep the first line
+        dcp.load(state, storage_reader=SafeReader(path))
+    except (Exception, DcpCheckpointException) as e:  # DCP's wrapper is a BaseException  # DCP raises a wrapper naming the rank; keep the first line
         raise CheckpointError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0][:200]}); "
                               "it may be incomplete: resume from an earlier checkpoint") from None
     set_model_state_dict(view, state["model"])
