@@ -14,7 +14,7 @@ import typer
 
 from hfpipe.config import FinetuneConfig, field_help
 
-__all__ = ["FIELD_HELP", "build_config", "finetune"]
+__all__ = ["FIELD_HELP", "build_config", "finetune", "resume_command"]
 
 #: Each FinetuneConfig field's docstring, as flag help (reST quotes dropped).
 FIELD_HELP = {name: text.replace("``", "") for name, text in field_help().items()}
@@ -83,6 +83,7 @@ def finetune(
         "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
     threads_per_rank: Annotated[Optional[int], _opt("threads_per_rank")] = None,
     log_every: Annotated[Optional[int], _opt("log_every")] = None,
+    timeout: Annotated[Optional[float], _opt("timeout")] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes in the job; run the same command on each.")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's index, 0 .. nnodes-1.")] = 0,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(
@@ -106,6 +107,21 @@ def _summary(result: dict) -> str:
     parts += [f"loss {last['loss']:.4f}"] if isinstance(last.get("loss"), float) else []
     parts += [f"checkpoint {result['checkpoint']}"] if result.get("checkpoint") else []
     return "finished: " + (", ".join(parts) or "no summary from this node")
+
+
+def resume_command(args: list[str]) -> str:
+    """The command line that continues this run: the same, with ``--resume auto``."""
+    import shlex
+
+    out, skip = ["hfpipe"], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            out.append(arg)
+    return shlex.join(out + ["--resume", "auto"])
 
 
 def build_config(recipe: Path | None, given: dict) -> FinetuneConfig:

@@ -23,7 +23,8 @@ from typer.core import TyperGroup
 
 from hfpipe import __version__
 from hfpipe.cli.finetune import FIELD_HELP as _HELP
-from hfpipe.cli.finetune import finetune
+from hfpipe.cli.finetune import finetune, resume_command
+from hfpipe.train.signals import Interrupted
 
 try:  # typer >= 0.24 ships its own copy of click
     from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -60,6 +61,12 @@ class _OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("aborted", err=True)
             code = FAILURE_EXIT
+        except KeyboardInterrupt:  # Ctrl-C before any worker ran: nothing to save
+            typer.echo("error: interrupted (Ctrl-C) before training started; nothing was written", err=True)
+            code = 130
+        except Interrupted as e:
+            typer.echo(f"interrupted: {e}: {resume_command(args)}", err=True)
+            code = e.code
         except Exception as e:  # noqa: BLE001 - this is the one place errors are reported
             code = _report(e, debug="--debug" in args)
         if not standalone_mode:

@@ -7,10 +7,14 @@ module is not used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 __all__ = ["launch"]
 
@@ -19,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0,
            rdzv_endpoint: str | None = None, threads_per_rank: int | None = None,
-           timeout_s: float = 900.0) -> dict[int, object]:
+           timeout_s: float = 900.0, worker_timeout_s: float | None = None) -> dict[int, object]:
     """Run ``fn(*args)`` in ``nprocs`` processes per node and return each local rank's result.
 
     Args:
@@ -30,16 +34,26 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         rdzv_endpoint: Rendezvous host:port; defaults to a free port on localhost.
         threads_per_rank: Torch intra-op threads per process (CPU runs).
         timeout_s: Rendezvous / join timeout.
+        worker_timeout_s: The workers' collective timeout (``--timeout``), named when one hangs.
 
     Raises:
-        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a rank failed.
+        WorkerError: a rank found a user error (its one-line message, as a preflight error).
+        WorkerFailed: a rank crashed, was killed or timed out (one line naming it);
+            with ``HFPIPE_DEBUG=1``, torch's ``ChildFailedError`` itself.
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from hfpipe.train.signals import CONTROL_ENV, LauncherSignals
+    from hfpipe.worker_errors import debug, raise_from_failures
 
     if nnodes > 1 and not rdzv_endpoint:
         from hfpipe.distributed import LaunchError
 
         raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    if nnodes == 1 and rdzv_endpoint:  # two single-node runs must never join each other
+        log.warning("--rdzv-endpoint %s ignored: it is only used with --nnodes > 1", rdzv_endpoint)
+        rdzv_endpoint = None
     env_threads = str(threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs))
     os.environ.setdefault("OMP_NUM_THREADS", env_threads)
     config = LaunchConfig(
@@ -54,8 +68,35 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         monitor_interval=0.1,
         start_method="spawn",
         local_addr="localhost" if nnodes == 1 else None,
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM/SIGINT: LauncherSignals asks workers to save first
     )
-    return elastic_launch(config, _Entry(fn, threads_per_rank))(*args)
+    control = Path(tempfile.mkdtemp(prefix="hfpipe-control-"))
+    old_env = os.environ.get(CONTROL_ENV)
+    os.environ[CONTROL_ENV] = str(control)  # spawned workers inherit it
+    try:
+        with LauncherSignals(control), _quiet_elastic(not debug()):
+            return elastic_launch(config, _Entry(fn, threads_per_rank))(*args)
+    except ChildFailedError as e:
+        raise_from_failures(control, e, nprocs * nnodes, worker_timeout_s)
+    finally:
+        if old_env is None:
+            os.environ.pop(CONTROL_ENV, None)
+        else:
+            os.environ[CONTROL_ENV] = old_env
+        shutil.rmtree(control, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_elastic(quiet: bool):
+    """Keep torch-elastic's failure logs (kilobytes per failed rank) off the console unless --debug."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class _Entry:
@@ -66,8 +107,22 @@ class _Entry:
         self.__name__ = self.__qualname__ = getattr(fn, "__name__", "hfpipe_worker")
 
     def __call__(self, *args):
+        import sys
+
         import torch
+
+        from hfpipe.train.signals import CONTROL_ENV
+        from hfpipe.worker_errors import debug, record_failure
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        return self.fn(*args)
+        control = Path(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
+        if control is not None:
+            (control / f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+        try:
+            return self.fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported to the launcher in one line
+            code = record_failure(control, e, stopping=(control is not None and (control / "stop").exists()))
+            if debug():
+                raise
+            sys.exit(code)  # quietly: the launcher tells the user

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import time
 from pathlib import Path
 
@@ -32,9 +34,10 @@ class Reporter:
         from tqdm.auto import tqdm
 
         out.mkdir(parents=True, exist_ok=True)
+        _drop_rows_after(out / "metrics.jsonl", start)  # steps about to be redone appear once
         self.metrics = open(out / "metrics.jsonl", "a")
         self.bar = tqdm(total=total, initial=start, desc="finetune", unit="step", dynamic_ncols=True)
-        self.tb = _tensorboard(out / "tb")
+        self.tb = _tensorboard(out / "tb", purge_step=start + 1)
 
     def log(self, step: int, result) -> dict:
         """Record one step's :class:`hfpipe.train.step.StepResult`; return the metrics row."""
@@ -45,7 +48,7 @@ class Reporter:
                "elapsed_s": elapsed}
         if not self.enabled:
             return row
-        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
         self.metrics.flush()
         self.bar.set_postfix(loss=f"{result.loss:.4f}", gnorm=f"{result.grad_norm:.3f}",
                              lr=f"{result.lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
@@ -61,10 +64,34 @@ class Reporter:
                 thing.close()
 
 
-def _tensorboard(path: Path):
-    """A SummaryWriter when tensorboard is installed, else ``None`` (it is optional)."""
+def _tensorboard(path: Path, purge_step: int | None = None):
+    """A SummaryWriter when tensorboard is installed, else ``None`` (it is optional).
+
+    ``purge_step``: TensorBoard hides the older events at or after it (steps a resume redoes).
+    """
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=purge_step)
+
+
+def _json_safe(row: dict) -> dict:
+    """nan/inf as null: strict JSON readers reject bare NaN/Infinity."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Keep only rows up to ``step``: a resumed run rewrites the later ones (one row per step)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except (ValueError, AttributeError):
+            continue  # a line cut by a crash
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
