@@ -32,7 +32,14 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 60, pp: in
     from hfpipe.tiny import make_tiny_checkpoint
     from hfpipe.train.runner import finetune
 
+    from hfpipe.options import OptionError, require_positive
+
     out = Path(out)
+    require_positive(steps=steps, pp=pp)
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"--out {out} is a file; choose a folder")
+    if pp > 4:  # the quickstart model has 4 layers: one stage per layer at most
+        raise OptionError(f"--pp {pp} is more than the quickstart model's 4 layers; use --pp 1 to 4")
     base = out / "base"
     if not (base / "config.json").is_file():
         make_tiny_checkpoint(base, "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,

@@ -102,7 +102,7 @@ def export_checkpoint(
     Returns:
         The output folder.
     """
-    ckpt, out = Path(ckpt).absolute(), Path(out).absolute()
+    ckpt, out = Path(os.path.abspath(ckpt)), Path(os.path.abspath(out))  # "a/.." must not hide a parent
     meta = read_checkpoint_meta(ckpt)
     src = _resolve_source(meta, source)
     want = _parse_dtype(dtype)
@@ -115,7 +115,7 @@ def export_checkpoint(
 
 
 def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool) -> Path:
-    cfg_json = json.loads((src / "config.json").read_text())
+    cfg_json = guard.source_config_json(src)
     fp8 = _source_quantization(src, cfg_json)
     model = _meta_model(src)
     reader = _DcpReader(ckpt, _create_file_view)  # this module's name: None forces dcp.load

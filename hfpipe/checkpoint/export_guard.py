@@ -16,7 +16,7 @@ import signal
 import threading
 from pathlib import Path
 
-__all__ = ["side_files", "source_weight_map", "check_tied", "check_data_files", "disk_full",
+__all__ = ["side_files", "source_config_json", "source_weight_map", "check_tied", "check_data_files", "disk_full",
            "signals_raise"]
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,20 @@ def source_weight_map(src: Path, index: str) -> dict[str, str] | None:
     except SourceError as e:
         raise ExportError(str(e)) from None
     return weight_map
+
+
+def source_config_json(src: Path) -> dict:
+    """The source's config.json as a dict, or one line naming it."""
+    from hfpipe.checkpoint.export import ExportError
+
+    path = src / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: not valid JSON ({e}); pass the source the run started from (--source)") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{path}: must hold a JSON object; pass the source the run started from (--source)")
+    return config
 
 
 def check_tied(meta: dict, config, ckpt: Path, src: Path) -> None:

@@ -33,7 +33,6 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.pipeline import check_microbatches, schedule_style
     from hfpipe.plan import plan_pipeline
     from hfpipe.source import ModelSource
-    from hfpipe.checkpoint.dcp import CheckpointError, resolve_resume
 
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
@@ -46,18 +45,31 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
             source.header(name)
     tokenizer = _tokenizer(source.folder, cfg)
     check_vocab(tokenizer, source)
+    _check_output(cfg, source)  # cheap, so before the (logged) dataset work
     examples = load_examples(_data_config(cfg), tokenizer) if check_data else None
     if examples is not None and batches_per_epoch(examples, cfg.batch_size, cfg.dp) < cfg.grad_accum:
         from hfpipe.data import DataError
 
         raise DataError(f"--dataset {cfg.dataset} has {len(examples)} sequences of --seq-len {cfg.seq_len}: "
                         "fewer than one optimizer step; lower --batch-size/--grad-accum or add data")
-    ckpts = Path(cfg.output_dir) / "checkpoints"
+
+
+def _check_output(cfg: FinetuneConfig, source) -> None:
+    """The output folder can take this run, and what --resume names is this run's checkpoint."""
+    from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
+    from hfpipe.train.resume_check import check_resume
+
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--output-dir {out} is a file; choose a folder")
+    ckpts = out / "checkpoints"
     if not cfg.resume and any(ckpts.glob("step-*")):
         raise CheckpointError(f"--output-dir {cfg.output_dir} already holds checkpoints; "
                               "pass --resume auto to continue, or choose another --output-dir")
-    resolve_resume(cfg.resume, cfg.output_dir)
-    _check_writable(Path(cfg.output_dir))
+    resumed = resolve_resume(cfg.resume, cfg.output_dir)
+    if resumed is not None:  # a mismatch is a preflight error too, before any process starts
+        check_resume(resumed, read_meta(resumed), cfg, source.tied)
+    _check_writable(out)
 
 
 def _check_writable(out: Path) -> None:
@@ -108,10 +120,12 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     otherwise ``pp * dp`` local workers are started through torch's elastic launcher.
     """
     from hfpipe.distributed import in_launched_env
-    from hfpipe.launch import launch
+    from hfpipe.launch import check_launch, launch
     from hfpipe.lock import FolderLock
 
     lock = FolderLock(Path(cfg.output_dir) / ".hfpipe.lock", Path(cfg.output_dir), "--output-dir")
+    if not in_launched_env():
+        check_launch(cfg.pp * cfg.dp, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
     if in_launched_env():
         # Every rank checks the cheap things; only global rank 0 tokenises the dataset here, so
         # ranks do not write datasets' cache at the same time (the others read it later).
