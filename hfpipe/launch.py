@@ -119,6 +119,13 @@ def _quiet_elastic(quiet: bool):
         logger.setLevel(level)
 
 
+def _dcp_exception() -> type:
+    """DCP's CheckpointException: a BaseException, so ``except Exception`` misses it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
 class _Entry:
     """Picklable wrapper that sets the thread count in the child before calling ``fn``."""
 
@@ -141,7 +148,7 @@ class _Entry:
             (control / f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
         try:
             return self.fn(*args)
-        except Exception as e:  # noqa: BLE001 - reported to the launcher in one line
+        except (Exception, _dcp_exception()) as e:  # noqa: BLE001 - reported to the launcher in one line
             code = record_failure(control, e, stopping=(control is not None and (control / "stop").exists()))
             if debug():
                 raise

@@ -112,7 +112,11 @@ def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, met
     state["rng"] = {f"rank{rank}": torch.get_rng_state()}
     text = json.dumps({**meta, "step": step}, indent=2)  # now: meta may change while the save runs
     if not async_save:
-        dcp.save(state, checkpoint_id=tmp, process_group=process_group)
+        try:
+            dcp.save(state, checkpoint_id=tmp, process_group=process_group)
+        except (Exception, DcpCheckpointException) as e:
+            _raise_if_disk_full(e, tmp, root / f"step-{step:08d}", state)
+            raise
         return _finalise(root, step, text, keep)
     # The writer thread runs collectives while training runs its own: they must not share a group.
     own = process_group is None
@@ -147,12 +151,25 @@ class PendingSave:
         return self._path
 
 
+def _raise_if_disk_full(e: BaseException, tmp: Path, final: Path, state: dict) -> None:
+    """ENOSPC while writing: remove the partial folder and say so in one line (every rank gets it)."""
+    from hfpipe.checkpoint.disk import disk_full_message, is_disk_full, out_of_space, state_bytes
+
+    if is_disk_full(e) or out_of_space(tmp, state_bytes(state)):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(disk_full_message(final, state_bytes(state))) from None
+
+
 def _finalise(root: Path, step: int, meta_text: str, keep: int | None) -> Path:
     """After every rank wrote its files: rank 0 adds ``hfpipe.json`` and renames into place."""
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
-        (tmp / "hfpipe.json").write_text(meta_text)
+        try:
+            (tmp / "hfpipe.json").write_text(meta_text)
+        except OSError as e:
+            _raise_if_disk_full(e, tmp, final, {})
+            raise
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -136,7 +136,7 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
             _write_config(tmp, cfg_json, _dominant_dtype(groups), fp8)
             _copy_side_files(src, tmp)
             _install(tmp, out)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - only a full disk is translated; the rest re-raised
         shutil.rmtree(tmp, ignore_errors=True)
         full = guard.disk_full(e, out, sum(_nbytes(*spec) for spec in _flat(groups).values()))
         if full is None:

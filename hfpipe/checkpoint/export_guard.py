@@ -9,7 +9,6 @@ SIGTERM ends an export (one line, the temporary folder removed).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import signal
@@ -112,11 +111,13 @@ def check_data_files(ckpt: Path, metadata) -> None:
                               "pick an earlier checkpoint")
 
 
-def disk_full(e: OSError, where: Path, nbytes: int):
-    """The one-line error for ENOSPC/EDQUOT while writing ``where``, or ``None`` for other errors."""
+def disk_full(e: BaseException, where: Path, nbytes: int):
+    """The one-line error for ENOSPC/EDQUOT while writing ``where``, or ``None`` for other errors
+    (safetensors reports it as a SafetensorError whose text carries the errno)."""
+    from hfpipe.checkpoint.disk import is_disk_full
     from hfpipe.checkpoint.export import ExportError
 
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    if not is_disk_full(e):
         return None
     return ExportError(f"disk full while writing {where} (the export needs about {nbytes} bytes); "
                        "free space or choose another OUT; the partial folder was removed")
