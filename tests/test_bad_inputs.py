@@ -109,6 +109,7 @@ MODEL_DAMAGE = {
     "pickle-only": lambda m: ([p.unlink() for p in m.glob("model*")], (m / "pytorch_model.bin").write_bytes(b"x")),
     "no-tokenizer": lambda m: [(m / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")],
     "small-vocab": lambda m: edit_json(m / "config.json", lambda c: {**c, "vocab_size": 100}),
+    "tied": lambda m: edit_json(m / "config.json", lambda c: {**c, "tie_word_embeddings": True}),
     "mismatched-config": lambda m: edit_json(m / "config.json", lambda c: {**c, "intermediate_size": 96}),
 }
 
@@ -152,6 +153,10 @@ def _escape_metadata(c: Path) -> None:
         info.relative_path = "../../../etc/passwd"
     (c / ".metadata").write_bytes(pickle.dumps(md))
 
+
+RECIPES = {"float": "seq_len: 1.5", "word": "pp: two", "negative": "batch_size: -1", "nan": "lr: .nan",
+           "inf": "lr: .inf", "one-beta": "betas: [0.9]", "zero": "microbatches: 0", "maybe": "packing: maybe",
+           "list": "[1, 2]", "broken": "pp: ["}
 
 # --- the matrix: (id, command line, message) -------------------------------------------------------
 # {tiny} good model, {m:<damage>} a broken copy, {ckpt} good checkpoint, {c:<damage>} a broken copy,
@@ -227,6 +232,8 @@ CASES = [
           ("another grad-accum", "--seq-len 32 --batch-size 2 --grad-accum 2", "--grad-accum 1 -> 2"),
           ("no packing", "--seq-len 32 --batch-size 2 --no-packing", "--packing True -> False"),
       ]],
+ ("finetune --resume: another tied-ness", "finetune {m:tied} --pp 2 --seq-len 32 --batch-size 2 --output-dir {run} --resume auto",
+     "tie_word_embeddings False -> True"),
     ("finetune --resume: another model", "finetune {m:small-vocab} --pp 2 --seq-len 32 --batch-size 2 --output-dir {run} --resume auto",
      "vocab_size is 100"),
     *[(f"finetune --resume: checkpoint {how}", f"{FT} --resume {{c:{how}}}", message) for how, message in [
@@ -235,6 +242,15 @@ CASES = [
         ("metadata-garbage", ".metadata cannot be read"), ("metadata-escape", "outside the checkpoint folder"),
         ("missing-distcp", "missing (1 of"),
     ]],
+    # recipe values: what YAML can smuggle past the flags' types
+    *[(f"finetune --recipe: {RECIPES[key]}", "finetune --recipe {y:" + key + "} --output-dir {out}", message)
+      for key, message in [
+          ("float", "--seq-len must be an integer, got 1.5"), ("word", "--pp must be an integer"),
+          ("negative", "--batch-size must be >= 1"), ("nan", "--lr must be a finite number"),
+          ("inf", "--lr must be a finite number"), ("one-beta", "--betas must be a list of 2 numbers"),
+          ("zero", "--microbatches must be >= 1"), ("maybe", "--packing must be true or false"),
+          ("list", "expected a mapping"), ("broken", "not valid YAML"),
+      ]],
     # export
     *[(f"export: checkpoint {how}", "export {c:" + how + "} {out} --no-progress", message) for how, message in [
         ("no-metadata", "incomplete: .metadata missing"), ("no-meta-json", "incomplete: hfpipe.json missing"),
@@ -313,6 +329,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, ckpt, tmp_path, l
             shutil.copytree(ckpt, folder)
             CKPT_DAMAGE[token[3:-1]](folder)
             subst[token] = str(folder)
+    for token in set(line.split()):
+        if token.startswith("{y:"):
+            recipe = tmp_path / "recipe.yaml"
+            text = RECIPES[token[3:-1]]
+            recipe.write_text((f"model: {tiny}\n" if ":" in text and not text.startswith("[") else "") + text + "\n")
+            subst[token] = str(recipe)
     if "{run}" in line:
         shutil.copytree(ckpt.parents[1], tmp_path / "run")
         subst["{run}"] = str(tmp_path / "run")

@@ -54,6 +54,7 @@ def test_an_export_onto_a_full_disk_says_so_and_removes_its_folder(model, small_
     assert list(small_disk.iterdir()) == []
 
 
+@pytest.mark.slow  # a real two-process run (~40 s on 2 busy cores)
 def test_a_save_onto_a_full_disk_says_so_and_leaves_no_partial_checkpoint(model, small_disk):
     out = small_disk / "out"
     result = CliRunner().invoke(app, ["finetune", str(model), "--pp", "2", "--seq-len", "32", "--batch-size", "2",

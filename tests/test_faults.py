@@ -4,7 +4,8 @@ Real processes: the ``hfpipe`` console runs as its own process (through a wrappe
 step, so a test can interrupt it mid-run) and is sent SIGTERM (as Slurm or Kubernetes do) or a
 Ctrl-C (SIGINT to its whole process group, as a terminal does). It must save, print one line with
 the resume command and exit 143 / 130; ``--resume auto`` then ends bitwise equal to a run that was
-never interrupted. The SIGINT twin and the hung-rank run are ``slow``.
+never interrupted. Only the SIGTERM run and a user error in a worker are in the default run; the
+SIGINT twin, divergence, an lr change on resume, a crash and a hung rank are ``slow``.
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def test_ctrl_c_saves_says_how_to_resume_and_resume_auto_is_bitwise_exact(model,
     check_interrupted_then_resumed(run, model, reference, signal.SIGINT)
 
 
+@pytest.mark.slow
 def test_a_diverging_step_stops_the_run_naming_it_and_keeps_the_last_good_checkpoint(model, tmp_path):
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["finetune", *flags(model, out, lr=1e30, max_steps=3, save_every=1,
@@ -190,6 +192,7 @@ def test_a_diverging_step_stops_the_run_naming_it_and_keeps_the_last_good_checkp
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] is None
 
 
+@pytest.mark.slow
 def test_a_changed_lr_applies_from_the_resumed_step_and_says_so(model, reference, tmp_path, caplog):
     import shutil
 
@@ -198,6 +201,10 @@ def test_a_changed_lr_applies_from_the_resumed_step_and_says_so(model, reference
     out = tmp_path / "out"
     first = finetune(FinetuneConfig(model=str(model), output_dir=str(out), **{**RUN, "max_steps": 2}))
     assert [r["step"] for r in first["history"]] == [1, 2]
+    final = out / "checkpoints" / "step-00000002" / "hfpipe.json"
+    written = final.stat().st_mtime_ns
+    again = finetune(FinetuneConfig(model=str(model), output_dir=str(out), resume="auto", **{**RUN, "max_steps": 2}))
+    assert again["history"] == [] and final.stat().st_mtime_ns == written  # a finished run is not rewritten
     resumed = finetune(FinetuneConfig(model=str(model), output_dir=str(out), resume="auto",
                                       **{**RUN, "lr": 5e-4, "max_steps": 6}))
     lrs = {r["step"]: r["lr"] for r in resumed["history"]}
@@ -218,3 +225,38 @@ def test_a_hung_rank_is_named_within_the_timeout(model, tmp_path):
     assert proc.returncode == 1, stderr
     assert stderr.splitlines()[-1].startswith("error: unexpected WorkerFailed: rank 1 did not answer within "
                                               "--timeout 15 s"), stderr
+
+
+# --- errors inside workers -----------------------------------------------------------------------
+
+
+def fail_on_rank_1(kind: str) -> None:
+    """Rank 1 fails (a user error, or a crash); rank 0 would have gone on."""
+    from hfpipe.source import SourceError
+
+    if os.environ["RANK"] == "1":
+        raise SourceError("model-00002.safetensors: truncated shard; re-download it") if kind == "user" \
+            else RuntimeError("boom")
+    time.sleep(5)
+
+
+@pytest.mark.parametrize("kind, error, message", [
+    ("user", "WorkerError", "model-00002.safetensors: truncated shard; re-download it"),
+    pytest.param("crash", "WorkerFailed", "rank 1 failed: RuntimeError: boom (rerun with --debug for the traceback)",
+                 marks=pytest.mark.slow),
+])
+def test_an_error_inside_a_worker_reaches_the_user_as_one_line(kind, error, message, capfd):
+    from hfpipe import worker_errors
+    from hfpipe.launch import launch
+
+    with pytest.raises(getattr(worker_errors, error)) as caught:
+        launch(fail_on_rank_1, 2, kind, threads_per_rank=1)
+    assert str(caught.value) == message
+    assert "Traceback" not in capfd.readouterr().err  # no torch-elastic report without --debug
+
+
+def test_debug_is_accepted_after_the_subcommand(tmp_path):
+    result = CliRunner().invoke(app, ["plan", str(tiny_checkpoint("llama", num_hidden_layers=2)), "--pp", "9",
+                                      "--debug"])
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr and result.stderr.splitlines()[-1].startswith("error: --pp 9")
