@@ -103,6 +103,21 @@ def test_a_crafted_metadata_runs_nothing_on_export_resume_or_load(ckpt, tmp_path
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
+def test_torchs_plain_pickle_read_is_never_used(ckpt, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hfpipe.checkpoint.dcp_reader import _DcpReader
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("torch's FileSystemReader.read_metadata was called")
+
+    monkeypatch.setattr(FileSystemReader, "read_metadata", refuse)
+    check_complete(ckpt)
+    reader = _DcpReader(ckpt, file_view=None)  # None: every read goes through dcp.load
+    assert reader.read("model.lm_head.weight").shape[0] > 0
+    assert export_checkpoint(ckpt, tmp_path / "out", progress=False).is_dir()
+
+
 def test_metadata_naming_data_files_outside_the_checkpoint_is_refused(ckpt, tmp_path):
     import shutil
 

@@ -123,15 +123,14 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     from hfpipe.launch import check_launch, launch
     from hfpipe.lock import FolderLock
 
-    lock = FolderLock(Path(cfg.output_dir) / ".hfpipe.lock", Path(cfg.output_dir), "--output-dir")
-    if not in_launched_env():
-        check_launch(cfg.pp * cfg.dp, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
     if in_launched_env():
         # Every rank checks the cheap things; only global rank 0 tokenises the dataset here, so
         # ranks do not write datasets' cache at the same time (the others read it later).
         rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
         preflight(cfg, check_data=rank == "0")
         return _finish(run_worker(cfg.to_dict()))
+    check_launch(cfg.pp * cfg.dp, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
+    lock = FolderLock(Path(cfg.output_dir) / ".hfpipe.lock", Path(cfg.output_dir), "--output-dir")
     lock.check()  # a busy folder is named before any other work
     preflight(cfg)
     nprocs = cfg.pp * cfg.dp // nnodes
@@ -255,9 +254,7 @@ class _Run:
         self.stop = StopRequest(pm.dist.device).install()
 
     def maybe_resume(self) -> None:
-        from hfpipe.checkpoint.dcp import load_checkpoint, resolve_resume
-
-        from hfpipe.checkpoint.dcp import read_meta
+        from hfpipe.checkpoint.dcp import load_checkpoint, read_meta, resolve_resume
         from hfpipe.train.resume_check import apply_schedule_changes, check_resume
 
         path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
