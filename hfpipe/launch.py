@@ -109,14 +109,16 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
 @contextlib.contextmanager
 def _quiet_elastic(quiet: bool):
     """Keep torch-elastic's failure logs (kilobytes per failed rank) off the console unless --debug."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [lg.level for lg in loggers]
     if quiet:
-        logger.setLevel(logging.CRITICAL)
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _dcp_exception() -> type:

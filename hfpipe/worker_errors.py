@@ -76,13 +76,12 @@ def raise_from_failures(control: Path, failed: BaseException, world: int, timeou
         who = f"rank {', '.join(map(str, silent))}" if silent else "a rank"
         limit = f"--timeout {timeout_s:g} s" if timeout_s else "the timeout"
         raise WorkerFailed(f"{who} did not answer within {limit} (hung, or stuck in I/O); rank "
-                           f"{', '.join(map(str, waited))} waited for it. Rerun with --debug for the report") from None
+                           f"{', '.join(map(str, waited))} waited for it") from None
     crash = [r for r in records if r["kind"] == "crash"]
     if crash:
         r = crash[0]
-        raise WorkerFailed(f"rank {r['rank']} failed: {r['type']}: {r['message']} "
-                           "(rerun with --debug for the traceback)") from None
-    raise WorkerFailed(_describe(failed) + " (rerun with --debug for torch's report)") from None
+        raise WorkerFailed(f"rank {r['rank']} failed: {r['type']}: {r['message']}") from None
+    raise WorkerFailed(_describe(failed)) from None
 
 
 def _describe(failed: BaseException) -> str:
