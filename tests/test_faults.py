@@ -223,7 +223,8 @@ def test_a_hung_rank_is_named_within_the_timeout(model, tmp_path):
                  HFPIPE_TEST_HANG_RANK="1")
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr
-    (line,) = [x for x in stderr.splitlines() if x.startswith("error: ")]
+    # the error follows rank 0's progress bar (cut short, so no newline) on the terminal line
+    (line,) = ["error: " + x.split("error: ", 1)[1] for x in stderr.replace("\r", "\n").splitlines() if "error: " in x]
     assert line.startswith("error: unexpected WorkerFailed: rank 1 did not answer within --timeout 15 s "
                            "(hung, or stuck in I/O); rank 0 waited for it"), stderr
 
