@@ -107,7 +107,7 @@ def reference(model, tmp_path_factory) -> dict:
 def start(args: list[str], tmp: Path, **env) -> subprocess.Popen:
     script = tmp / "slow_hfpipe.py"
     script.write_text(SLOW_STEPS)
-    environ = {**os.environ, "HFPIPE_TEST_SLEEP": "1.5", **env}
+    environ = {**os.environ, "HFPIPE_TEST_SLEEP": "1.0", **env}
     return subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=environ, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
@@ -262,3 +262,41 @@ def test_debug_is_accepted_after_the_subcommand(tmp_path):
                                       "--debug"])
     assert result.exit_code == 2
     assert "Traceback" in result.stderr and result.stderr.splitlines()[-1].startswith("error: --pp 9")
+
+
+@pytest.mark.slow
+def test_a_second_signal_aborts_at_once(model, tmp_path):
+    out = tmp_path / "out"
+    proc = start(["finetune", *flags(model, out, max_steps=50)], tmp_path)
+    wait_for(proc, lambda: len(metrics(out)) >= 1)
+    workers = children(proc.pid)
+    assert len(workers) >= 2
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and time.monotonic() - t0 < 10, stderr
+    assert "Traceback" not in stderr
+    time.sleep(1)
+    assert not [pid for pid in workers if alive(pid)]  # the workers went down with the launcher
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")

@@ -14,6 +14,7 @@ it writes a ``stop`` file into the run's control folder, which every rank checks
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -115,6 +116,7 @@ class LauncherSignals:
                     os.kill(int(pid_file.read_text()), signal.SIGKILL)
                 except (OSError, ValueError):
                     pass
+            shutil.rmtree(self.control, ignore_errors=True)
             os._exit(exit_code(signum))
         self.signum = signum
         (self.control / "stop").write_text(str(int(signum)))
