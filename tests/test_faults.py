@@ -300,3 +300,22 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def rank_of_this_process() -> str:
+    return os.environ["RANK"]
+
+
+@pytest.mark.slow
+def test_a_single_node_run_ignores_rdzv_endpoint_so_two_runs_never_join(caplog):
+    import socket
+
+    from hfpipe.launch import launch
+
+    with socket.socket() as busy:  # another job's endpoint: a launch that used it would hang there
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        endpoint = f"127.0.0.1:{busy.getsockname()[1]}"
+        results = launch(rank_of_this_process, 2, threads_per_rank=1, rdzv_endpoint=endpoint, timeout_s=20)
+    assert sorted(results.values()) == ["0", "1"]
+    assert f"--rdzv-endpoint {endpoint} ignored: it is only used with --nnodes > 1" in caplog.text
