@@ -14,7 +14,7 @@ import typer
 
 from hfpipe.config import FinetuneConfig, field_help
 
-__all__ = ["FIELD_HELP", "build_config", "finetune"]
+__all__ = ["FIELD_HELP", "build_config", "finetune", "resume_command"]
 
 #: Each FinetuneConfig field's docstring, as flag help (reST quotes dropped).
 FIELD_HELP = {name: text.replace("``", "") for name, text in field_help().items()}
@@ -99,6 +99,7 @@ def finetune(
     lora_alpha: Annotated[Optional[float], _opt("lora_alpha")] = None,
     lora_dropout: Annotated[Optional[float], _opt("lora_dropout")] = None,
     lora_targets: Annotated[Optional[str], _opt("lora_targets")] = None,
+    timeout: Annotated[Optional[float], _opt("timeout")] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes in the job; run the same command on each.")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's index, 0 .. nnodes-1.")] = 0,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(
@@ -134,6 +135,21 @@ def _next(result: dict, config: FinetuneConfig) -> str:
     lines = next_commands(config.output_dir, result.get("checkpoint", ""),
                           exported=config.save_hf_at_end, best=result.get("best"))
     return "next:\n" + "\n".join("  " + line for line in lines)
+
+
+def resume_command(args: list[str]) -> str:
+    """The command line that continues this run: the same, with ``--resume auto``."""
+    import shlex
+
+    out, skip = ["hfpipe"], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            out.append(arg)
+    return shlex.join(out + ["--resume", "auto"])
 
 
 def build_config(recipe: str | Path | None, given: dict) -> FinetuneConfig:

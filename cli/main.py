@@ -23,10 +23,11 @@ from typer.core import TyperGroup
 
 from hfpipe import __version__
 from hfpipe.cli.finetune import FIELD_HELP as _HELP
-from hfpipe.cli.finetune import finetune
+from hfpipe.cli.finetune import finetune, resume_command
 from hfpipe.cli.generate import chat, generate
 from hfpipe.cli.plan import plan
 from hfpipe.cli.recipes import recipes
+from hfpipe.train.signals import Interrupted
 
 try:  # typer >= 0.24 ships its own copy of click
     from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -48,6 +49,11 @@ class _OneLineErrors(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         console = args is None  # a real `hfpipe ...` process, not a test runner's call
         args = list(sys.argv[1:] if console else args)
+        if "--debug" in args:  # accepted after the subcommand too: it is a global option
+            args = ["--debug"] + [a for a in args if a != "--debug"]
+            os.environ["HFPIPE_DEBUG"] = "1"  # workers' failures then keep torch's full report
+        if console:
+            _no_stdin()
         extra.setdefault("obj", {"console": console})
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
@@ -58,11 +64,26 @@ class _OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("aborted", err=True)
             code = FAILURE_EXIT
+        except KeyboardInterrupt:  # Ctrl-C before any worker ran: nothing to save
+            typer.echo("error: interrupted (Ctrl-C) before training started; nothing was written", err=True)
+            code = 130
+        except Interrupted as e:
+            typer.echo(f"interrupted: {e}: {resume_command(args)}", err=True)
+            code = e.code
         except Exception as e:  # noqa: BLE001 - this is the one place errors are reported
             code = _report(e, debug="--debug" in args)
         if not standalone_mode:
             return code
         sys.exit(code or 0)
+
+
+def _no_stdin() -> None:
+    """No hfpipe command reads stdin: a library that would prompt (transformers' "run custom
+    code? [y/N]") gets end-of-file and refuses instead of waiting for, or obeying, a keystroke."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
 
 
 def _report(e: Exception, debug: bool) -> int:

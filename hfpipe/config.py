@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -191,11 +192,17 @@ class FinetuneConfig:
     """Modules that get adapters: all-linear (every linear layer but the output head) or a comma
     list of module names such as q_proj,k_proj,v_proj,o_proj."""
 
+    # --- trust ---
+    timeout: float = 600.0
+    """Seconds a rank waits for its peers in one collective before the run stops, naming the rank
+    that did not answer (a hung or dead rank)."""
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
         _check_choices(self)
+        _check_finite(self)
         _check_ranges(self)
         _fit_vpp(self)
         _check_microbatches(self)
@@ -334,6 +341,17 @@ def _check_choices(c: FinetuneConfig) -> None:
             close = difflib.get_close_matches(value.lower(), choices, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{_flag(name)} must be one of {', '.join(choices)}; got {value!r}{hint}")
+
+
+def _check_finite(c: FinetuneConfig) -> None:
+    """nan passes every ``<`` check and inf trains into NaN weights: refuse both by name."""
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{_flag(f.name)} must be a finite number, got {v}")
+    if c.timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {c.timeout}")
 
 
 def _check_ranges(c: FinetuneConfig) -> None:

@@ -77,7 +77,7 @@ def _param_counts(config) -> tuple[int, int, list[tuple[int, float, bool]]]:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes only: no memory, fast even for 671B parameters
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
     layers = _decoder_layers(model, config.num_hidden_layers)
     embed = {id(p): p for p in model.get_input_embeddings().parameters()}
     in_layers = {id(p) for layer in layers for p in layer.parameters()}

@@ -7,19 +7,43 @@ module is not used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["launch"]
+__all__ = ["launch", "check_launch"]
 
 log = logging.getLogger(__name__)
 
 
+def check_launch(world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
+                 threads_per_rank: int | None) -> None:
+    """Refuse launch options that cannot work, before any process starts (one line each)."""
+    from hfpipe.distributed import LaunchError
+
+    if nnodes < 1:
+        raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
+    if world % nnodes:
+        raise LaunchError(f"--nnodes {nnodes} does not divide the {world} ranks (--pp x --dp); "
+                          "choose a divisor of pp * dp")
+    if not 0 <= node_rank < nnodes:
+        raise LaunchError(f"--node-rank {node_rank} is out of range for --nnodes {nnodes}; use 0 .. {nnodes - 1}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads_per_rank and threads_per_rank > cores:
+        raise LaunchError(f"--threads-per-rank {threads_per_rank} exceeds the {cores} CPU cores here; "
+                          "lower --threads-per-rank")
+
+
 def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0,
            rdzv_endpoint: str | None = None, threads_per_rank: int | None = None,
-           timeout_s: float = 900.0) -> dict[int, object]:
+           timeout_s: float = 900.0, worker_timeout_s: float | None = None) -> dict[int, object]:
     """Run ``fn(*args)`` in ``nprocs`` processes per node and return each local rank's result.
 
     Args:
@@ -32,16 +56,26 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
             ``--master-addr/--master-port`` with ``--node-rank``.
         threads_per_rank: Torch intra-op threads per process (CPU runs).
         timeout_s: Rendezvous / join timeout.
+        worker_timeout_s: The workers' collective timeout (``--timeout``), named when one hangs.
 
     Raises:
-        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a rank failed.
+        WorkerError: a rank found a user error (its one-line message, as a preflight error).
+        WorkerFailed: a rank crashed, was killed or timed out (one line naming it);
+            with ``HFPIPE_DEBUG=1``, torch's ``ChildFailedError`` itself.
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from hfpipe.train.signals import CONTROL_ENV, LauncherSignals
+    from hfpipe.worker_errors import debug, raise_from_failures
 
     if nnodes > 1 and not rdzv_endpoint:
         from hfpipe.distributed import LaunchError
 
         raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    if nnodes == 1 and rdzv_endpoint:  # two single-node runs must never join each other
+        log.warning("--rdzv-endpoint %s ignored: it is only used with --nnodes > 1", rdzv_endpoint)
+        rdzv_endpoint = None
     env_threads = str(threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs))
     os.environ.setdefault("OMP_NUM_THREADS", env_threads)
     # Several nodes meet by torch's static rendezvous: ranks follow --node-rank (c10d's dynamic
@@ -59,8 +93,44 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         monitor_interval=0.1,
         start_method="spawn",
         local_addr="localhost" if nnodes == 1 else None,
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM/SIGINT: LauncherSignals asks workers to save first
     )
-    return elastic_launch(config, _Entry(fn, threads_per_rank))(*args)
+    control = Path(tempfile.mkdtemp(prefix="hfpipe-control-"))
+    old_env = os.environ.get(CONTROL_ENV)
+    os.environ[CONTROL_ENV] = str(control)  # spawned workers inherit it
+    try:
+        with LauncherSignals(control), _quiet_elastic(not debug()):
+            return elastic_launch(config, _Entry(fn, threads_per_rank))(*args)
+    except ChildFailedError as e:
+        raise_from_failures(control, e, nprocs * nnodes, worker_timeout_s)
+    finally:
+        if old_env is None:
+            os.environ.pop(CONTROL_ENV, None)
+        else:
+            os.environ[CONTROL_ENV] = old_env
+        shutil.rmtree(control, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_elastic(quiet: bool):
+    """Keep torch-elastic's failure logs (kilobytes per failed rank) off the console unless --debug."""
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [lg.level for lg in loggers]
+    if quiet:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _dcp_exception() -> type:
+    """DCP's CheckpointException: a BaseException, so ``except Exception`` misses it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 class _Entry:
@@ -71,8 +141,22 @@ class _Entry:
         self.__name__ = self.__qualname__ = getattr(fn, "__name__", "hfpipe_worker")
 
     def __call__(self, *args):
+        import sys
+
         import torch
+
+        from hfpipe.train.signals import CONTROL_ENV
+        from hfpipe.worker_errors import debug, record_failure
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        return self.fn(*args)
+        control = Path(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
+        if control is not None:
+            (control / f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+        try:
+            return self.fn(*args)
+        except (Exception, _dcp_exception()) as e:  # noqa: BLE001 - reported to the launcher in one line
+            code = record_failure(control, e, stopping=(control is not None and (control / "stop").exists()))
+            if debug():
+                raise
+            sys.exit(code)  # quietly: the launcher tells the user

@@ -158,6 +158,9 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if dp < 1:
         raise PlanError(f"--dp must be >= 1, got {dp}")
     get_adapter(config)
+    from hfpipe.options import require_positive
+
+    require_positive(pp=pp, vpp=vpp, seq_len=seq_len, microbatches=microbatches, batch_size=batch_size)
     schedule = schedule or ("interleaved-1f1b" if vpp > 1 else "1f1b")
     vpp = 2 if vpp == 1 and schedule in _MULTI_STAGE else vpp
     m = microbatches or pp * vpp

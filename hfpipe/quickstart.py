@@ -40,7 +40,15 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 120, pp: i
         lora: Train rank-16 LoRA adapters (``run-lora/``; the export is a PEFT adapter folder,
             verified against ``PeftModel``) instead of every weight.
     """
+    from hfpipe.options import OptionError, require_positive
+
     out = Path(out)
+    require_positive(steps=steps, pp=pp)
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"--out {out} is a file; choose a folder")
+    if pp > _MODEL["num_hidden_layers"]:  # one stage per layer at most
+        raise OptionError(f"--pp {pp} is more than the quickstart model's {_MODEL['num_hidden_layers']} "
+                          f"layers; use --pp 1 to {_MODEL['num_hidden_layers']}")
     base, run = out / "base", out / ("run-lora" if lora else "run")
     echo(f"1/4 a small Llama with a tokenizer trained on the shipped chat set, in {base}")
     if (base / "config.json").is_file():

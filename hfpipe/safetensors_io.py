@@ -10,12 +10,13 @@ an 8-byte header length, a JSON header, then raw little-endian tensor bytes).
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import torch
 
-__all__ = ["SafetensorsError", "read_header", "read_tensors", "DTYPES"]
+__all__ = ["SafetensorsError", "read_header", "check_header", "read_tensors", "DTYPES"]
 
 DTYPES = {
     "F64": torch.float64,
@@ -29,6 +30,10 @@ DTYPES = {
     "I16": torch.int16,
     "I8": torch.int8,
     "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E8M0": torch.float8_e8m0fnu,
     "BOOL": torch.bool,
 }
 
@@ -40,29 +45,107 @@ class SafetensorsError(ValueError):
 
 
 def read_header(path: str | Path) -> dict[str, dict]:
-    """The tensor entries of a safetensors header (``__metadata__`` removed).
+    """The tensor entries of a safetensors header (``__metadata__`` removed), checked totally.
+
+    Nothing of the data is read before the whole header passes safetensors' own rules (see
+    :func:`check_header`), so a crafted header cannot make hfpipe allocate or alias anything.
 
     Raises:
-        SafetensorsError: the file is missing, too short or its header is not valid JSON.
+        SafetensorsError: the file is missing, too short, or its header breaks a rule (names which).
     """
     path = Path(path)
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise SafetensorsError(f"{path}: truncated safetensors file (no header); re-download it")
             (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER:
-                raise SafetensorsError(f"{path}: corrupt safetensors header length {n}; re-download it")
+            if n > _MAX_HEADER or 8 + n > size:
+                raise SafetensorsError(f"{path}: corrupt safetensors header length {n} "
+                                       f"(file has {size} bytes); re-download it")
             raw = f.read(n)
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
     except FileNotFoundError:
         raise SafetensorsError(f"{path}: shard file is missing; re-download the checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SafetensorsError(f"{path}: corrupt safetensors header; re-download it") from None
+    except IsADirectoryError:
+        raise SafetensorsError(f"{path}: is a folder, not a safetensors shard; re-download the checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, _Duplicate) as e:
+        raise SafetensorsError(f"{path}: corrupt safetensors header ({e}); re-download it") from None
+    check_header(path, header, size - 8 - n)
     header.pop("__metadata__", None)
     header["__data_start__"] = {"offset": 8 + n}
     return header
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _no_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise _Duplicate(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def check_header(path: Path, header, data_len: int) -> None:
+    """Raise :class:`SafetensorsError` unless ``header`` follows safetensors' rules.
+
+    The rules of safetensors' own ``Metadata::validate``: a JSON object; ``__metadata__`` (if any)
+    maps strings to strings; every tensor has a known ``dtype``, a ``shape`` of non-negative ints and
+    ``data_offsets`` ``[begin, end]`` whose length is ``numel * itemsize``; sorted by offset, the
+    tensors tile the data area exactly (no gap, no overlap, nothing beyond the file).
+    """
+    def bad(what: str) -> SafetensorsError:
+        return SafetensorsError(f"{path}: {what}; not a valid safetensors file: re-download or re-save it")
+
+    if not isinstance(header, dict):
+        raise bad(f"header is a JSON {type(header).__name__}, not an object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("__metadata__ must map strings to strings")
+    spans = []
+    for name, entry in header.items():
+        if name != "__metadata__":
+            spans.append((*_check_entry(name, entry, bad), name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves a gap at byte {end}"
+            raise bad(f"tensor {name!r} data_offsets [{begin}, {stop}] {what}")
+        end = stop
+    if end > data_len:
+        raise SafetensorsError(f"{path}: truncated shard: its tensors need {end} data bytes but the file "
+                               f"holds {data_len}; re-download it")
+    if end < data_len:
+        raise bad(f"{data_len - end} bytes follow the last tensor")
+
+
+def _check_entry(name: str, entry, bad) -> tuple[int, int]:
+    if not isinstance(entry, dict):
+        raise bad(f"tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise bad(f"tensor {name!r}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise bad(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+    begin, end = offsets
+    if begin > end:
+        raise bad(f"tensor {name!r}: data_offsets [{begin}, {end}] are reversed")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * DTYPES[dtype].itemsize != end - begin:
+        raise bad(f"tensor {name!r}: shape {shape} of {dtype} needs {numel * DTYPES[dtype].itemsize} "
+                  f"bytes but data_offsets span {end - begin}")
+    return begin, end
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def read_tensors(path: str | Path, names: list[str], header: dict | None = None) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hfpipe.safetensors_io import SafetensorsError, read_header
 
-__all__ = ["ModelSource", "SourceError", "load_config"]
+__all__ = ["ModelSource", "SourceError", "check_shard_names", "load_config"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class ModelSource:
                 raise SourceError(f"{index}: malformed index (no 'weight_map'); re-download it") from None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise SourceError(f"{index}: empty or malformed 'weight_map'; re-download it")
+            check_shard_names(index, weight_map)
             return dict(weight_map)
         single = self.path(SINGLE) if self.repo_id or (self.folder / SINGLE).is_file() else None
         if single is None or not single.is_file():
@@ -137,6 +138,24 @@ class ModelSource:
     def tied(self) -> bool:
         """Whether the head shares the embedding (no ``lm_head.weight`` expected on disk)."""
         return bool(getattr(self.config, "tie_word_embeddings", False))
+
+
+def check_shard_names(index: Path, weight_map: dict) -> None:
+    """Refuse shard names that are not plain file names inside the model folder.
+
+    An index naming ``../../etc/passwd`` or ``/data/x.safetensors`` would make hfpipe read (and
+    train on) a file outside the folder. A shard that is itself a symlink (the hub cache links each
+    file to its blob) is fine: only the *name* is checked, never where the link points.
+    """
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not _plain_name(name):
+            raise SourceError(f"{index}: tensor {key!r} names shard {name!r}, which is not a plain file name "
+                              "inside the model folder; fix the index or re-download the checkpoint")
+
+
+def _plain_name(name: str) -> bool:
+    return (bool(name) and "/" not in name and "\\" not in name and "\0" not in name
+            and name not in (".", "..") and not os.path.isabs(name) and name.endswith(".safetensors"))
 
 
 def _hub_metadata(repo_id: str) -> Path:

@@ -36,8 +36,8 @@ def build_meta_model(config, dtype: torch.dtype = torch.float32):
     """The full HF causal-LM on the meta device: structure and names, no memory."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device("meta"):  # adapters exist only for transformers' own classes: never ask for code
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
 
 
 def _mask_kind(config, layer_idx: int) -> str:

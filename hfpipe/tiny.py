@@ -132,7 +132,7 @@ def make_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config(kind, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=False)
     _perturb_zero_inits(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(out, max_shard_size=max_shard_size)

@@ -78,15 +78,20 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     from hfpipe.plan import plan_pipeline
     from hfpipe.source import ModelSource
 
+    from hfpipe.data import check_seq_len
     from hfpipe.lora.folder import read_adapter_folder
+    from hfpipe.options import require_positive, require_tolerance
 
-    for flag, value in (("--seq-len", seq_len), ("--batch-size", batch or 1)):
+    for flag, value in (("--seq-len", seq_len), ("--batch-size", 1 if batch is None else batch)):
         if value < 1:
             raise PipelineError(f"{flag} must be >= 1, got {value}")
+    require_positive(pp=pp)
+    require_tolerance(tolerance)
     adapter = read_adapter_folder(hf_dir)  # a PEFT LoRA folder: its base, with the adapters on top
     adapter_dir = str(hf_dir) if adapter else None
     source = ModelSource.open(adapter[0] if adapter else hf_dir, trust_remote_code=trust_remote_code)
     get_adapter(source.config)
+    check_seq_len(seq_len, source.config)
     vpp = 2 if schedule in _MULTI_STAGE else 1
     microbatches = pp * vpp
     batch = batch or max(2, microbatches)

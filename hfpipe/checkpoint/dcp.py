@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
 
 __all__ = ["CheckpointError", "PendingSave", "rank_view", "save_checkpoint", "load_checkpoint",
            "latest_checkpoint", "resolve_resume"]
@@ -109,7 +112,11 @@ def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, met
     state["rng"] = {f"rank{rank}": torch.get_rng_state()}
     text = json.dumps({**meta, "step": step}, indent=2)  # now: meta may change while the save runs
     if not async_save:
-        dcp.save(state, checkpoint_id=tmp, process_group=process_group)
+        try:
+            dcp.save(state, checkpoint_id=tmp, process_group=process_group)
+        except (Exception, DcpCheckpointException) as e:
+            _raise_if_disk_full(e, tmp, root / f"step-{step:08d}", state)
+            raise
         return _finalise(root, step, text, keep)
     # The writer thread runs collectives while training runs its own: they must not share a group.
     own = process_group is None
@@ -144,12 +151,25 @@ class PendingSave:
         return self._path
 
 
+def _raise_if_disk_full(e: BaseException, tmp: Path, final: Path, state: dict) -> None:
+    """ENOSPC while writing: remove the partial folder and say so in one line (every rank gets it)."""
+    from hfpipe.checkpoint.disk import disk_full_message, is_disk_full, out_of_space, state_bytes
+
+    if is_disk_full(e) or out_of_space(tmp, state_bytes(state)):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(disk_full_message(final, state_bytes(state))) from None
+
+
 def _finalise(root: Path, step: int, meta_text: str, keep: int | None) -> Path:
     """After every rank wrote its files: rank 0 adds ``hfpipe.json`` and renames into place."""
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
-        (tmp / "hfpipe.json").write_text(meta_text)
+        try:
+            (tmp / "hfpipe.json").write_text(meta_text)
+        except OSError as e:
+            _raise_if_disk_full(e, tmp, final, {})
+            raise
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -210,9 +230,9 @@ def check_complete(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} missing; "
                                   "resume from an earlier checkpoint")
     try:
-        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as e:  # truncated or not DCP's
-        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({type(e).__name__}); "
+        storage = read_metadata(path).storage_data
+    except UnsafeMetadataError as e:  # truncated, not DCP's, or crafted to run code
+        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({e}); "
                               "resume from an earlier checkpoint") from None
     files = sorted({info.relative_path for info in storage.values()})
     missing = [name for name in files if not (path / name).is_file()]
@@ -241,7 +261,7 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
     meta = read_meta(path)
     state = _states(view, optimizer)
     rank_key = f"rank{dist.get_rank()}"
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     if f"rng.{rank_key}" in saved:  # same world size: restore this rank's RNG exactly
         state["rng"] = {rank_key: torch.get_rng_state()}
     missing = [f"model.{k}" for k in state["model"] if f"model.{k}" not in saved]
@@ -249,8 +269,8 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
         raise CheckpointError(f"checkpoint {path} lacks {missing[0]} ({len(missing)} tensors missing); "
                               "it was written for another model")
     try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # DCP raises a wrapper naming the rank; keep the first line
+        dcp.load(state, storage_reader=SafeReader(path))
+    except (Exception, DcpCheckpointException) as e:  # DCP's wrapper is a BaseException  # DCP raises a wrapper naming the rank; keep the first line
         raise CheckpointError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0][:200]}); "
                               "it may be incomplete: resume from an earlier checkpoint") from None
     set_model_state_dict(view, state["model"])

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from hfpipe.checkpoint.safe_metadata import SafeReader, read_metadata
 
 try:  # DCP's bounded view of one item inside a .distcp file; private, so fall back to dcp.load
     from torch.distributed.checkpoint.filesystem import _create_file_view
@@ -30,7 +31,7 @@ class _DcpReader:
     def __init__(self, ckpt: Path, file_view=_create_file_view):
         self.path = ckpt
         self.file_view = file_view
-        self.metadata = FileSystemReader(ckpt).read_metadata()
+        self.metadata = read_metadata(ckpt)  # never torch's plain-pickle read
 
     def tensors(self, prefix: str) -> dict[str, TensorStorageMetadata]:
         """Metadata of the tensors whose key starts with ``prefix``, keyed without it."""
@@ -52,5 +53,5 @@ class _DcpReader:
         target = {key: torch.empty(md.size, dtype=md.properties.dtype)}
         with warnings.catch_warnings():  # "...assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(target, checkpoint_id=self.path, no_dist=True)
+            dcp.load(target, storage_reader=SafeReader(self.path), no_dist=True)
         return target[key]

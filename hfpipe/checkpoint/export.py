@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
+from hfpipe.checkpoint import export_guard as guard
 from hfpipe.checkpoint.dcp_reader import _create_file_view, _DcpReader
+from hfpipe.lock import FolderLock
 from hfpipe.safetensors_io import DTYPES
 
 __all__ = ["ExportError", "export_checkpoint", "read_checkpoint_meta"]
@@ -105,7 +107,7 @@ def export_checkpoint(
     Returns:
         The output folder.
     """
-    ckpt, out = Path(ckpt).absolute(), Path(out).absolute()
+    ckpt, out = Path(os.path.abspath(ckpt)), Path(os.path.abspath(out))  # "a/.." must not hide a parent
     meta = read_checkpoint_meta(ckpt)
     if "lora" in meta or merge:  # adapters only: PEFT's adapter folder, or merged into the base
         from hfpipe.checkpoint.adapter import export_adapter
@@ -115,11 +117,20 @@ def export_checkpoint(
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)
     _check_out(out, force, (ckpt, src))
-    cfg_json = json.loads((src / "config.json").read_text())
+    lock = FolderLock(out.parent / f".{out.name}.lock", out, "OUT")
+    with lock:
+        _check_out(out, force, (ckpt, src))  # again: another export may have finished meanwhile
+        return _export_locked(ckpt, out, meta, src, want, max_bytes, progress)
+
+
+def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool) -> Path:
+    cfg_json = guard.source_config_json(src)
     fp8 = _source_quantization(src, cfg_json)
     model = _meta_model(src)
     reader = _DcpReader(ckpt, _create_file_view)  # this module's name: None forces dcp.load
-    groups = _plan_groups(model, reader, ckpt)
+    guard.check_data_files(ckpt, reader.metadata)
+    groups = _plan_groups(model, reader, ckpt)  # first: another model is named by its keys
+    guard.check_tied(meta, model.config, ckpt, src)  # a tied source would silently drop lm_head
     src_dtypes = _source_dtypes(src)
     _cross_check([k for g in groups for k in g.out], src_dtypes, model, fp8, src)
     _set_out_dtypes(groups, want, src_dtypes or {}, meta["source_dtype"])
@@ -127,13 +138,20 @@ def export_checkpoint(
     log.info("exporting %s -> %s: %d tensors in %d shard(s)", ckpt, out, len(_flat(groups)), len(shards))
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
+        with guard.signals_raise():
+            shutil.rmtree(tmp, ignore_errors=True)
+            _mkdir(tmp)
+            _write_weights(tmp, reader, model, groups, shards, progress)
+            _write_config(tmp, cfg_json, _dominant_dtype(groups), fp8)
+            _copy_side_files(src, tmp)
+            _make_readable(tmp)
+            _install(tmp, out)
+    except Exception as e:  # noqa: BLE001 - only a full disk is translated; the rest re-raised
         shutil.rmtree(tmp, ignore_errors=True)
-        _mkdir(tmp)
-        _write_weights(tmp, reader, model, groups, shards, progress)
-        _write_config(tmp, cfg_json, _dominant_dtype(groups), fp8)
-        _copy_side_files(src, tmp)
-        _make_readable(tmp)
-        _install(tmp, out)
+        full = guard.disk_full(e, out, sum(_nbytes(*spec) for spec in _flat(groups).values()))
+        if full is None:
+            raise
+        raise full from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -211,21 +229,24 @@ def _source_quantization(src: Path, cfg_json: dict) -> bool:
 
 def _meta_model(src: Path) -> torch.nn.Module:
     """The full model on the meta device: its names, shapes and conversion tables, no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(src)
+    from hfpipe.source import load_config
+
+    cfg = load_config(src, trust_remote_code=False)  # export never runs a source's code, never asks
     if getattr(cfg, "quantization_config", None) is not None:
         del cfg.quantization_config  # we export dequantised weights into a plain model
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
+        return AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
 
 
 def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
     """The source checkpoint's keys and their stored dtypes (None where a shard is gone), if known."""
-    from safetensors import safe_open
+    from hfpipe.safetensors_io import SafetensorsError, read_header
 
-    if (src / INDEX).is_file():
-        weight_map = json.loads((src / INDEX).read_text())["weight_map"]
+    weight_map = guard.source_weight_map(src, INDEX)
+    if weight_map is not None:
+        pass
     elif (src / SINGLE).is_file():
         weight_map = None
     else:
@@ -236,9 +257,13 @@ def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
         if not (src / name).is_file():
             log.warning("source shard %s is missing; its tensors keep hfpipe.json's source_dtype", name)
             continue
-        with safe_open(src / name, "pt") as f:
-            for key in f.keys():
-                dtypes[key] = DTYPES.get(f.get_slice(key).get_dtype())
+        try:
+            header = read_header(src / name)  # checked totally, nothing trusted
+        except SafetensorsError as e:
+            raise ExportError(str(e)) from None
+        for key, entry in header.items():
+            if key != "__data_start__":
+                dtypes[key] = DTYPES.get(entry["dtype"])
     return dtypes
 
 
@@ -483,12 +508,11 @@ def _write_config(tmp: Path, cfg_json: dict, dtype: torch.dtype, fp8: bool) -> N
 
 def _copy_side_files(src: Path, tmp: Path) -> None:
     """Copy every non-weight file of the source (generation config, tokenizer, chat template, code)."""
-    for path in sorted(src.iterdir()):
+    def skip(name: str) -> bool:
+        return name == "config.json" or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json")
+
+    for path in guard.side_files(src, skip):  # regular files inside the source only
         name = path.name
-        if not path.is_file() or name.startswith(".") or name == "config.json":
-            continue
-        if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
-            continue
         shutil.copy2(path, tmp / name)
         log.debug("copied %s", name)
 

@@ -196,4 +196,4 @@ class _FusedExperts:
                     converter.add_tensor(target, key, pattern, f.get_tensor(key))
         from transformers import AutoConfig
 
-        return converter.convert(target, config=AutoConfig.from_pretrained(self.src))[target]
+        return converter.convert(target, config=AutoConfig.from_pretrained(self.src, trust_remote_code=False))[target]

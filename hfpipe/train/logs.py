@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -26,11 +27,12 @@ _EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens")
 
 
 class _Jsonl:
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, start: int = 0) -> None:
+        _drop_rows_after(out / "metrics.jsonl", start)  # steps a resume redoes appear once
         self.file = open(out / "metrics.jsonl", "a")
 
     def write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
+        self.file.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -78,16 +80,19 @@ def check_sinks(report_to: str) -> None:
                           "(WANDB_MODE=offline logs without an account)")
 
 
-def open_sinks(out: Path, report_to: str, config: dict | None = None) -> list:
-    """The sinks ``report_to`` names (``"jsonl,tensorboard"``; ``"none"`` for none)."""
+def open_sinks(out: Path, report_to: str, config: dict | None = None, start: int = 0) -> list:
+    """The sinks ``report_to`` names (``"jsonl,tensorboard"``; ``"none"`` for none).
+
+    ``start``: the step a resumed run continues from; rows after it are replaced, not repeated.
+    """
     names = [n.strip() for n in report_to.split(",") if n.strip() and n.strip() != "none"]
     out.mkdir(parents=True, exist_ok=True)
     sinks = []
     for name in names:
         if name == "jsonl":
-            sinks.append(_Jsonl(out))
+            sinks.append(_Jsonl(out, start))
         elif name == "tensorboard":
-            writer = _tensorboard(out / "tb")
+            writer = _tensorboard(out / "tb", purge_step=start + 1)
             if writer is not None:
                 sinks.append(_TensorBoard(writer))
         elif name == "wandb":
@@ -95,14 +100,38 @@ def open_sinks(out: Path, report_to: str, config: dict | None = None) -> list:
     return sinks
 
 
-def _tensorboard(path: Path):
-    """A SummaryWriter when tensorboard is installed, else ``None`` (it is optional)."""
+def _tensorboard(path: Path, purge_step: int | None = None):
+    """A SummaryWriter when tensorboard is installed, else ``None`` (it is optional).
+
+    ``purge_step``: TensorBoard hides the older events at or after it (steps a resume redoes).
+    """
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         log.warning("tensorboard is not installed: no tb/ logs (pip install tensorboard)")
         return None
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=purge_step)
+
+
+def _json_safe(row: dict) -> dict:
+    """nan/inf as null: strict JSON readers reject bare NaN/Infinity."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Keep only rows up to ``step``: a resumed run rewrites the later ones (one row per step)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except (ValueError, AttributeError):
+            continue  # a line cut by a crash
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 def format_line(row: dict, total: int, eta_s: float | None = None) -> str:

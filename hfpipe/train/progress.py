@@ -45,7 +45,7 @@ class Reporter:
         self.bar, self.sinks, self.postfix = None, [], {}
         if not enabled:
             return
-        self.sinks = open_sinks(out, report_to, config)
+        self.sinks = open_sinks(out, report_to, config, start)
         if sys.stderr.isatty() if tty is None else tty:
             from tqdm.auto import tqdm
 

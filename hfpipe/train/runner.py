@@ -34,8 +34,6 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.pipeline import check_microbatches, schedule_style
     from hfpipe.plan import plan_pipeline
     from hfpipe.source import ModelSource
-    from hfpipe.checkpoint.dcp import CheckpointError, resolve_resume
-
     from hfpipe.train.logs import check_sinks
 
     check_sinks(cfg.report_to)
@@ -45,20 +43,38 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
     check_seq_len(cfg.seq_len, source.config)
-    examples = _load_splits(cfg, _tokenizer(source.folder, cfg))[0] if check_data else None
+    if source.repo_id is None:  # local shards: check every header now (hub shards download later)
+        for name in sorted(set(source.weight_map.values())):
+            source.header(name)
+    tokenizer = _tokenizer(source.folder, cfg)
+    check_vocab(tokenizer, source)
+    _check_output(cfg, source)  # cheap, so before the (logged) dataset work
+    examples = _load_splits(cfg, tokenizer)[0] if check_data else None
     if examples is not None and batches_per_epoch(examples, cfg.batch_size, cfg.dp) < cfg.grad_accum:
         from hfpipe.data import DataError
 
         raise DataError(f"--dataset {cfg.dataset} has {len(examples)} sequences of --seq-len {cfg.seq_len}: "
                         "fewer than one optimizer step; lower --batch-size/--grad-accum or add data")
-    ckpts = Path(cfg.output_dir) / "checkpoints"
+
+
+def _check_output(cfg: FinetuneConfig, source) -> None:
+    """The output folder can take this run, and what --resume names is this run's checkpoint."""
+    from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
+    from hfpipe.lora import preflight as lora_preflight
+    from hfpipe.train.resume_check import check_resume
+
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--output-dir {out} is a file; choose a folder")
+    ckpts = out / "checkpoints"
     if not cfg.resume and any(ckpts.glob("step-*")):
         raise CheckpointError(f"--output-dir {cfg.output_dir} already holds checkpoints; "
                               "pass --resume auto to continue, or choose another --output-dir")
-    from hfpipe.lora import preflight as lora_preflight
-
-    lora_preflight(cfg, source.config, resolve_resume(cfg.resume, cfg.output_dir))
-    _check_writable(Path(cfg.output_dir))
+    resumed = resolve_resume(cfg.resume, cfg.output_dir)
+    if resumed is not None:  # a mismatch is a preflight error too, before any process starts
+        check_resume(resumed, read_meta(resumed), cfg, source.tied)
+    lora_preflight(cfg, source.config, resumed)
+    _check_writable(out)
 
 
 def _check_writable(out: Path) -> None:
@@ -96,7 +112,26 @@ def _load_splits(cfg: FinetuneConfig, tok):
 def _tokenizer(folder: Path, cfg: FinetuneConfig):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    from hfpipe.source import SourceError
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:  # no files, a broken file, or remote code refused
+        if "trust_remote_code" in str(e):
+            raise SourceError(f"{folder}: the tokenizer needs remote code; pass --trust-remote-code "
+                              "if you trust it") from None
+        raise SourceError(f"{folder}: no usable tokenizer ({type(e).__name__}); add the base model's "
+                          "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+
+
+def check_vocab(tokenizer, source) -> None:
+    """Token ids beyond the embedding would index past it (a crash, or garbage on GPU)."""
+    from hfpipe.source import SourceError
+
+    vocab = getattr(source.config, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise SourceError(f"{source.folder}: the tokenizer has {len(tokenizer)} tokens but config.json's "
+                          f"vocab_size is {vocab}; use the model's own tokenizer (or resize the embeddings)")
 
 
 def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
@@ -107,19 +142,34 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     otherwise ``pp * dp`` local workers are started through torch's elastic launcher.
     """
     from hfpipe.distributed import in_launched_env
-    from hfpipe.launch import launch
+    from hfpipe.launch import check_launch, launch
+    from hfpipe.lock import FolderLock
 
     if in_launched_env():
         # Every rank checks the cheap things; only global rank 0 tokenises the dataset here, so
         # ranks do not write datasets' cache at the same time (the others read it later).
         rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
         preflight(cfg, check_data=rank == "0")
-        return run_worker(cfg.to_dict())
+        return _finish(run_worker(cfg.to_dict()))
+    check_launch(cfg.pp * cfg.dp, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
+    lock = FolderLock(Path(cfg.output_dir) / ".hfpipe.lock", Path(cfg.output_dir), "--output-dir")
+    lock.check()  # a busy folder is named before any other work
     preflight(cfg)
     nprocs = cfg.pp * cfg.dp // nnodes
-    results = launch(run_worker, nprocs, cfg.to_dict(), nnodes=nnodes, node_rank=node_rank,
-                     rdzv_endpoint=rdzv_endpoint, threads_per_rank=cfg.threads_per_rank)
-    return next((r for r in results.values() if r), {})
+    with lock:
+        results = launch(run_worker, nprocs, cfg.to_dict(), nnodes=nnodes, node_rank=node_rank,
+                         rdzv_endpoint=rdzv_endpoint, threads_per_rank=cfg.threads_per_rank,
+                         worker_timeout_s=cfg.timeout)
+    return _finish(next((r for r in results.values() if r), {}))
+
+
+def _finish(summary: dict) -> dict:
+    """The run's summary; a run stopped by a signal (after saving) raises :class:`Interrupted`."""
+    from hfpipe.train.signals import Interrupted
+
+    if summary.get("interrupted"):
+        raise Interrupted(summary["interrupted"], summary["step"], summary.get("checkpoint"))
+    return summary
 
 
 def model_inputs(batch: dict, *, packed: bool) -> dict:
@@ -153,7 +203,7 @@ def run_worker(cfg_dict: dict) -> dict:
 
     cfg = FinetuneConfig.from_dict(cfg_dict)
     torch.manual_seed(cfg.seed)
-    dist_info = init_distributed(cfg.pp, cfg.dp)
+    dist_info = init_distributed(cfg.pp, cfg.dp, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
     pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, vpp=cfg.vpp, schedule=cfg.schedule,
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
@@ -221,17 +271,26 @@ class _Run:
         self.history: list[dict] = []
         self.evals: list[dict] = []  # evaluation rows
         self.pending = None  # the async save still being written, if any
+        self.start = 0  # the step this process started (or resumed) at
+        self.last_saved: Path | None = None
+        from hfpipe.train.signals import StopRequest
+
+        self.stop = StopRequest(pm.dist.device).install()
 
     def maybe_resume(self) -> None:
-        from hfpipe.checkpoint.dcp import load_checkpoint, resolve_resume
+        from hfpipe.checkpoint.dcp import load_checkpoint, read_meta, resolve_resume
+        from hfpipe.train.resume_check import apply_schedule_changes, check_resume
 
         path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
         if path is None:
             return
+        changed = check_resume(path, read_meta(path), self.cfg, self.pm.tied)
         meta = load_checkpoint(path, self.pm.view(), self.optimizer)
         self.scheduler.load_state_dict(meta["train"]["scheduler"])
         self.pos = _Position(**meta["train"]["position"])
-        log.info("resumed from %s at step %d", path, self.pos.step)
+        self.start, self.last_saved = self.pos.step, path
+        note = apply_schedule_changes(changed, meta, self.cfg, self.optimizer, self.scheduler, self.pos.step)
+        log.info(note or "resumed from %s at step %d", *(() if note else (path, self.pos.step)))
 
     def _batches(self):
         """Yield this dp rank's batches forever, from the saved position, epoch after epoch."""
@@ -265,15 +324,19 @@ class _Run:
             self.pos.step += 1
             row = report.log(self.pos.step, result)
             self.history.append(row)
+            self._stop_if_diverged(result, report)
             if evaluator.due(self.pos.step, final=self.pos.step == self.total):
                 self._evaluate(evaluator, report)
-            if self.cfg.save_every and self.pos.step % self.cfg.save_every == 0:
+            signum = self.stop.agreed()  # collective: every rank stops after the same step
+            if signum or (self.cfg.save_every and self.pos.step % self.cfg.save_every == 0):
                 self.save()
+            if signum:
+                return self._interrupted(signum, report)
         if evaluator.due(self.pos.step, final=True):  # a resumed run that had nothing left to do
             self._evaluate(evaluator, report)
         report.close()
-        if not self.cfg.save_every or self.pos.step % self.cfg.save_every:
-            self.save()
+        if self.pos.step > self.start and self.last_saved != self._step_dir():
+            self.save()  # never at a step already saved: a finished run resumed is not rewritten
         if self.pending is not None:
             self.pending.wait()
         final = self.out / "checkpoints" / f"step-{self.pos.step:08d}"
@@ -297,6 +360,29 @@ class _Run:
             self.pm.save_checkpoint(self.out / "best", self.pos.step, None, keep=1,
                                     extra={"config": self.cfg.to_dict(), "eval": row})
 
+    def _step_dir(self) -> Path:
+        return self.out / "checkpoints" / f"step-{self.pos.step:08d}"
+
+    def _stop_if_diverged(self, result, report) -> None:
+        from hfpipe.train.finite import NonFiniteStep, check_finite
+
+        try:
+            check_finite(self.pos.step, result.loss, result.grad_norm, self.last_saved)
+        except NonFiniteStep:
+            report.close()
+            if self.pending is not None:
+                self.pending.wait()  # the save in flight is of a good step: let it finish
+            raise
+
+    def _interrupted(self, signum: int, report) -> dict:
+        """After a stop request: the checkpoint is saved; finish it and say so (every rank)."""
+        report.close()
+        if self.pending is not None:
+            self.pending.wait()
+        self.stop.uninstall()
+        return {"interrupted": signum, "step": self.pos.step, "checkpoint": str(self._step_dir()),
+                "history": self.history}
+
     def save(self) -> None:
         extra = {"config": self.cfg.to_dict(),
                  "train": {"position": vars(self.pos).copy(), "scheduler": self.scheduler.state_dict()}}
@@ -305,6 +391,7 @@ class _Run:
         saved = self.pm.save_checkpoint(self.out / "checkpoints", self.pos.step, self.optimizer,
                                         keep=self.cfg.keep, extra=extra, async_save=self.cfg.async_save)
         self.pending = saved if self.cfg.async_save else None
+        self.last_saved = self._step_dir()
 
     def _export(self, ckpt: Path) -> None:
         from hfpipe.checkpoint.export import export_checkpoint

@@ -1,0 +1,146 @@
+"""What export checks before and while it writes: the inputs it trusts, and the ways a write fails.
+
+Kept apart from the export data path: which source files may be copied (regular files inside the
+source, never a link out of it), which shard names may be read, whether the checkpoint's tied-ness
+matches its source, whether every DCP data file is there and whole, and how a full disk or a
+SIGTERM ends an export (one line, the temporary folder removed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+
+__all__ = ["side_files", "source_config_json", "source_weight_map", "check_tied", "check_data_files", "disk_full",
+           "signals_raise"]
+
+log = logging.getLogger(__name__)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def side_files(src: Path, skip) -> list[Path]:
+    """Files of ``src`` export may copy: regular files that live inside the source.
+
+    A symlink is followed only to a regular file inside ``src`` or, for a hub-cache snapshot
+    (``.../snapshots/<rev>``), inside that repository's ``blobs`` folder, where the hub keeps every
+    file. Anything else (``secrets.txt -> /etc/shadow``, a folder, a device) is skipped with a warning.
+    """
+    root = src.resolve()
+    allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    out = []
+    for path in sorted(src.iterdir()):
+        if path.name.startswith(".") or skip(path.name):
+            continue
+        target = path.resolve()
+        if not target.is_file() or not any(_inside(target, a) for a in allowed):
+            if path.is_symlink() or not path.is_dir():
+                log.warning("not copying %s: it is not a regular file inside the source", path)
+            continue
+        out.append(path)
+    return out
+
+
+def source_weight_map(src: Path, index: str) -> dict[str, str] | None:
+    """The source index's key -> shard map with every shard name checked, or None without an index."""
+    from hfpipe.checkpoint.export import ExportError
+    from hfpipe.source import SourceError, check_shard_names
+
+    path = src / index
+    if not path.is_file():
+        return None
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        check_shard_names(path, weight_map)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise ExportError(f"{path}: malformed index (no 'weight_map'); re-download the source") from None
+    except SourceError as e:
+        raise ExportError(str(e)) from None
+    return weight_map
+
+
+def source_config_json(src: Path) -> dict:
+    """The source's config.json as a dict, or one line naming it."""
+    from hfpipe.checkpoint.export import ExportError
+
+    path = src / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: not valid JSON ({e}); pass the source the run started from (--source)") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{path}: must hold a JSON object; pass the source the run started from (--source)")
+    return config
+
+
+def check_tied(meta: dict, config, ckpt: Path, src: Path) -> None:
+    """Refuse a checkpoint trained with another tied-ness than its source has (its head would be lost)."""
+    from hfpipe.checkpoint.export import ExportError
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if bool(meta["tied"]) != tied:
+        raise ExportError(
+            f"checkpoint {ckpt} was trained with tie_word_embeddings={bool(meta['tied'])} but the source "
+            f"{src} has {tied}; exporting would drop or invent lm_head: pass the source the run "
+            "started from (--source)")
+
+
+def check_data_files(ckpt: Path, metadata) -> None:
+    """Every ``.distcp`` file the metadata names exists, is readable and holds its items' bytes."""
+    from hfpipe.checkpoint.export import ExportError
+
+    need: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        path = ckpt / name
+        try:
+            with open(path, "rb"):
+                have = path.stat().st_size
+        except OSError as e:
+            raise ExportError(f"checkpoint {ckpt}: data file {name} is missing or unreadable ({e.strerror}); "
+                              "pick an earlier checkpoint") from None
+        if have < size:
+            raise ExportError(f"checkpoint {ckpt}: data file {name} is truncated ({have} of {size} bytes); "
+                              "pick an earlier checkpoint")
+
+
+def disk_full(e: BaseException, where: Path, nbytes: int):
+    """The one-line error for ENOSPC/EDQUOT while writing ``where``, or ``None`` for other errors
+    (safetensors reports it as a SafetensorError whose text carries the errno)."""
+    from hfpipe.checkpoint.disk import is_disk_full
+    from hfpipe.checkpoint.export import ExportError
+
+    if not is_disk_full(e):
+        return None
+    return ExportError(f"disk full while writing {where} (the export needs about {nbytes} bytes); "
+                       "free space or choose another OUT; the partial folder was removed")
+
+
+class _Terminated(BaseException):
+    """SIGTERM during an export: unwinds like Ctrl-C so the temporary folder is removed."""
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """Turn SIGTERM into an exception for the block (main thread only), so cleanups run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Terminated(signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _Terminated:
+        raise SystemExit(143) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
