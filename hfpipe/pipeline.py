@@ -258,9 +258,9 @@ class Pipeline:
     def _recv_hidden(self, batch: dict, src: int) -> torch.Tensor:
         import torch.distributed as dist
 
-        b, t = batch["input_ids"].shape
+        # The stage says what it receives: an empty stage has no parameter to read a dtype from,
+        # and some families pass hidden states of another shape (DeepSeek-V4's streams).
         m = self.modules[0]
-        dtype = next(m.parameters()).dtype
-        h = torch.empty(b, t, m.config.hidden_size, dtype=dtype, device=self.device)
+        h = torch.empty(m.hidden_shape(*batch["input_ids"].shape), dtype=m.hidden_dtype, device=self.device)
         dist.recv(h, dist.get_global_rank(self.group, src), group=self.group)
         return h

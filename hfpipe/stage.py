@@ -70,6 +70,7 @@ class PipelineStageModule(nn.Module):
         self.model.rotary_emb = full.model.rotary_emb
         self.lm_head = full.lm_head if spec.head else None
         self.activation_checkpointing = "none"
+        self.hidden_dtype = full.dtype  # dtype of the hidden states it receives (the compute dtype)
         if self.lm_head is not None and self.model.embed_tokens is None and getattr(config, "tie_word_embeddings", False):
             # The head of a tied model lives apart from the embedding here: give it its own
             # parameter (loaded from the embedding's tensor; gradients summed by the trainer).
@@ -83,6 +84,10 @@ class PipelineStageModule(nn.Module):
     @property
     def is_last(self) -> bool:
         return self.lm_head is not None
+
+    def hidden_shape(self, batch_size: int, seq_len: int) -> tuple[int, ...]:
+        """Shape of the hidden states this stage receives from the previous one."""
+        return (batch_size, seq_len, self.config.hidden_size)
 
     def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states or logits out."""
