@@ -153,10 +153,10 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     stats = LoadStats(skipped_mtp=skipped)
     _mark_fp32(units, stages[0]._hf_model)
     _read_and_place(units, source, targets, device, dtype, stats)
-    from hfpipe.stage import rebuild_rotary
+    from hfpipe.stage import rebuild_buffers
 
     for stage in stages:
-        rebuild_rotary(stage, device)
+        rebuild_buffers(stage, device)
         _check_materialised(stage)
     return stats
 
