@@ -52,6 +52,10 @@ TABLE_KINDS = {
     "ernie4_5": dict(head_dim=16, tie_word_embeddings=False),
     "helium": dict(head_dim=16, tie_word_embeddings=False),
     "exaone4": dict(sliding_window=6, sliding_window_pattern=2, tie_word_embeddings=False),
+    "arcee": dict(tie_word_embeddings=False),
+    "apertus": dict(tie_word_embeddings=False),
+    "ministral": dict(head_dim=16, sliding_window=6, tie_word_embeddings=False),
+    "seed_oss": dict(head_dim=16, tie_word_embeddings=False),
     "deepseek_v32": dict(),
 }
 
