@@ -47,7 +47,7 @@ def get_adapter(config) -> Adapter:
         )
     adapter = _BY_TYPE.get(model_type)
     if adapter is None:
-        if model_type not in _causal_lm_types():
+        if not _is_causal_lm(config):
             raise UnsupportedModelError(f"unknown architecture {model_type!r} (not a transformers causal LM); "
                                         f"supported: {supported}")
         from hfpipe.models.proof import missing_skeleton
@@ -62,10 +62,11 @@ def get_adapter(config) -> Adapter:
     return adapter
 
 
-def _causal_lm_types() -> set[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _is_causal_lm(config) -> bool:
+    """Whether ``AutoModelForCausalLM`` builds ``config`` (registered classes included)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
 
 
 _PROVEN: dict[str, Adapter] = {}

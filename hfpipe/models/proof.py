@@ -36,8 +36,11 @@ def replica_config(config):
     """A small copy of ``config``: same types and patterns, the first layers that show them all."""
     d = config.to_dict()
     n = int(d["num_hidden_layers"])
-    types = d.get("layer_types") or []
-    firsts = [types.index(t) for t in dict.fromkeys(types)]
+    # Keep layers up to one past the first occurrence of every value of every per-layer list
+    # (layer types, rope/no-rope, dense/MoE), so that each kind of layer runs after another.
+    per_layer = [v for v in d.values() if isinstance(v, list) and len(v) == n]
+    firsts = [_first_indices(v) for v in per_layer]
+    firsts = [i for f in firsts for i in f]
     k = min(n, max([3, int(d.get("first_k_dense_replace") or 0) + 2] + [i + 2 for i in firsts]))
     for key, value in list(d.items()):
         if isinstance(value, list) and len(value) == n:  # per-layer lists follow the layer count
@@ -45,6 +48,14 @@ def replica_config(config):
     d.update({key: v for key, v in _SIZES.items() if key in d}, num_hidden_layers=k)
     d.pop("quantization_config", None)
     return type(config).from_dict(d)
+
+
+def _first_indices(values: list) -> list[int]:
+    """Index of the first occurrence of each distinct value (by its text: values may be lists)."""
+    seen: dict[str, int] = {}
+    for i, v in enumerate(values):
+        seen.setdefault(str(v), i)
+    return list(seen.values())
 
 
 def _batches(vocab: int) -> dict[str, dict]:
