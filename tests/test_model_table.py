@@ -126,3 +126,11 @@ def test_every_table_row_is_a_tested_adapter_and_back():
     for kind in TABLE:
         assert get_adapter(tiny_config(kind)).tested, kind
     assert set(SUPPORTED_MODEL_TYPES) == set(TABLE)  # "tested" means a row here
+
+
+@pytest.mark.parametrize("kind", [k if k == "granite" else pytest.param(k, marks=pytest.mark.slow) for k in TABLE])
+def test_hfpipe_verify_passes(kind, tmp_path):
+    from hfpipe.verify import verify
+
+    result = verify(tiny_checkpoint(kind, num_hidden_layers=LAYERS), pp=2, schedule="1f1b", tolerance=TOL)
+    assert result.passed, result.summary()
