@@ -160,6 +160,8 @@ class Pipeline:
     def _inputs(self, batch: dict):
         ids = batch["input_ids"]
         kwargs = {k: batch[k].to(self.device) for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+        if "input_ids" in self.modules[0].adapter.layer_inputs:  # every stage's layers read the ids (DeepSeek-V4)
+            kwargs["input_ids"] = ids.to(self.device)
         args = (ids.to(self.device),) if self.has_input else ()
         return ids.shape, args, kwargs
 

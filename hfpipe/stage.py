@@ -71,13 +71,15 @@ class PipelineStageModule(nn.Module):
         self.model.rotary_emb = full.model.rotary_emb
         self.lm_head = full.lm_head if spec.head else None
         self.adapter = adapter or get_adapter(config)
+        for name in self.adapter.head_modules:  # run before the norm (DeepSeek-V4's hc_head)
+            setattr(self.model, name, getattr(full.model, name) if spec.head else None)
         self.activation_checkpointing = "none"
         self.hidden_dtype = full.dtype  # dtype of the hidden states it receives (the compute dtype)
         if self.lm_head is not None and self.model.embed_tokens is None and getattr(config, "tie_word_embeddings", False):
             # The head of a tied model lives apart from the embedding here: give it its own
             # parameter (loaded from the embedding's tensor; gradients summed by the trainer).
             self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
-        self._mask_kinds = sorted({_mask_kind(self.config, i) for i in spec.layers})
+        self._mask_kinds = sorted({self._layer_kind(i) for i in spec.layers})
 
     @property
     def is_first(self) -> bool:
@@ -89,20 +91,26 @@ class PipelineStageModule(nn.Module):
 
     def hidden_shape(self, batch_size: int, seq_len: int) -> tuple[int, ...]:
         """Shape of the hidden states this stage receives from the previous one."""
-        return (batch_size, seq_len, self.config.hidden_size)
+        return self.adapter.hidden_shape(self.config, batch_size, seq_len)
 
-    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
-        """Token ids (first stage) or hidden states in; hidden states or logits out."""
+    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None, input_ids=None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states or logits out.
+
+        ``input_ids`` reaches every stage only for families whose layers take it (DeepSeek-V4).
+        """
         adapter = self.adapter
-        h = adapter.embed_tokens(self.config, self.model.embed_tokens, x) if self.is_first else x  # (B, T, H)
+        h = adapter.embed_tokens(self.config, self.model.embed_tokens, x) if self.is_first else x  # (B, T, [hc,] H)
+        flat = h[:, :, 0] if h.dim() == 4 else h  # (B, T, H): what masks and rope size themselves by
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         if self.model.layers:
-            masks = self._masks(h, attention_mask, position_ids)
-            types = [_mask_kind(self.config, int(i)) for i in self.model.layers]
-            ropes = adapter.position_embeddings(self.model.rotary_emb, h, position_ids, types)
+            masks = self._masks(flat, attention_mask, position_ids)
+            types = [self._layer_kind(int(i)) for i in self.model.layers]
+            ropes = adapter.position_embeddings(self.model.rotary_emb, flat, position_ids, types)
+            ids = input_ids if input_ids is not None or not self.is_first else x
+            extra = {"input_ids": ids} if "input_ids" in adapter.layer_inputs else {}
             for n, ((idx, layer), kind) in enumerate(zip(self.model.layers.items(), types)):
-                h = self._run_layer(n, layer, h, masks[kind], ropes[adapter.rope_key(kind)], position_ids)
+                h = self._run_layer(n, layer, h, masks[kind], ropes[adapter.rope_key(kind)], position_ids, extra)
         if self.is_last:
             h = self.logits(h)  # (B, T, V)
         return h
@@ -113,7 +121,11 @@ class PipelineStageModule(nn.Module):
         Every step is per token, so ``logits(h[:, a:b]) == logits(h)[:, a:b]``: a chunked loss
         may call it on slices of the hidden states.
         """
-        return self.adapter.head(self.config, self.model.norm, self.lm_head, hidden)
+        before = [getattr(self.model, name) for name in self.adapter.head_modules]
+        return self.adapter.head(self.config, self.model.norm, self.lm_head, hidden, before)
+
+    def _layer_kind(self, idx: int) -> str:
+        return self.adapter.mask_kind or _mask_kind(self.config, idx)
 
     def _masks(self, h, attention_mask, position_ids) -> dict:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -129,7 +141,7 @@ class PipelineStageModule(nn.Module):
         kwargs.update(self.adapter.mask_kwargs)
         return {kind: make[kind](**kwargs) for kind in self._mask_kinds}
 
-    def _run_layer(self, n: int, layer, h, mask, rope, position_ids):
+    def _run_layer(self, n: int, layer, h, mask, rope, position_ids, extra=None):
         """Run one layer; recompute it in backward under activation checkpointing.
 
         ``full`` checkpoints every layer, ``selective`` every other one (half the recompute,
@@ -137,12 +149,12 @@ class PipelineStageModule(nn.Module):
         """
         ac = self.activation_checkpointing
         if (ac == "full" or (ac == "selective" and n % 2 == 0)) and self.training and torch.is_grad_enabled():
-            return checkpoint(self._call_layer, layer, h, mask, rope, position_ids, use_reentrant=False)
-        return self._call_layer(layer, h, mask, rope, position_ids)
+            return checkpoint(self._call_layer, layer, h, mask, rope, position_ids, extra, use_reentrant=False)
+        return self._call_layer(layer, h, mask, rope, position_ids, extra)
 
     @staticmethod
-    def _call_layer(layer, h, mask, rope, position_ids):
-        out = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids)
+    def _call_layer(layer, h, mask, rope, position_ids, extra=None):
+        out = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids, **(extra or {}))
         return out[0] if isinstance(out, tuple) else out
 
 

@@ -57,6 +57,12 @@ TABLE_KINDS = {
     "ministral": dict(head_dim=16, sliding_window=6, tie_word_embeddings=False),
     "seed_oss": dict(head_dim=16, tie_word_embeddings=False),
     "deepseek_v32": dict(),
+    # hyper-connection streams, hash-routed first layer, compressed and sliding attention
+    "deepseek_v4": dict(num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32,
+                        n_routed_experts=4, n_shared_experts=1, o_groups=2, o_lora_rank=16, index_n_heads=2,
+                        index_head_dim=16, index_topk=4, sliding_window=6, hc_mult=2, hc_sinkhorn_iters=3,
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                        num_hash_layers=1, **_MOE),
 }
 
 _COMMON = dict(

@@ -115,7 +115,7 @@ def test_table_full(kind, pipe):
 def test_table_has_the_required_families():
     required = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "olmo2",
                 "smollm3", "gemma", "gemma2", "gemma3_text", "granite", "starcoder2", "gpt_oss", "deepseek_v2",
-                "deepseek_v3", "deepseek_v32"}
+                "deepseek_v3", "deepseek_v32", "deepseek_v4"}
     assert required <= set(TABLE) and len(TABLE) >= 25
 
 

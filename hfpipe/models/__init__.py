@@ -23,8 +23,6 @@ _ADAPTERS = plain.ADAPTERS + gemma.ADAPTERS + granite.ADAPTERS + cohere.ADAPTERS
 REFUSED = {
     "gemma3": "the multimodal model merges image features into the embeddings; use its text-only "
               "checkpoint (model_type gemma3_text)",
-    "deepseek_v4": "its hidden states are hyper-connection streams [B, T, hc, H] and its layers need "
-                   "input_ids; not yet split by hfpipe",
     "falcon_h1": "its Mamba layers take a separate mask built by the base model",
 }
 

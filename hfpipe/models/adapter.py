@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Adapter", "ConfigFactor", "Softcap", "UnsupportedModelError"]
+__all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "Softcap", "UnsupportedModelError"]
 
 
 class UnsupportedModelError(ValueError):
@@ -52,6 +52,16 @@ class Softcap:
 
 
 @dataclass(frozen=True)
+class ExpandStreams:
+    """Copy the embedding into ``config.<attr>`` hyper-connection streams: (B, T, H) -> (B, T, hc, H)."""
+
+    attr: str
+
+    def __call__(self, config, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(2).expand(-1, -1, getattr(config, self.attr), -1).contiguous()
+
+
+@dataclass(frozen=True)
 class Adapter:
     """What hfpipe needs to know about one model family.
 
@@ -69,6 +79,13 @@ class Adapter:
         refuse_if: Config attribute -> reason; the model is refused when the attribute is truthy,
             because the HF forward then does more than the stages reproduce.
         tested: In hfpipe's test table; otherwise the structure is proven at load.
+        streams_attr: Config attribute giving a stream axis of the hidden states, (B, T, hc, H)
+            (DeepSeek-V4's hyper-connections).
+        rope_table: Every layer gets a dict of these rotary embeddings (DeepSeek-V4: main, compress).
+        mask_kind: One mask kind for every layer, whatever its ``layer_types`` entry.
+        layer_inputs: Batch inputs every layer takes besides the hidden states (``input_ids``),
+            so the pipeline passes them to every stage.
+        head_modules: ``model.<name>`` modules the last stage runs before the final norm.
     """
 
     model_types: tuple[str, ...]
@@ -79,6 +96,11 @@ class Adapter:
     mtp_attr: str | None = None
     refuse_if: dict[str, str] = field(default_factory=dict)
     tested: bool = True
+    streams_attr: str | None = None
+    rope_table: tuple[str, ...] = ()
+    mask_kind: str | None = None
+    layer_inputs: tuple[str, ...] = ()
+    head_modules: tuple[str, ...] = ()
 
     def num_mtp_layers(self, config) -> int:
         """Number of MTP layers the checkpoint holds beyond ``num_hidden_layers``."""
@@ -101,6 +123,8 @@ class Adapter:
 
     def position_embeddings(self, rotary, h: torch.Tensor, position_ids, layer_types: list[str]) -> dict:
         """Rotary embeddings by layer type (key ``None`` when every layer shares one)."""
+        if self.rope_table:
+            return {None: {t: rotary(h, position_ids=position_ids, layer_type=t) for t in self.rope_table}}
         if self.rope_by_layer_type:
             return {t: rotary(h, position_ids, t) for t in sorted(set(layer_types))}
         return {None: rotary(h, position_ids)}
@@ -108,8 +132,16 @@ class Adapter:
     def rope_key(self, layer_type: str):
         return layer_type if self.rope_by_layer_type else None
 
-    def head(self, config, norm, lm_head, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, head and the family's logit transforms (per token)."""
+    def hidden_shape(self, config, batch_size: int, seq_len: int) -> tuple[int, ...]:
+        """Shape of the hidden states that cross a stage boundary."""
+        if self.streams_attr:
+            return (batch_size, seq_len, getattr(config, self.streams_attr), config.hidden_size)
+        return (batch_size, seq_len, config.hidden_size)
+
+    def head(self, config, norm, lm_head, h: torch.Tensor, before_norm=()) -> torch.Tensor:
+        """Head-side modules, final norm, head and the family's logit transforms (per token)."""
+        for module in before_norm:
+            h = module(h)
         logits = lm_head(norm(h))
         for transform in self.logits:
             logits = transform(config, logits)

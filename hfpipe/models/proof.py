@@ -120,7 +120,7 @@ def compare_staged(model, adapter: Adapter | None = None) -> tuple[str, float] |
     with torch.no_grad():
         for name, batch in _batches(model.config.vocab_size).items():
             logits, inputs, outputs = _capture(model, batch)
-            kwargs = {k: v for k, v in batch.items() if k != "input_ids"}
+            kwargs = {k: v for k, v in batch.items() if k != "input_ids" or k in stages[0].adapter.layer_inputs}
             h = stages[0](batch["input_ids"], **kwargs)
             parts = [("embedding", h, inputs[0])]
             for i in range(n):
