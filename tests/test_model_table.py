@@ -17,7 +17,7 @@ import torch
 
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.tiny import TABLE_KINDS, TINY_KINDS
-from test_train_equivalence import _optimizer, check_equal, make_batches, HP
+from test_train_equivalence import check_equal, make_batches, HP
 
 LAYERS = 4
 TOL = 1e-5
@@ -25,6 +25,21 @@ STEPS = 3
 TABLE = tuple(k for k in TINY_KINDS if k != "llama_tied") + tuple(TABLE_KINDS)
 SLICE = ("gemma3_text", "granite")  # per-type rope + soft-cap; embedding, residual and logit multipliers
 UNEVEN = "Et|t|ttL"  # pp 3: one layer, one layer, two layers + head
+
+
+# Adam divides by sqrt(v) + eps: a gradient that is rounding noise (a key bias, which softmax
+# ignores; an embedding row a token barely touches) becomes an lr-sized step of random sign with
+# eps=1e-8, and two exact implementations then differ by more than 1e-5. eps=1e-6 leaves every
+# real gradient's step as it is and keeps noise-level ones from being amplified.
+EPS = 1e-6
+
+
+def _optimizer(named, lr_total_steps: int):
+    from hfpipe.train.optim import build_scheduler, param_groups
+
+    opt = torch.optim.AdamW(param_groups(named, HP["weight_decay"]), lr=HP["lr"], betas=HP["betas"], eps=EPS,
+                            foreach=True)
+    return opt, build_scheduler(opt, warmup_steps=HP["warmup"], total_steps=lr_total_steps, lr=HP["lr"])
 
 
 def _logit_batches(vocab: int) -> dict[str, dict]:

@@ -29,6 +29,7 @@ def test_the_recipes_are_there():
         "deepseek_v2_lite_sft_pp4.yaml",
         "deepseek_v32_exp_sft_pp16_vpp2.yaml",
         "deepseek_v3_sft_pp16_vpp2.yaml",
+        "deepseek_v4_flash_sft_pp16_vpp2.yaml",
         "llama3_1_70b_sft_pp8_dp2.yaml",
         "llama3_1_8b_sft_pp4.yaml",
         "llama3_2_1b_sft_pp2.yaml",
