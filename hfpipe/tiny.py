@@ -55,7 +55,7 @@ TABLE_KINDS = {
     "arcee": dict(tie_word_embeddings=False),
     "apertus": dict(tie_word_embeddings=False),
     "ministral": dict(head_dim=16, sliding_window=6, tie_word_embeddings=False),
-    "seed_oss": dict(head_dim=16, tie_word_embeddings=False),
+    "seed_oss": dict(head_dim=16, tie_word_embeddings=False, attention_dropout=0.0, residual_dropout=0.0),
     "deepseek_v32": dict(),
     # hyper-connection streams, hash-routed first layer, compressed and sliding attention
     "deepseek_v4": dict(num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32,

@@ -64,7 +64,7 @@ def rank_view(modules, tied: bool) -> nn.Module:
         view.model.layers.update(m.model.layers)
         if m.model.norm is not None:
             view.model.norm = m.model.norm
-        for name in getattr(m.adapter, "head_modules", ()):  # head-side modules (DeepSeek-V4's hc_head)
+        for name in getattr(getattr(m, "adapter", None), "head_modules", ()):  # head-side modules (DeepSeek-V4's hc_head)
             if getattr(m.model, name) is not None:
                 setattr(view.model, name, getattr(m.model, name))
     for m in modules:

@@ -175,7 +175,9 @@ def prove(config, adapter: Adapter) -> None:
             result = (f"the stage forward ({type(e).__name__}: {str(e).splitlines()[0][:120]})", float("inf"))
         verdict = {"ok": result is None, "part": result and result[0], "diff": result and result[1]}
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(verdict))
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")  # ranks may prove the same config at once
+        tmp.write_text(json.dumps(verdict))
+        os.replace(tmp, cache)
     if not verdict["ok"]:
         raise UnsupportedModelError(
             f"architecture {config.model_type!r} is not in hfpipe's tested table and its stage-by-stage "
