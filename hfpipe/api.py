@@ -67,10 +67,16 @@ class PipelineModel:
         return self.plan.rank_of_stage(len(self.plan.stages) - 1)
 
     def parameters(self):
-        """This rank's trainable parameters, each shared tensor once (for your optimizer)."""
+        """This rank's trainable parameters, each shared tensor once (for your optimizer).
+
+        On a rank whose stages are all empty (a layout such as ``E||t*30|L``) this is one empty
+        parameter *group*, ``[{"params": []}]``: any torch optimizer accepts it (an empty list it
+        refuses), so the same optimizer line runs on every rank and its steps do nothing there.
+        """
         from hfpipe.train.optim import unique_parameters
 
-        return [p for _, p in unique_parameters(self.modules)]
+        params = [p for _, p in unique_parameters(self.modules)]
+        return params or [{"params": []}]
 
     def named_parameters(self):
         from hfpipe.train.optim import unique_parameters
@@ -205,6 +211,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
              stats.bytes_read / 1e6, len(stats.files_opened))
     for m in modules:
         m.activation_checkpointing = activation_checkpointing
+        m.hidden_dtype = compute_dtype
     if lora is not None:
         from hfpipe.lora import add_adapters, resolve_config
 

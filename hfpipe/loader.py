@@ -69,9 +69,14 @@ def model_key_mapper(meta_model: nn.Module):
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
+    model_keys = set(meta_model.state_dict())
 
     def to_model_key(key: str):
         new, pattern = rename_source_key(key, renamings, converters)
+        if new not in model_keys and key in model_keys:
+            # As from_pretrained does: a renaming that overshoots (DeepSeek-V4's `.norm.` ->
+            # `.kv_norm.` also matching `model.norm.weight`) yields to the key the model has.
+            return key, None, None
         return new, (by_pattern[pattern] if pattern is not None else None), pattern
 
     return to_model_key
@@ -153,10 +158,10 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     stats = LoadStats(skipped_mtp=skipped)
     _mark_fp32(units, stages[0]._hf_model)
     _read_and_place(units, source, targets, device, dtype, stats)
-    from hfpipe.stage import rebuild_rotary
+    from hfpipe.stage import rebuild_buffers
 
     for stage in stages:
-        rebuild_rotary(stage, device)
+        rebuild_buffers(stage, device)
         _check_materialised(stage)
     return stats
 

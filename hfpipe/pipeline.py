@@ -206,6 +206,8 @@ class Pipeline:
     def _inputs(self, batch: dict):
         ids = batch["input_ids"]
         kwargs = {k: batch[k].to(self.device) for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+        if "input_ids" in self.modules[0].adapter.layer_inputs:  # every stage's layers read the ids (DeepSeek-V4)
+            kwargs["input_ids"] = ids.to(self.device)
         args = (ids.to(self.device),) if self.has_input else ()
         return ids.shape, args, kwargs
 
@@ -305,9 +307,9 @@ class Pipeline:
     def _recv_hidden(self, batch: dict, src: int) -> torch.Tensor:
         import torch.distributed as dist
 
-        b, t = batch["input_ids"].shape
+        # The stage says what it receives: an empty stage has no parameter to read a dtype from,
+        # and some families pass hidden states of another shape (DeepSeek-V4's streams).
         m = self.modules[0]
-        dtype = next(m.parameters()).dtype
-        h = torch.empty(b, t, m.config.hidden_size, dtype=dtype, device=self.device)
+        h = torch.empty(m.hidden_shape(*batch["input_ids"].shape), dtype=m.hidden_dtype, device=self.device)
         dist.recv(h, dist.get_global_rank(self.group, src), group=self.group)
         return h

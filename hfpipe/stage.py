@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hfpipe.models import get_adapter
 
-__all__ = ["PipelineStageModule", "build_meta_model", "build_stage_modules", "rebuild_rotary"]
+__all__ = ["PipelineStageModule", "build_meta_model", "build_stage_modules", "rebuild_rotary", "rebuild_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,10 @@ class PipelineStageModule(nn.Module):
         spec: The stage's :class:`hfpipe.plan.StageSpec`.
         config: The model's transformers config.
         full: The full HF model on the meta device, whose submodules this stage takes.
+        adapter: The family's adapter (default: looked up from ``config``).
     """
 
-    def __init__(self, spec, config, full: nn.Module):
+    def __init__(self, spec, config, full: nn.Module, adapter=None):
         super().__init__()
         self.spec = spec
         self.config = full.config  # carries the attention implementation chosen at build time
@@ -69,15 +70,19 @@ class PipelineStageModule(nn.Module):
         self.model.norm = full.model.norm if spec.head else None
         self.model.rotary_emb = full.model.rotary_emb
         self.lm_head = full.lm_head if spec.head else None
+        self.adapter = adapter or get_adapter(config)
+        for name in self.adapter.head_modules:  # run before the norm (DeepSeek-V4's hc_head)
+            setattr(self.model, name, getattr(full.model, name) if spec.head else None)
         self.activation_checkpointing = "none"
         # When set (training on the last stage), forward stops at the final hidden states and the
         # loss applies :meth:`logits` chunk by chunk (hfpipe.head_loss), never holding (B, T, V).
         self.head_in_loss = False
+        self.hidden_dtype = full.dtype  # dtype of the hidden states it receives (the compute dtype)
         if self.lm_head is not None and self.model.embed_tokens is None and getattr(config, "tie_word_embeddings", False):
             # The head of a tied model lives apart from the embedding here: give it its own
             # parameter (loaded from the embedding's tensor; gradients summed by the trainer).
             self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
-        self._mask_kinds = sorted({_mask_kind(self.config, i) for i in spec.layers})
+        self._mask_kinds = sorted({self._layer_kind(i) for i in spec.layers})
 
     @property
     def is_first(self) -> bool:
@@ -87,34 +92,59 @@ class PipelineStageModule(nn.Module):
     def is_last(self) -> bool:
         return self.lm_head is not None
 
-    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
-        """Token ids (first stage) or hidden states in; hidden states or logits out."""
-        h = self.model.embed_tokens(x) if self.is_first else x  # (B, T, H)
+    def hidden_shape(self, batch_size: int, seq_len: int) -> tuple[int, ...]:
+        """Shape of the hidden states this stage receives from the previous one."""
+        return self.adapter.hidden_shape(self.config, batch_size, seq_len)
+
+    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None, input_ids=None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states or logits out.
+
+        ``input_ids`` reaches every stage only for families whose layers take it (DeepSeek-V4).
+        """
+        adapter = self.adapter
+        h = adapter.embed_tokens(self.config, self.model.embed_tokens, x) if self.is_first else x  # (B, T, [hc,] H)
+        flat = h[:, :, 0] if h.dim() == 4 else h  # (B, T, H): what masks and rope size themselves by
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         if self.model.layers:
-            masks = self._masks(h, attention_mask, position_ids)
-            rope = self.model.rotary_emb(h, position_ids)
-            for n, (idx, layer) in enumerate(self.model.layers.items()):
-                mask = masks[_mask_kind(self.config, int(idx))]
-                h = self._run_layer(n, layer, h, mask, rope, position_ids)
+            masks = self._masks(flat, attention_mask, position_ids)
+            types = [self._layer_kind(int(i)) for i in self.model.layers]
+            ropes = adapter.position_embeddings(self.model.rotary_emb, flat, position_ids, types)
+            ids = input_ids if input_ids is not None or not self.is_first else x
+            extra = {"input_ids": ids} if "input_ids" in adapter.layer_inputs else {}
+            for n, ((idx, layer), kind) in enumerate(zip(self.model.layers.items(), types)):
+                h = self._run_layer(n, layer, h, masks[kind], ropes[adapter.rope_key(kind)], position_ids, extra)
         if self.is_last and not self.head_in_loss:
             h = self.logits(h)  # (B, T, V)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, then the head: hidden states (B, T, H) -> logits (B, T, V), token by token."""
-        return self.lm_head(self.model.norm(hidden))
+        """Final norm -> lm_head -> the family's logit transforms (last stage only).
+
+        Every step is per token, so ``logits(h[:, a:b]) == logits(h)[:, a:b]``: the chunked loss
+        (:mod:`hfpipe.head_loss`) calls it on slices of the hidden states.
+        """
+        before = [getattr(self.model, name) for name in self.adapter.head_modules]
+        return self.adapter.head(self.config, self.model.norm, self.lm_head, hidden, before)
+
+    def _layer_kind(self, idx: int) -> str:
+        return self.adapter.mask_kind or _mask_kind(self.config, idx)
 
     def _masks(self, h, attention_mask, position_ids) -> dict:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        # DeepSeek-V3.2's "indexed_attention" layers take the plain causal mask (materialised).
+        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
+                "indexed_attention": create_causal_mask}
+        unknown = [k for k in self._mask_kinds if k not in make]
+        if unknown:
+            raise ValueError(f"layer type {unknown[0]!r} needs a mask hfpipe does not build")
         kwargs = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
                       past_key_values=None, position_ids=position_ids)
+        kwargs.update(self.adapter.mask_kwargs)
         return {kind: make[kind](**kwargs) for kind in self._mask_kinds}
 
-    def _run_layer(self, n: int, layer, h, mask, rope, position_ids):
+    def _run_layer(self, n: int, layer, h, mask, rope, position_ids, extra=None):
         """Run one layer; recompute it in backward under activation checkpointing.
 
         ``full`` checkpoints every layer, ``selective`` every other one (half the recompute,
@@ -122,12 +152,12 @@ class PipelineStageModule(nn.Module):
         """
         ac = self.activation_checkpointing
         if (ac == "full" or (ac == "selective" and n % 2 == 0)) and self.training and torch.is_grad_enabled():
-            return checkpoint(self._call_layer, layer, h, mask, rope, position_ids, use_reentrant=False)
-        return self._call_layer(layer, h, mask, rope, position_ids)
+            return checkpoint(self._call_layer, layer, h, mask, rope, position_ids, extra, use_reentrant=False)
+        return self._call_layer(layer, h, mask, rope, position_ids, extra)
 
     @staticmethod
-    def _call_layer(layer, h, mask, rope, position_ids):
-        out = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids)
+    def _call_layer(layer, h, mask, rope, position_ids, extra=None):
+        out = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids, **(extra or {}))
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -156,3 +186,40 @@ def rebuild_rotary(stage: PipelineStageModule, device: torch.device) -> None:
     rotary = stage.model.rotary_emb
     with torch.device(device):
         stage.model.rotary_emb = type(rotary)(config=rotary.config)
+
+
+def rebuild_buffers(stage: PipelineStageModule, device: torch.device) -> None:
+    """Recompute every non-persistent buffer of ``stage`` on ``device`` after loading.
+
+    They are not in the checkpoint and meta construction leaves them undefined: the rotary
+    module is rebuilt from the config; any other (Gemma's embedding scale) is set by the model's
+    own ``_init_weights``, with the module's loaded parameters flagged as initialised so that
+    transformers' guarded init functions leave them alone.
+    """
+    from transformers import initialization
+
+    rebuild_rotary(stage, device)
+    for module in stage.modules():
+        if module is stage.model.rotary_emb:
+            continue
+        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        if not names:
+            continue
+        for n in names:  # NaN marks what the initialiser did not set
+            b = module._buffers[n]
+            module._buffers[n] = (torch.full_like(b, float("nan"), device=device) if b.is_floating_point()
+                                  else torch.zeros_like(b, device=device))
+        params = list(module.parameters(recurse=False))
+        for p in params:
+            p._is_hf_initialized = True
+        try:
+            with torch.no_grad(), initialization.guard_torch_init_functions():
+                stage._hf_model._init_weights(module)
+        finally:
+            for p in params:
+                del p._is_hf_initialized
+        for n in names:
+            b = module._buffers[n]
+            if b.is_floating_point() and torch.isnan(b).any():
+                raise ValueError(f"{type(module).__name__}.{n}: a non-persistent buffer the model's "
+                                 "initialiser does not set; hfpipe cannot rebuild it after a meta build")

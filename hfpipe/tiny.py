@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TINY_KINDS", "tiny_config", "make_tiny_checkpoint", "make_tiny_tokenizer", "make_fp8_checkpoint"]
+__all__ = ["TINY_KINDS", "TABLE_KINDS", "tiny_config", "make_tiny_checkpoint", "make_tiny_tokenizer", "make_fp8_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +20,50 @@ VOCAB = 384  # 256 byte symbols + merges + specials: small but a real BPE
 
 # One entry per architecture family the test matrix covers.
 TINY_KINDS = ("llama", "llama_tied", "deepseek_v2", "deepseek_v3", "qwen3", "mistral", "qwen3_moe")
+
+# Further families of the model test table: model_type -> config overrides beyond the common sizes.
+# Each is built with its own transformers config class; small values keep MoE and sliding windows
+# active on 16-token batches.
+_MOE = dict(num_experts_per_tok=2, output_router_logits=False)
+TABLE_KINDS = {
+    "qwen2": dict(tie_word_embeddings=False),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, **_MOE),
+    "mixtral": dict(num_local_experts=4, sliding_window=None, **_MOE),
+    "phi3": dict(tie_word_embeddings=False),
+    "olmo": dict(tie_word_embeddings=False),
+    "olmo2": dict(tie_word_embeddings=False),
+    "olmo3": dict(tie_word_embeddings=False, sliding_window=6),
+    "smollm3": dict(tie_word_embeddings=False, no_rope_layer_interval=2),
+    "gemma": dict(head_dim=16, tie_word_embeddings=True),
+    "gemma2": dict(head_dim=16, sliding_window=6, final_logit_softcapping=3.0, attn_logit_softcapping=5.0),
+    "gemma3_text": dict(head_dim=16, sliding_window=6, sliding_window_pattern=2, final_logit_softcapping=3.0,
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.2,
+                    tie_word_embeddings=False),
+    "granitemoe": dict(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0, num_local_experts=4,
+                       attention_multiplier=0.2, **_MOE),
+    "cohere": dict(logit_scale=0.5),
+    "cohere2": dict(logit_scale=0.5, sliding_window=6),
+    "starcoder2": dict(sliding_window=6, tie_word_embeddings=False),
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, sliding_window=6, **_MOE),
+    "glm": dict(head_dim=16, tie_word_embeddings=False),
+    "glm4": dict(head_dim=16, tie_word_embeddings=False),
+    "ernie4_5": dict(head_dim=16, tie_word_embeddings=False),
+    "helium": dict(head_dim=16, tie_word_embeddings=False),
+    "exaone4": dict(sliding_window=6, sliding_window_pattern=2, tie_word_embeddings=False),
+    "arcee": dict(tie_word_embeddings=False),
+    "apertus": dict(tie_word_embeddings=False),
+    "ministral": dict(head_dim=16, sliding_window=6, tie_word_embeddings=False),
+    "seed_oss": dict(head_dim=16, tie_word_embeddings=False, attention_dropout=0.0, residual_dropout=0.0),
+    "deepseek_v32": dict(),
+    # hyper-connection streams, hash-routed first layer, compressed and sliding attention
+    "deepseek_v4": dict(num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32,
+                        n_routed_experts=4, n_shared_experts=1, o_groups=2, o_lora_rank=16, index_n_heads=2,
+                        index_head_dim=16, index_topk=4, sliding_window=6, hc_mult=2, hc_sinkhorn_iters=3,
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                        num_hash_layers=1, **_MOE),
+}
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -97,8 +141,17 @@ def tiny_config(kind: str, **overrides):
     elif kind == "qwen3_moe":
         cfg = Qwen3MoeConfig(**{"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
                                 "num_experts_per_tok": 2, **common})
+    elif kind == "deepseek_v32":
+        from transformers import DeepseekV32Config
+
+        cfg = DeepseekV32Config(**{**_DSV3, **mla, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4,
+                                   **overrides})
+    elif kind in TABLE_KINDS:
+        from transformers import CONFIG_MAPPING
+
+        cfg = CONFIG_MAPPING[kind](**{**_COMMON, **TABLE_KINDS[kind], **overrides})
     else:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS)}")
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS + tuple(TABLE_KINDS))}")
     return cfg
 
 

@@ -207,7 +207,7 @@ CASES = [
     # finetune: a model folder broken in one way
     *[(f"finetune: model {how}", FT.replace("{tiny}", "{m:" + how + "}"), message) for how, message in [
         ("no-config", "no config.json"), ("config-not-json", "config.json: not valid JSON"),
-        ("gpt2", "unknown architecture 'gpt2'"), ("auto-map", "pass --trust-remote-code"),
+        ("gpt2", "'gpt2' is not supported: its model has no model.embed_tokens"), ("auto-map", "pass --trust-remote-code"),
         ("missing-shard", f"{SHARD}: shard file is missing"), ("truncated-shard", f"{SHARD}: truncated shard"),
         ("empty-shard", f"{SHARD}: truncated safetensors file"), ("shard-is-folder", f"{SHARD}: is a folder"),
         ("malformed-index", f"{INDEX}: malformed index"), ("index-not-json", f"{INDEX}: malformed index"),

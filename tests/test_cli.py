@@ -160,7 +160,7 @@ def test_plan_png_without_matplotlib_says_what_to_install(tiny, tmp_path, monkey
 # (id, command line with {tiny} / {<how>} / {ckpt} / {out} placeholders, message, setup)
 CASES = [
     ("plan: pp above the layer count", "plan {tiny} --pp 9 --batch-size 9", "reduce --pp", None),
-    ("plan: unknown architecture", "plan {gpt2} --pp 2", "unknown architecture 'gpt2'", None),
+    ("plan: unknown architecture", "plan {gpt2} --pp 2", "'gpt2' is not supported: its model has no model.embed_tokens", None),
     ("plan: unknown schedule", "plan {tiny} --pp 2 --schedule zigzag", "--schedule must be one of", None),
     ("plan: too few microbatches for 1f1b", "plan {tiny} --pp 4 --microbatches 2",
      "needs at least as many microbatches as stages (4)", None),

@@ -392,18 +392,18 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):
     GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100).save_pretrained(tmp_path)
     save_file({"transformer.wte.weight": torch.zeros(100, 32)}, tmp_path / "model.safetensors")
     src = ModelSource.open(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"unknown architecture 'gpt2'; supported: .*llama.*qwen3"):
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not supported: its model has no model.embed_tokens .*; supported: .*llama.*qwen3"):
         load_rank_stages(src, one_stage_plan(2), 0, CPU)
 
 
 def test_refused_architecture_says_why(tmp_path):
-    from transformers import GemmaConfig
+    from transformers import FalconH1Config
 
-    GemmaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, vocab_size=100).save_pretrained(tmp_path)
+    FalconH1Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=16, vocab_size=100).save_pretrained(tmp_path)
     save_file({"model.embed_tokens.weight": torch.zeros(100, 32)}, tmp_path / "model.safetensors")
     src = ModelSource.open(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"'gemma' is not supported: the embedding .* supported: .*llama"):
+    with pytest.raises(UnsupportedModelError, match=r"'falcon_h1' is not supported: its Mamba layers .* supported: .*llama"):
         load_rank_stages(src, one_stage_plan(2), 0, CPU)
 
 

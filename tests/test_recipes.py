@@ -30,7 +30,9 @@ def hf_config(cfg: FinetuneConfig):
 def test_the_recipes_are_there():
     assert [p.name for p in RECIPES] == [
         "deepseek_v2_lite_sft_pp4.yaml",
+        "deepseek_v32_exp_sft_pp64_dp4.yaml",
         "deepseek_v3_sft_pp64_dp4.yaml",
+        "deepseek_v4_flash_sft_pp46_dp4.yaml",
         "llama3_1_70b_lora_pp8.yaml",
         "llama3_1_70b_sft_pp16_dp2.yaml",
         "llama3_1_8b_sft_pp4.yaml",

@@ -67,6 +67,9 @@ def rank_view(modules, tied: bool) -> nn.Module:
         view.model.layers.update(m.model.layers)
         if m.model.norm is not None:
             view.model.norm = m.model.norm
+        for name in getattr(getattr(m, "adapter", None), "head_modules", ()):  # head-side modules (DeepSeek-V4's hc_head)
+            if getattr(m.model, name) is not None:
+                setattr(view.model, name, getattr(m.model, name))
     for m in modules:
         if m.lm_head is not None:
             if not tied:
@@ -77,10 +80,17 @@ def rank_view(modules, tied: bool) -> nn.Module:
 
 
 def _states(view: nn.Module, optimizer) -> dict:
+    if _is_empty(view):
+        return {"model": {}, "optim": {}} if optimizer is not None else {"model": {}}
     state = {"model": get_model_state_dict(view)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(view, optimizer, options=_OPTS)
     return state
+
+
+def _is_empty(view: nn.Module) -> bool:
+    """A rank whose stages are all empty has no state; torch's state-dict helpers refuse it."""
+    return not any(True for _ in view.state_dict())
 
 
 def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, meta: dict, *,
@@ -273,8 +283,9 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
     except (Exception, DcpCheckpointException) as e:  # DCP's wrapper is a BaseException  # DCP raises a wrapper naming the rank; keep the first line
         raise CheckpointError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0][:200]}); "
                               "it may be incomplete: resume from an earlier checkpoint") from None
-    set_model_state_dict(view, state["model"])
-    if optimizer is not None:
+    if not _is_empty(view):  # torch's setters refuse a rank without state
+        set_model_state_dict(view, state["model"])
+    if optimizer is not None and not _is_empty(view):
         set_optimizer_state_dict(view, optimizer, state["optim"], options=_OPTS)
     if "rng" in state:
         torch.set_rng_state(state["rng"][rank_key])

@@ -27,7 +27,9 @@ def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> 
     decay = [p for _, p in named if p.ndim >= 2]
     no_decay = [p for _, p in named if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    # A rank whose stages are all empty (a layout like ``E||t*30|L``) keeps one empty group: torch
+    # optimizers refuse an empty parameter list but accept a group without parameters.
+    return [g for g in groups if g["params"]] or groups[:1]
 
 
 def build_optimizer(modules, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),

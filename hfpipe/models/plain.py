@@ -1,0 +1,28 @@
+"""Families that are the skeleton, embed -> layers -> norm -> head, with nothing around it but
+at most a mask or rope option.
+
+Their differences (sliding windows, layers without rope as in SmolLM3, MoE routing, QK norms,
+MLA attention) all live inside the decoder layers, whose own forward runs them.
+"""
+
+from __future__ import annotations
+
+from hfpipe.models.adapter import Adapter
+
+__all__ = ["ADAPTERS"]
+
+_MOE_AUX = (
+    "the router auxiliary loss is computed over all layers at once by the HF model; "
+    "set output_router_logits=false in config.json"
+)
+_MOE = {"output_router_logits": _MOE_AUX}
+
+ADAPTERS = (
+    Adapter(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "starcoder2",
+             "glm", "glm4", "ernie4_5", "helium", "arcee", "apertus", "ministral", "seed_oss", "exaone4")),
+    Adapter(("qwen3_moe", "qwen2_moe", "mixtral"), refuse_if=_MOE),
+    # GPT-OSS builds its masks without position_ids: packed documents see each other, as in HF.
+    Adapter(("gpt_oss",), refuse_if=_MOE, mask_kwargs={"position_ids": None}),
+    # OLMo-3 has a rope per layer type (sliding and full attention).
+    Adapter(("olmo3",), rope_by_layer_type=True),
+)
