@@ -152,7 +152,10 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
         preflight(cfg, check_data=rank == "0")
         return _finish(run_worker(cfg.to_dict()))
     check_launch(cfg.pp * cfg.dp, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
-    lock = FolderLock(Path(cfg.output_dir) / ".hfpipe.lock", Path(cfg.output_dir), "--output-dir")
+    # The nodes of one multi-node run share the folder: each holds its own node's lock, so a
+    # second run is refused node by node while the run's own nodes never block each other.
+    name = ".hfpipe.lock" if nnodes == 1 else f".hfpipe.node{node_rank}.lock"
+    lock = FolderLock(Path(cfg.output_dir) / name, Path(cfg.output_dir), "--output-dir")
     lock.check()  # a busy folder is named before any other work
     preflight(cfg)
     nprocs = cfg.pp * cfg.dp // nnodes
