@@ -259,7 +259,7 @@ def test_an_error_inside_a_worker_reaches_the_user_as_one_line(kind, error, mess
 
 def test_debug_is_accepted_after_the_subcommand(tmp_path):
     result = CliRunner().invoke(app, ["plan", str(tiny_checkpoint("llama", num_hidden_layers=2)), "--pp", "9",
-                                      "--debug"])
+                                      "--batch-size", "9", "--debug"])
     assert result.exit_code == 2
     assert "Traceback" in result.stderr and result.stderr.splitlines()[-1].startswith("error: --pp 9")
 
