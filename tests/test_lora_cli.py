@@ -64,7 +64,7 @@ def test_quickstart_lora_runs_offline_and_passes_against_peft(tmp_path):
 
     run = hfpipe("quickstart", "--lora", "--out", "qs", "--steps", 12, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for marker in ("2/4 fine-tuned 12 steps at pp=2, LoRA rank 16", "(a PEFT adapter folder)",
-                   "4/4 PEFT vs pipeline logits", "(PASS)"):
+    for marker in ("2/4 fine-tuning 12 steps at pp=2, LoRA rank 16", "(a PEFT adapter folder)",
+                   "4/4 checking the export: PEFT in this process", "(PASS)", "after fine-tuning:"):
         assert marker in run.stdout, (marker, run.stdout)
     assert (tmp_path / "qs" / "run-lora" / "hf" / "adapter_model.safetensors").is_file()
