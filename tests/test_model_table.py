@@ -17,6 +17,7 @@ import torch
 
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.tiny import TABLE_KINDS, TINY_KINDS
+from test_stage_equivalence import logit_batches
 from test_train_equivalence import check_equal, make_batches, HP
 
 LAYERS = 4
@@ -42,23 +43,12 @@ def _optimizer(named, lr_total_steps: int):
     return opt, build_scheduler(opt, warmup_steps=HP["warmup"], total_steps=lr_total_steps, lr=HP["lr"])
 
 
-def _logit_batches(vocab: int) -> dict[str, dict]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (4, 16), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
-    mask[2, -5:] = 0  # right padding
-    docs = [(5, 7, 4), (16,), (3, 3, 10), (8, 8)]  # packed documents per row
-    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
-    return {"padded": {"input_ids": ids, "attention_mask": mask}, "packed": {"input_ids": ids, "position_ids": pos}}
-
-
 def _reference(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
-        logits = {n: model.eval()(**b, use_cache=False).logits for n, b in _logit_batches(model.config.vocab_size).items()}
+        logits = {n: model.eval()(**b, use_cache=False).logits for n, b in logit_batches(model.config.vocab_size).items()}
     model.train()
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt, sched = _optimizer(list(model.named_parameters()), lr_total_steps=STEPS)
@@ -86,7 +76,7 @@ def _worker(paths: dict[str, str], pp: int, schedule: str, layout: str | None) -
     for kind, path in paths.items():
         pm = load_pipeline(path, pp=pp, schedule=schedule, layout=layout, method="even", microbatches=4, dist=dist)
         vocab = pm.source.config.vocab_size
-        logits = {n: pm.forward(b) for n, b in _logit_batches(vocab).items()}
+        logits = {n: pm.forward(b) for n, b in logit_batches(vocab).items()}
         opt, sched = _optimizer(pm.named_parameters(), lr_total_steps=STEPS)
         trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
         losses, norms = [], []

@@ -35,7 +35,8 @@ def _cases(pp: int):
     yield "v-vpp2", {"vpp": 2, "style": "v"}, "zbv"
 
 
-def _batches(vocab: int) -> dict[str, dict]:
+def logit_batches(vocab: int) -> dict[str, dict]:
+    """A padded and a packed batch (left and right padding; several documents per row)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (4, 16), generator=g)
     mask = torch.ones_like(ids)
@@ -65,7 +66,7 @@ def _logits_worker(paths: dict[str, str], pp: int) -> dict:
     diffs = {}
     for kind, path in paths.items():
         src = ModelSource.open(path)
-        batches = _batches(src.config.vocab_size)
+        batches = logit_batches(src.config.vocab_size)
         ref = None
         for label, kwargs, schedule in _cases(pp):
             plan = plan_pipeline(src.config, pp, **kwargs)
@@ -104,7 +105,7 @@ def test_packed_documents_do_not_attend_to_each_other():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama", num_hidden_layers=LAYERS)).eval()
-    b = _batches(model.config.vocab_size)["packed"]
+    b = logit_batches(model.config.vocab_size)["packed"]
     with torch.no_grad():
         packed = model(**b, use_cache=False).logits[0]
         first = model(input_ids=b["input_ids"][:1, :5], use_cache=False).logits[0]
