@@ -69,10 +69,7 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
     from hfpipe.train.signals import CONTROL_ENV, LauncherSignals
     from hfpipe.worker_errors import debug, raise_from_failures
 
-    if nnodes > 1 and not rdzv_endpoint:
-        from hfpipe.distributed import LaunchError
-
-        raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    check_launch(nprocs * nnodes, nnodes, node_rank, rdzv_endpoint, threads_per_rank)
     if nnodes == 1 and rdzv_endpoint:  # two single-node runs must never join each other
         log.warning("--rdzv-endpoint %s ignored: it is only used with --nnodes > 1", rdzv_endpoint)
         rdzv_endpoint = None
