@@ -304,3 +304,42 @@ def test_adapters_on_fused_moe_experts_export_for_peft_and_merge_into_per_expert
     assert any(".mlp.experts.5.up_proj." in k for k in changed) and any(".o_proj." in k for k in changed)
     for key in src:
         assert got[key].dtype == src[key].dtype and torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_lora_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch, merge):
+    # The adapter and merged exports share full export's guards: OUT locked, a temporary folder,
+    # nothing left behind on failure, files readable by the group as save_pretrained leaves them.
+    import safetensors.torch
+
+    from hfpipe.checkpoint import adapter
+    from hfpipe.lock import FolderBusyError, FolderLock
+
+    base = tiny_checkpoint("llama", num_hidden_layers=2)
+    ckpt = lora_checkpoint_from_peft(base, tmp_path / "step-00000003", "all-linear")
+    out = tmp_path / "out"
+    held = FolderLock(tmp_path / ".out.lock", out, "OUT").acquire()
+    try:
+        with pytest.raises(FolderBusyError, match="OUT"):
+            export_checkpoint(ckpt, out, merge=merge)
+    finally:
+        held.release()
+    module, name = (safetensors.torch, "save_file") if merge else (adapter, "_write_adapter")
+    real = getattr(module, name)
+
+    def fail_midway(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, name, fail_midway)
+    with pytest.raises(ExportError, match=r"disk full while writing .*out .*the partial folder was removed"):
+        export_checkpoint(ckpt, out, merge=merge)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["step-00000003"]
+    monkeypatch.setattr(module, name, real)
+    export_checkpoint(ckpt, out, merge=merge)
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o666 & ~_umask())}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -14,19 +14,17 @@ A LoRA checkpoint holds only adapters (``model.<stage name>``, e.g.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import torch
+
 from hfpipe.checkpoint.dcp_reader import _DcpReader
 from hfpipe.checkpoint.export import (
     ExportError,
-    _check_out,
     _copy_side_files,
-    _install,
-    _mkdir,
     _resolve_source,
+    build_folder,
+    locked_out,
     read_checkpoint_meta,
 )
 
@@ -67,23 +65,17 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
         raise ExportError(f"--dtype {dtype} does not apply to a LoRA checkpoint: the adapter stays fp32 and "
                           "--merge keeps the base checkpoint's dtypes; drop --dtype")
     src = _resolve_source(meta, source)
-    _check_out(out, force, (ckpt, src))
     config = config_from_dict(meta["lora"])
-    adapters = _read_adapters(ckpt, config, src)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _mkdir(tmp)
+    with locked_out(out, force, (ckpt, src)):
+        adapters = _read_adapters(ckpt, config, src)
         if merge:
             from hfpipe.checkpoint.merge import write_merged
 
-            write_merged(tmp, src, config, adapters)
+            nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters), nbytes)
         else:
-            _write_adapter(tmp, config, adapters, _base_name(meta, src))
-        _install(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            nbytes = sum(t.nbytes for t in adapters.values())
+            build_folder(out, lambda tmp: _write_adapter(tmp, config, adapters, _base_name(meta, src)), nbytes)
     log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
     return out
 

@@ -10,6 +10,7 @@ into a hidden sibling folder and renamed into place at the end, so ``out`` is ei
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -18,12 +19,23 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from hfpipe.checkpoint import export_guard as guard
+from hfpipe.checkpoint.export_guard import ExportError
+from hfpipe.checkpoint.export_plan import (
+    Group,
+    assign_shards,
+    cross_check,
+    dominant_dtype,
+    few,
+    flat,
+    nbytes,
+    plan_groups,
+    set_out_dtypes,
+)
 from hfpipe.checkpoint.dcp_reader import _create_file_view, _DcpReader
 from hfpipe.lock import FolderLock
 from hfpipe.safetensors_io import DTYPES
@@ -36,14 +48,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _META_FIELDS = {"format": int, "step": int, "source": str, "source_dtype": str, "tied": bool, "config": dict}
-
-
-class ExportError(ValueError):
-    """The checkpoint, source or output cannot be exported (one line: the file/option and the fix)."""
 
 
 def read_checkpoint_meta(ckpt: str | Path) -> dict:
@@ -116,11 +122,43 @@ def export_checkpoint(
     src = _resolve_source(meta, source)
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)
-    _check_out(out, force, (ckpt, src))
-    lock = FolderLock(out.parent / f".{out.name}.lock", out, "OUT")
-    with lock:
-        _check_out(out, force, (ckpt, src))  # again: another export may have finished meanwhile
+    with locked_out(out, force, (ckpt, src)):
         return _export_locked(ckpt, out, meta, src, want, max_bytes, progress)
+
+
+@contextlib.contextmanager
+def locked_out(out: Path, force: bool, protected: tuple[Path, ...]):
+    """Hold ``out``'s lock (one export into a folder at a time), with ``out`` checked before and after taking it."""
+    _check_out(out, force, protected)
+    with FolderLock(out.parent / f".{out.name}.lock", out, "OUT"):
+        _check_out(out, force, protected)  # again: another export may have finished meanwhile
+        yield
+
+
+def build_folder(out: Path, fill, nbytes: int) -> Path:
+    """Run ``fill(tmp)`` on a hidden sibling of ``out``, then move it into place once complete.
+
+    On any failure (a full disk, SIGTERM, Ctrl-C, a bad input found midway) the sibling is removed
+    and ``out`` is left as it was; a full disk becomes one line naming ``out`` and ``nbytes``.
+    """
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        with guard.signals_raise():
+            shutil.rmtree(tmp, ignore_errors=True)
+            _mkdir(tmp)
+            fill(tmp)
+            _make_readable(tmp)
+            _install(tmp, out)
+    except Exception as e:  # noqa: BLE001 - only a full disk is translated; the rest re-raised
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = guard.disk_full(e, out, nbytes)
+        if full is None:
+            raise
+        raise full from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool) -> Path:
@@ -129,32 +167,20 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
     model = _meta_model(src)
     reader = _DcpReader(ckpt, _create_file_view)  # this module's name: None forces dcp.load
     guard.check_data_files(ckpt, reader.metadata)
-    groups = _plan_groups(model, reader, ckpt)  # first: another model is named by its keys
+    groups = plan_groups(model, reader, ckpt)  # first: another model is named by its keys
     guard.check_tied(meta, model.config, ckpt, src)  # a tied source would silently drop lm_head
     src_dtypes = _source_dtypes(src)
-    _cross_check([k for g in groups for k in g.out], src_dtypes, model, fp8, src)
-    _set_out_dtypes(groups, want, src_dtypes or {}, meta["source_dtype"])
-    shards = _assign_shards(groups, max_bytes)
-    log.info("exporting %s -> %s: %d tensors in %d shard(s)", ckpt, out, len(_flat(groups)), len(shards))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        with guard.signals_raise():
-            shutil.rmtree(tmp, ignore_errors=True)
-            _mkdir(tmp)
-            _write_weights(tmp, reader, model, groups, shards, progress)
-            _write_config(tmp, cfg_json, _dominant_dtype(groups), fp8)
-            _copy_side_files(src, tmp)
-            _make_readable(tmp)
-            _install(tmp, out)
-    except Exception as e:  # noqa: BLE001 - only a full disk is translated; the rest re-raised
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = guard.disk_full(e, out, sum(_nbytes(*spec) for spec in _flat(groups).values()))
-        if full is None:
-            raise
-        raise full from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    cross_check([k for g in groups for k in g.out], src_dtypes, model, fp8, src)
+    set_out_dtypes(groups, want, src_dtypes or {}, meta["source_dtype"])
+    shards = assign_shards(groups, max_bytes)
+    log.info("exporting %s -> %s: %d tensors in %d shard(s)", ckpt, out, len(flat(groups)), len(shards))
+
+    def fill(tmp: Path) -> None:
+        _write_weights(tmp, reader, model, groups, shards, progress)
+        _write_config(tmp, cfg_json, dominant_dtype(groups), fp8)
+        _copy_side_files(src, tmp)
+
+    build_folder(out, fill, sum(nbytes(*spec) for spec in flat(groups).values()))
     log.info("exported step %d to %s", meta["step"], out)
     return out
 
@@ -267,130 +293,6 @@ def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
     return dtypes
 
 
-# --- planning ---------------------------------------------------------------------------------
-
-
-@dataclass
-class _Group:
-    """Checkpoint tensors converted as a unit (one decoder layer, or one other tensor)."""
-
-    fqns: list[str]  # in-memory transformers names; DCP key is "model." + fqn
-    out: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)  # exported key -> spec
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_nbytes(*spec) for spec in self.out.values())
-
-
-def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
-    return shape.numel() * dtype.itemsize
-
-
-def _flat(groups: list[_Group]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    return {k: spec for g in groups for k, spec in g.out.items()}
-
-
-def _plan_groups(model: torch.nn.Module, reader: _DcpReader, ckpt: Path) -> list[_Group]:
-    """Group the checkpoint's model tensors by layer and name their exported keys (on meta)."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    full = model.state_dict()
-    expected = remove_tied_weights_from_state_dict(dict(full), model)
-    for key in model._keys_to_ignore_on_save or ():
-        expected.pop(key, None)
-    saved = reader.tensors("model.")
-    for alias in (set(full) - set(expected)) & set(saved):
-        log.info("%s: %s is tied to another weight; not exported", ckpt, alias)
-        del saved[alias]
-    missing, extra = [k for k in expected if k not in saved], [k for k in saved if k not in expected]
-    if missing or extra:
-        raise ExportError(
-            f"checkpoint {ckpt} does not match the source model: missing {_few(missing)}, "
-            f"unexpected {_few(extra)}; pass the source the run started from (--source)"
-        )
-    groups: dict[object, _Group] = {}
-    for fqn, tensor in expected.items():
-        if tuple(saved[fqn].size) != tuple(tensor.shape):
-            raise ExportError(
-                f"checkpoint {ckpt}: model.{fqn} has shape {list(saved[fqn].size)}, the source model "
-                f"{list(tensor.shape)}; pass the source the run started from (--source)"
-            )
-        m = _LAYER.search(fqn)
-        groups.setdefault(int(m.group(1)) if m else fqn, _Group([])).fqns.append(fqn)
-    for group in groups.values():
-        metas = {f: torch.empty(saved[f].size, dtype=saved[f].properties.dtype, device="meta") for f in group.fqns}
-        reverted = revert_weight_conversion(model, metas)  # on meta: names and shapes, no data
-        group.out = {k: (t.shape, t.dtype) for k, t in reverted.items()}
-    return list(groups.values())
-
-
-def _few(keys, n: int = 6) -> str:
-    keys = sorted(keys)
-    if not keys:
-        return "none"
-    return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
-
-
-def _cross_check(out_keys: list[str], src_dtypes: dict | None, model, fp8: bool, src: Path) -> None:
-    """The exported keys must be the source checkpoint's keys (bar ones transformers ignores)."""
-    if src_dtypes is None:
-        log.info("%s has no safetensors weights; skipped the key check against the source", src)
-        return
-    ignore = [re.compile(p) for p in (model._keys_to_ignore_on_load_unexpected or ())]
-    out, theirs = set(out_keys), set(src_dtypes)
-    dropped = {
-        k for k in theirs - out
-        if (fp8 and k.endswith("weight_scale_inv")) or any(p.search(k) for p in ignore)
-    }  # fmt: skip
-    if dropped:
-        log.info("not exported: %d source keys transformers ignores (%s)", len(dropped), _few(dropped, 3))
-    missing, extra = theirs - out - dropped, out - theirs
-    if missing or extra:
-        raise ExportError(
-            f"export keys differ from the source {src}: source only {_few(missing)}, "
-            f"export only {_few(extra)}; pass the source the run started from (--source)"
-        )
-
-
-def _set_out_dtypes(groups: list[_Group], want, src_dtypes: dict, fallback: str) -> None:
-    """Give every floating tensor its export dtype: ``want``, or per key the source's (FP8 -> bf16)."""
-    default = getattr(torch, fallback, None)
-    if not isinstance(default, torch.dtype) or default in _FP8:
-        default = torch.bfloat16
-    for group in groups:
-        for key, (shape, stored) in group.out.items():
-            if stored.is_floating_point:
-                dtype = want or src_dtypes.get(key) or default
-                group.out[key] = (shape, torch.bfloat16 if dtype in _FP8 else dtype)
-
-
-def _assign_shards(groups: list[_Group], max_bytes: int) -> list[list[str]]:
-    """Pack keys into shards in order, starting a new shard at a group that would not fit.
-
-    Shard boundaries fall between groups so a shard is complete, written and freed before the next
-    group is read; only a group larger than ``max_bytes`` is split across shards.
-    """
-    shards, size = [[]], 0
-    for group in groups:
-        if shards[-1] and size + group.nbytes > max_bytes:
-            shards, size = shards + [[]], 0
-        for key, spec in group.out.items():
-            if shards[-1] and size + _nbytes(*spec) > max_bytes:
-                shards, size = shards + [[]], 0
-            shards[-1].append(key)
-            size += _nbytes(*spec)
-    return shards
-
-
-def _dominant_dtype(groups: list[_Group]) -> torch.dtype:
-    by_dtype: dict[torch.dtype, int] = {}
-    for shape, dtype in _flat(groups).values():
-        if dtype.is_floating_point:
-            by_dtype[dtype] = by_dtype.get(dtype, 0) + _nbytes(shape, dtype)
-    return max(by_dtype, key=by_dtype.get, default=torch.float32)
-
-
 # --- writing ----------------------------------------------------------------------------------
 
 
@@ -400,7 +302,7 @@ def _shard_names(n: int) -> list[str]:
 
 
 def _write_weights(
-    tmp: Path, reader: _DcpReader, model, groups: list[_Group], shards: list[list[str]], progress: bool
+    tmp: Path, reader: _DcpReader, model, groups: list[Group], shards: list[list[str]], progress: bool
 ) -> None:
     """Stream groups into shards: copy or convert each tensor to its place at once.
 
@@ -414,8 +316,8 @@ def _write_weights(
     from hfpipe.checkpoint.dcp_raw import CopyPool
     from hfpipe.checkpoint.hf_writer import ShardWriter
 
-    names, specs = _shard_names(len(shards)), _flat(groups)
-    total = sum(_nbytes(*spec) for spec in specs.values())
+    names, specs = _shard_names(len(shards)), flat(groups)
+    total = sum(nbytes(*spec) for spec in specs.values())
     shard_of = {k: i for i, keys in enumerate(shards) for k in keys}
     writers: dict[int, ShardWriter] = {}
     filled: list[ShardWriter] = []  # every tensor handed over; copies may still run
@@ -457,7 +359,7 @@ def _close_finished(filled: list) -> list:
     return [w for w in filled if w.fd is not None]
 
 
-def _raw_group(reader: _DcpReader, group: _Group) -> dict | None:
+def _raw_group(reader: _DcpReader, group: Group) -> dict | None:
     """Exported key -> raw byte spans in the DCP files, if the whole group can be copied as is.
 
     That is when transformers converts nothing (same names; renamings and merges change names),
@@ -479,7 +381,7 @@ def _raw_group(reader: _DcpReader, group: _Group) -> dict | None:
     return spans
 
 
-def _convert_group(reader: _DcpReader, model, group: _Group) -> dict[str, torch.Tensor]:
+def _convert_group(reader: _DcpReader, model, group: Group) -> dict[str, torch.Tensor]:
     """Read one group from DCP and return it under the exported names, in the export dtypes.
 
     A helper of its own so that nothing but the returned tensors outlives it (peak memory).
@@ -489,7 +391,7 @@ def _convert_group(reader: _DcpReader, model, group: _Group) -> dict[str, torch.
     converted = revert_weight_conversion(model, {fqn: reader.read("model." + fqn) for fqn in group.fqns})
     got = {k: tuple(t.shape) for k, t in converted.items()}
     if got != {k: tuple(shape) for k, (shape, _) in group.out.items()}:
-        raise ExportError(f"converting {group.fqns[0]} gave {_few(got)}, planned {_few(group.out)}; a bug")
+        raise ExportError(f"converting {group.fqns[0]} gave {few(got)}, planned {few(group.out)}; a bug")
     return {k: t.to(group.out[k][1]).contiguous() for k, t in converted.items()}
 
 

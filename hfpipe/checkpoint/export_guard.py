@@ -15,10 +15,14 @@ import signal
 import threading
 from pathlib import Path
 
-__all__ = ["side_files", "source_config_json", "source_weight_map", "check_tied", "check_data_files", "disk_full",
+__all__ = ["ExportError", "side_files", "source_config_json", "source_weight_map", "check_tied", "check_data_files", "disk_full",
            "signals_raise"]
 
 log = logging.getLogger(__name__)
+
+
+class ExportError(ValueError):
+    """The checkpoint, source or output cannot be exported (one line: the file/option and the fix)."""
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -49,7 +53,6 @@ def side_files(src: Path, skip) -> list[Path]:
 
 def source_weight_map(src: Path, index: str) -> dict[str, str] | None:
     """The source index's key -> shard map with every shard name checked, or None without an index."""
-    from hfpipe.checkpoint.export import ExportError
     from hfpipe.source import SourceError, check_shard_names
 
     path = src / index
@@ -67,7 +70,6 @@ def source_weight_map(src: Path, index: str) -> dict[str, str] | None:
 
 def source_config_json(src: Path) -> dict:
     """The source's config.json as a dict, or one line naming it."""
-    from hfpipe.checkpoint.export import ExportError
 
     path = src / "config.json"
     try:
@@ -81,7 +83,6 @@ def source_config_json(src: Path) -> dict:
 
 def check_tied(meta: dict, config, ckpt: Path, src: Path) -> None:
     """Refuse a checkpoint trained with another tied-ness than its source has (its head would be lost)."""
-    from hfpipe.checkpoint.export import ExportError
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if bool(meta["tied"]) != tied:
@@ -93,7 +94,6 @@ def check_tied(meta: dict, config, ckpt: Path, src: Path) -> None:
 
 def check_data_files(ckpt: Path, metadata) -> None:
     """Every ``.distcp`` file the metadata names exists, is readable and holds its items' bytes."""
-    from hfpipe.checkpoint.export import ExportError
 
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -115,7 +115,6 @@ def disk_full(e: BaseException, where: Path, nbytes: int):
     """The one-line error for ENOSPC/EDQUOT while writing ``where``, or ``None`` for other errors
     (safetensors reports it as a SafetensorError whose text carries the errno)."""
     from hfpipe.checkpoint.disk import is_disk_full
-    from hfpipe.checkpoint.export import ExportError
 
     if not is_disk_full(e):
         return None
