@@ -23,10 +23,9 @@ from hfpipe.checkpoint.export import (
     ExportError,
     _copy_side_files,
     _resolve_source,
-    build_folder,
-    locked_out,
     read_checkpoint_meta,
 )
+from hfpipe.checkpoint.out_folder import build_folder, locked_out
 
 __all__ = ["export_adapter", "is_lora_checkpoint"]
 

@@ -10,7 +10,6 @@ into a hidden sibling folder and renamed into place at the end, so ``out`` is ei
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -25,6 +24,7 @@ import torch
 
 from hfpipe.checkpoint import export_guard as guard
 from hfpipe.checkpoint.export_guard import ExportError
+from hfpipe.checkpoint.out_folder import build_folder, locked_out
 from hfpipe.checkpoint.export_plan import (
     Group,
     assign_shards,
@@ -37,7 +37,6 @@ from hfpipe.checkpoint.export_plan import (
     set_out_dtypes,
 )
 from hfpipe.checkpoint.dcp_reader import _create_file_view, _DcpReader
-from hfpipe.lock import FolderLock
 from hfpipe.safetensors_io import DTYPES
 
 __all__ = ["ExportError", "export_checkpoint", "read_checkpoint_meta"]
@@ -126,41 +125,6 @@ def export_checkpoint(
         return _export_locked(ckpt, out, meta, src, want, max_bytes, progress)
 
 
-@contextlib.contextmanager
-def locked_out(out: Path, force: bool, protected: tuple[Path, ...]):
-    """Hold ``out``'s lock (one export into a folder at a time), with ``out`` checked before and after taking it."""
-    _check_out(out, force, protected)
-    with FolderLock(out.parent / f".{out.name}.lock", out, "OUT"):
-        _check_out(out, force, protected)  # again: another export may have finished meanwhile
-        yield
-
-
-def build_folder(out: Path, fill, nbytes: int) -> Path:
-    """Run ``fill(tmp)`` on a hidden sibling of ``out``, then move it into place once complete.
-
-    On any failure (a full disk, SIGTERM, Ctrl-C, a bad input found midway) the sibling is removed
-    and ``out`` is left as it was; a full disk becomes one line naming ``out`` and ``nbytes``.
-    """
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        with guard.signals_raise():
-            shutil.rmtree(tmp, ignore_errors=True)
-            _mkdir(tmp)
-            fill(tmp)
-            _make_readable(tmp)
-            _install(tmp, out)
-    except Exception as e:  # noqa: BLE001 - only a full disk is translated; the rest re-raised
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = guard.disk_full(e, out, nbytes)
-        if full is None:
-            raise
-        raise full from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
 def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool) -> Path:
     cfg_json = guard.source_config_json(src)
     fp8 = _source_quantization(src, cfg_json)
@@ -217,27 +181,6 @@ def _parse_size(size: str | int) -> int:
         raise ExportError(f"max_shard_size {size!r} is not a size like '5GB' or '300MB'; fix --max-shard-size")
     base = 1024 if m.group(3) else 1000
     return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
-
-
-def _check_out(out: Path, force: bool, protected: tuple[Path, ...]) -> None:
-    for path in protected:
-        if out == path or out in path.parents:
-            raise ExportError(f"out {out} would overwrite {path}; choose another --out")
-    if out.exists() and not force:
-        raise ExportError(f"{out} exists; pass --force to overwrite")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ExportError(f"cannot create {out.parent} ({e.strerror}); choose a writable --out") from None
-    if not os.access(out.parent, os.W_OK):
-        raise ExportError(f"{out.parent} is not writable; choose a writable --out")
-
-
-def _mkdir(path: Path) -> None:
-    try:
-        path.mkdir()
-    except OSError as e:
-        raise ExportError(f"cannot create {path} ({e.strerror}); choose a writable --out") from None
 
 
 def _source_quantization(src: Path, cfg_json: dict) -> bool:
@@ -436,34 +379,3 @@ def _copy_side_files(src: Path, tmp: Path) -> None:
         log.debug("copied %s", name)
 
 
-def _install(tmp: Path, out: Path) -> None:
-    """Move the finished folder into place; an old ``out`` is removed only after that."""
-    if not (out.exists() or out.is_symlink()):
-        tmp.rename(out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        old.rename(out)  # put the previous export back
-        raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
-
-
-def _make_readable(folder: Path) -> None:
-    """Give the exported files the modes a plain ``open`` gives (0644 under the usual umask 022).
-
-    safetensors writes its files 0600 and ``copy2`` keeps a source's modes; a model folder is
-    meant to be shared with the group, as ``save_pretrained``'s config and tokenizer files are.
-    """
-    probe = folder / ".mode-probe"
-    probe.touch()
-    mode = probe.stat().st_mode & 0o777  # 0o666 minus this process's umask
-    probe.unlink()
-    for path in folder.iterdir():
-        if path.is_file():
-            path.chmod(mode)
