@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Dist", "LaunchError", "first_host", "init_distributed", "pick_device", "in_launched_env"]
+__all__ = ["Dist", "LaunchError", "first_host", "init_distributed", "pick_device", "in_launched_env", "launched_node"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,17 @@ def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
 def in_launched_env() -> bool:
     """Whether torchrun/elastic (RANK, WORLD_SIZE) or srun (SLURM_PROCID) started this process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
+
+
+def launched_node() -> tuple[int, int, int]:
+    """(nodes, this node's rank, local rank) of a torchrun- or srun-started worker."""
+    env = os.environ
+    if "GROUP_RANK" in env:  # torchrun / torch elastic
+        return int(env.get("GROUP_WORLD_SIZE", "1")), int(env["GROUP_RANK"]), int(env.get("LOCAL_RANK", "0"))
+    if "SLURM_PROCID" in env:
+        nodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or "1"
+        return int(nodes), int(env.get("SLURM_NODEID", "0")), int(env.get("SLURM_LOCALID", "0"))
+    return 1, 0, int(env.get("LOCAL_RANK", "0"))
 
 
 def _env_from_slurm() -> None:

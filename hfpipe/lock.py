@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["FolderBusyError", "FolderLock"]
+__all__ = ["FolderBusyError", "FolderLock", "run_lock"]
 
 
 class FolderBusyError(ValueError):
@@ -86,3 +86,13 @@ class FolderLock:
             raise FolderBusyError(
                 f"{self.option} {self.folder} is in use by process {pid} ({cmd or 'hfpipe'}); wait for it "
                 f"to finish or stop it, or choose another {self.option}") from None
+
+
+def run_lock(output_dir: str | Path, nnodes: int = 1, node_rank: int = 0) -> FolderLock:
+    """The lock one node of a run holds on its output folder.
+
+    The nodes of one multi-node run share the folder: each holds its own node's lock, so a second
+    run is refused node by node while the run's own nodes never block each other.
+    """
+    name = ".hfpipe.lock" if nnodes == 1 else f".hfpipe.node{node_rank}.lock"
+    return FolderLock(Path(output_dir) / name, Path(output_dir), "--output-dir")

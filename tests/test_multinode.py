@@ -160,3 +160,50 @@ def test_the_first_node_of_a_slurm_job_hosts_the_rendezvous():
     assert first_host("node3,node4") == "node3"
     assert first_host("a[1-2],b[3]") == "a1"
     assert first_host("single") == "single"
+
+
+TORCHRUN_NODE_1 = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                   "GROUP_WORLD_SIZE": "2"}
+SLURM_NODE_1 = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NNODES": "2"}
+
+
+@pytest.mark.parametrize("env, node", [(TORCHRUN_NODE_1, (2, 1, 0)), (SLURM_NODE_1, (2, 1, 1)),
+                                       ({"RANK": "0", "WORLD_SIZE": "1"}, (1, 0, 0))])
+def test_a_launched_worker_knows_its_node(monkeypatch, env, node):
+    from hfpipe.distributed import launched_node
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert launched_node() == node
+
+
+def test_under_torchrun_local_rank_0_holds_its_nodes_lock_and_a_busy_folder_is_refused(tmp_path, monkeypatch):
+    """Two runs into one folder are refused under torchrun/srun too, node by node, before any work."""
+    from hfpipe.config import FinetuneConfig
+    from hfpipe.lock import FolderBusyError, run_lock
+    from hfpipe.train import runner
+
+    for k, v in TORCHRUN_NODE_1.items():  # rank 2 = local rank 0 of node 1 (of 2)
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "run"
+    cfg = FinetuneConfig(model=str(tiny_checkpoint("llama")), output_dir=str(out), pp=2, dp=2, batch_size=2,
+                         seq_len=32, max_steps=1)
+    held = []
+
+    def worker(cfg_dict):
+        with pytest.raises(FolderBusyError, match=f"--output-dir {out} is in use by process {os.getpid()}"):
+            run_lock(out, 2, 1).check()
+        run_lock(out, 2, 0).check()  # the other node's lock is not this process's to hold
+        held.append(True)
+        return {"step": 1}
+
+    monkeypatch.setattr(runner, "run_worker", worker)
+    assert runner.finetune(cfg) == {"step": 1} and held
+    assert not (out / ".hfpipe.node1.lock").exists()  # released at the end
+    with run_lock(out, 2, 1):  # another run on node 1 holds the folder: refused before the worker starts
+        held.clear()
+        with pytest.raises(FolderBusyError, match="choose another --output-dir"):
+            runner.finetune(cfg)
+        assert not held

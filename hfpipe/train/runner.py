@@ -7,6 +7,7 @@ load_pipeline -> data shards -> PipelineTrainer steps -> DCP checkpoints -> opti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -141,21 +142,24 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     Under torchrun/srun (RANK and WORLD_SIZE, or SLURM_PROCID set) this process is one worker;
     otherwise ``pp * dp`` local workers are started through torch's elastic launcher.
     """
-    from hfpipe.distributed import in_launched_env
+    from hfpipe.distributed import in_launched_env, launched_node
     from hfpipe.launch import check_launch, launch
-    from hfpipe.lock import FolderLock
+    from hfpipe.lock import run_lock
 
     if in_launched_env():
         # Every rank checks the cheap things; only global rank 0 tokenises the dataset here, so
-        # ranks do not write datasets' cache at the same time (the others read it later).
+        # ranks do not write datasets' cache at the same time (the others read it later). Local
+        # rank 0 holds the node's lock on the folder, as hfpipe's own launcher does.
         rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+        nodes, node, local_rank = launched_node()
+        lock = run_lock(cfg.output_dir, nodes, node) if local_rank == 0 else contextlib.nullcontext()
+        if local_rank == 0:
+            lock.check()
         preflight(cfg, check_data=rank == "0")
-        return _finish(run_worker(cfg.to_dict()))
+        with lock:
+            return _finish(run_worker(cfg.to_dict()))
     check_launch(cfg.pp * cfg.dp, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
-    # The nodes of one multi-node run share the folder: each holds its own node's lock, so a
-    # second run is refused node by node while the run's own nodes never block each other.
-    name = ".hfpipe.lock" if nnodes == 1 else f".hfpipe.node{node_rank}.lock"
-    lock = FolderLock(Path(cfg.output_dir) / name, Path(cfg.output_dir), "--output-dir")
+    lock = run_lock(cfg.output_dir, nnodes, node_rank)
     lock.check()  # a busy folder is named before any other work
     preflight(cfg)
     nprocs = cfg.pp * cfg.dp // nnodes
