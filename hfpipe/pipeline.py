@@ -166,6 +166,9 @@ class Pipeline:
         A new shape resizes the stages of the schedule kept for this mode (hfpipe.stage_shapes);
         only where that cannot be done are new stages built.
         """
+        if shape[0] % self.microbatches:  # torch would split it unevenly and return wrong rows, silently
+            raise PipelineError(f"a batch of {shape[0]} sequences does not divide into {self.microbatches} "
+                                "microbatches; pass a multiple of the microbatch count")
         key = (tuple(sorted(kwargs)), mode, self._set_head(shape, mode))
         shape = tuple(shape)
         entry = self._schedules.pop(key, None)

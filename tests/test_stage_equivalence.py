@@ -112,3 +112,24 @@ def test_packed_documents_do_not_attend_to_each_other():
         second = model(input_ids=b["input_ids"][:1, 5:12], use_cache=False).logits[0]
     torch.testing.assert_close(packed[:5], first, atol=TOL, rtol=0)
     torch.testing.assert_close(packed[5:12], second, atol=TOL, rtol=0)
+
+
+def _uneven_worker(path: str) -> list[str]:
+    from hfpipe.api import load_pipeline
+    from hfpipe.pipeline import PipelineError
+
+    pm = load_pipeline(path, pp=2, schedule="gpipe", microbatches=2)
+    errors = []
+    for call in (pm.forward, lambda b: pm.pipe.train_step(b, 24.0)):
+        try:
+            call({"input_ids": torch.ones(3, 8, dtype=torch.long), "labels": torch.ones(3, 8, dtype=torch.long)})
+        except PipelineError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_a_batch_that_does_not_divide_into_the_microbatches_is_refused_on_every_rank():
+    # torch splits 3 rows into microbatches of 2 and 1 and returned 4 rows of logits: silently wrong.
+    got = run_ranks(_uneven_worker, 2, str(tiny_checkpoint("llama")))
+    want = "a batch of 3 sequences does not divide into 2 microbatches; pass a multiple of the microbatch count"
+    assert got == {0: [want, want], 1: [want, want]}
