@@ -43,6 +43,7 @@ def load_generator(model: str | Path, *, dtype: str = "auto", source: str | Path
         GenerateError, CheckpointError, ExportError, SourceError: the message names the fix.
     """
     from hfpipe.checkpoint.find import find_checkpoint, is_checkpoint_like
+    from hfpipe.source import load_tokenizer
 
     if dtype not in _DTYPES:
         raise GenerateError(f"--dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
@@ -53,7 +54,7 @@ def load_generator(model: str | Path, *, dtype: str = "auto", source: str | Path
             net = net.to(_DTYPES[dtype])
     else:
         net, folder = _from_folder_or_adapter(str(model), dtype, trust_remote_code)
-    return Generator(net.eval(), _tokenizer(folder, trust_remote_code))
+    return Generator(net.eval(), load_tokenizer(folder, trust_remote_code=trust_remote_code))
 
 
 def _from_folder_or_adapter(name: str, dtype: str, trust_remote_code: bool):
@@ -81,16 +82,6 @@ def _from_folder(name: str, dtype: str, trust_remote_code: bool):
                                                     trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # missing files, unknown repo, remote code refused
         raise GenerateError(f"MODEL {name}: {str(e).splitlines()[0]}") from None
-
-
-def _tokenizer(folder: str | Path, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise GenerateError(f"{folder}: no usable tokenizer ({str(e).splitlines()[0]}); "
-                            "save the tokenizer with the model") from None
 
 
 def _from_checkpoint(ckpt: Path, source: str | Path | None, trust_remote_code: bool):

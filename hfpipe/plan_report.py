@@ -189,7 +189,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if lora_rank is not None:
         from hfpipe.lora.memory import describe_plan
 
-        ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets, total - costs.embed_params * tied)
+        ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
+                                    total - costs.embed_params * tied, dp)
     return PlanReport(
         model=name or getattr(config, "_name_or_path", "") or config.model_type,
         total_params=total - costs.embed_params * tied, num_layers=len(costs.layers), plan=plan,
@@ -201,6 +202,11 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
 
 #: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
 _FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}
+
+
+def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
+    """(master, compute copy, unsharded gradient, AdamW) bytes per parameter under FSDP2 at ``dtype``."""
+    return _FSDP_BYTES[dtype]
 
 
 def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:

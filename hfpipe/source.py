@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hfpipe.safetensors_io import SafetensorsError, read_header
 
-__all__ = ["ModelSource", "SourceError", "check_shard_names", "load_config"]
+__all__ = ["ModelSource", "SourceError", "check_shard_names", "load_config", "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,20 @@ def load_config(folder: Path, *, trust_remote_code: bool = False):
         raise SourceError(f"{cfg_path}: {str(e).splitlines()[0]}") from None
     except KeyError as e:
         raise SourceError(f"{cfg_path}: unknown model_type {e}; is transformers up to date?") from None
+
+
+def load_tokenizer(folder: str | Path, *, trust_remote_code: bool = False):
+    """The tokenizer saved with ``folder`` (training and generation both read it here)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:  # no files, a broken file, or remote code refused
+        if "trust_remote_code" in str(e):
+            raise SourceError(f"{folder}: the tokenizer needs remote code; pass --trust-remote-code "
+                              "if you trust it") from None
+        raise SourceError(f"{folder}: no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "add the base model's tokenizer files (tokenizer.json, tokenizer_config.json)") from None
 
 
 @dataclass

@@ -39,36 +39,43 @@ def adapter_params(model_config, rank: int, targets: str = "all-linear") -> dict
     return out
 
 
-def rank_memory(rank_report, specs, counts: dict[str, int], base_weight_bytes: int):
+def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int = 1):
     """A plan's :class:`~hfpipe.plan_report.RankReport` for a LoRA run of the same layout.
 
-    The base is frozen: its weights stay (in ``dtype``'s storage, ``base_weight_bytes`` per
-    parameter) but it has no gradients and no AdamW state. The adapters are fp32 weights, fp32
-    gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each. Activations are the full run's:
-    backward still goes through every base layer, for the adapters below it.
+    The base is frozen: its weights stay but it has no gradients and no AdamW state. The adapters
+    are fp32 weights, fp32 gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each. With
+    ``dp > 1`` FSDP2 shards both as it shards a full run (hfpipe.plan_report.param_bytes): the
+    masters and AdamW state split ``dp`` ways, the gathered compute copies and the step's
+    unsharded gradients whole. Activations are the full run's: backward still goes through every
+    base layer, for the adapters below it.
     """
     import dataclasses
+
+    from hfpipe.plan_report import BYTES_PER_PARAM, fsdp_bytes
 
     n = sum(counts.get("embed", 0) * s.embed + counts.get("head", 0) * s.head
             + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)
     base = rank_report.params
-    return dataclasses.replace(rank_report, weight_bytes=base * base_weight_bytes + 4 * n,
-                               grad_bytes=4 * n, optimizer_bytes=8 * n), n
+    if dp == 1:  # bf16-mixed keeps fp32 masters and the bf16 copy; nothing else changes per weight
+        base_w, (w, g, o) = BYTES_PER_PARAM[dtype][0], (4, 4, 8)
+    else:
+        master, compute, _, _ = fsdp_bytes(dtype)
+        base_w = master / dp + compute
+        w, g, o = 4 / dp + compute, 4 + 4 / dp, 8 / dp  # adapters: fp32 masters, grads and moments
+    return dataclasses.replace(rank_report, weight_bytes=int(base * base_w + w * n),
+                               grad_bytes=int(g * n), optimizer_bytes=int(o * n)), n
 
 
-def describe_plan(ranks, plan, model_config, dtype: str, rank: int, targets: str, total: int):
+def describe_plan(ranks, plan, model_config, dtype: str, rank: int, targets: str, total: int, dp: int = 1):
     """``plan``'s rank reports priced for LoRA, and the line that says so (for ``hfpipe plan``)."""
-    from hfpipe.plan_report import BYTES_PER_PARAM
-
     counts = adapter_params(model_config, rank, targets)
-    # frozen base: bf16-mixed keeps fp32 masters and the bf16 copy; nothing else changes per weight
-    base_bytes = BYTES_PER_PARAM[dtype][0]
     out, n_all = [], 0
     for r in ranks:
-        report, n = rank_memory(r, plan.stages_of_rank(r.rank), counts, base_bytes)
+        report, n = rank_memory(r, plan.stages_of_rank(r.rank), counts, dtype, dp)
         out.append(report)
         n_all += n
+    sharded = f", sharded over dp={dp} by FSDP2" if dp > 1 else ""
     line = (f"LoRA rank {rank} on {targets}: {n_all:,} adapter parameters ({100 * n_all / max(1, total):.2f}% "
-            f"of the model); base frozen (weights {base_bytes} B/param, no grads or AdamW state), "
-            "adapters fp32: weights 4 + grads 4 + AdamW 8 B/param")
+            f"of the model); base frozen (weights only, no grads or AdamW state), adapters fp32 "
+            f"(weights, grads, AdamW){sharded}")
     return tuple(out), line

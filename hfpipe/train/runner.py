@@ -111,18 +111,9 @@ def _load_splits(cfg: FinetuneConfig, tok):
 
 
 def _tokenizer(folder: Path, cfg: FinetuneConfig):
-    from transformers import AutoTokenizer
+    from hfpipe.source import load_tokenizer
 
-    from hfpipe.source import SourceError
-
-    try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:  # no files, a broken file, or remote code refused
-        if "trust_remote_code" in str(e):
-            raise SourceError(f"{folder}: the tokenizer needs remote code; pass --trust-remote-code "
-                              "if you trust it") from None
-        raise SourceError(f"{folder}: no usable tokenizer ({type(e).__name__}); add the base model's "
-                          "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+    return load_tokenizer(folder, trust_remote_code=cfg.trust_remote_code)
 
 
 def check_vocab(tokenizer, source) -> None:
