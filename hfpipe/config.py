@@ -1,19 +1,16 @@
 """The run configuration: one dataclass, read strictly from YAML, checked when it is built.
 
 A recipe file (``hfpipe/recipes/*.yaml``) holds ``FinetuneConfig`` fields and nothing else; the
-``hfpipe finetune`` flags are the same fields spelled ``--batch-size``. Every check lives in
-``__post_init__``, so a config built from a file, from flags or with ``dataclasses.replace`` is
-checked the same way, and each message names the flag to change.
+``hfpipe finetune`` flags are the same fields spelled ``--batch-size``. Every check runs in
+``__post_init__`` (they live in :mod:`hfpipe.config_checks`), so a config built from a file, from
+flags or with ``dataclasses.replace`` is checked the same way, and each message names the flag.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import inspect
-import math
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,17 +34,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb"
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
 #: Schedules that put exactly two stages per rank in a V (rank r holds stages r and 2*pp-1-r).
 V_SCHEDULES = ("zbv", "dualpipev")
-
-_CHOICES = {
-    "schedule": SCHEDULES,
-    "plan_method": ("even", "weighted", "balanced"),
-    "lr_schedule": ("cosine", "linear", "constant"),
-    "dtype": ("fp32", "bf16-mixed", "bf16"),
-    "activation_checkpointing": ("none", "full", "selective"),
-}
-_AT_LEAST_ONE = ("pp", "dp", "vpp", "seq_len", "batch_size", "grad_accum", "epochs", "keep", "log_every")
-_NONE_OR_AT_LEAST_ONE = ("microbatches", "max_steps", "save_every", "threads_per_rank")
-_AT_LEAST_ZERO = ("warmup_steps", "seed", "min_lr", "weight_decay")
 
 _BUNDLED_CONFIGS = Path(__file__).parent / "assets" / "configs"
 
@@ -198,16 +184,9 @@ class FinetuneConfig:
     that did not answer (a hung or dead rank)."""
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
-        _check_choices(self)
-        _check_finite(self)
-        _check_ranges(self)
-        _fit_vpp(self)
-        _check_microbatches(self)
-        _check_eval_and_reports(self)
-        _check_lora(self)
+        from hfpipe.config_checks import check
+
+        check(self)
 
     @property
     def num_microbatches(self) -> int:
@@ -235,7 +214,9 @@ class FinetuneConfig:
         """Build a config from option -> value; unknown keys and bad values name `source`."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"{source}: expected a mapping of option: value, got {type(d).__name__}")
-        _check_keys(d, source)
+        from hfpipe.config_checks import check_keys
+
+        check_keys(d, source)
         if "model" not in d:
             raise ConfigError(f"{source}: the model is required (set `model:` in the recipe, or give MODEL on the command line)")
         try:
@@ -246,18 +227,20 @@ class FinetuneConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> FinetuneConfig:
         """Read a recipe file; `overrides` (the CLI flags) win over it, None ones are ignored."""
+        from hfpipe.config_checks import check_keys, yaml_problem
+
         path = Path(path)
         try:
             data = yaml.safe_load(path.read_text())
         except OSError as e:
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(e)}") from None
         data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
         given = {k: v for k, v in overrides.items() if v is not None}
-        _check_keys(given, "command-line overrides")
+        check_keys(given, "command-line overrides")
         return cls.from_dict({**data, **given}, source=str(path))
 
 
@@ -279,167 +262,3 @@ def field_help() -> dict[str, str]:
             if isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
                 docs[node.target.id] = " ".join(after.value.value.split())
     return docs
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """`value` as the field's declared type, or a ConfigError naming the flag."""
-    args = typing.get_args(hint)
-    if type(None) in args:  # `X | None`
-        if value is None:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-    flag, is_number = _flag(name), isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is bool and isinstance(value, bool):
-        return value
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is float and is_number:
-        return float(value)
-    if hint is float and isinstance(value, str):
-        try:  # YAML 1.1 reads `1e-5` (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
-    if hint is str and isinstance(value, str):
-        if not value.strip():
-            raise ConfigError(f"{flag} must not be empty")
-        return value
-    if typing.get_origin(hint) is dict and isinstance(value, (str, dict)):
-        from hfpipe.data.config import parse_mapping
-
-        try:
-            return parse_mapping(flag, value)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)):
-        if len(value) == len(typing.get_args(hint)):
-            return tuple(_coerce(name, v, t) for v, t in zip(value, typing.get_args(hint)))
-    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    want = kind.get(hint, f"a list of {len(typing.get_args(hint))} numbers")
-    want = "NAME=NEW pairs" if typing.get_origin(hint) is dict else want
-    raise ConfigError(f"{flag} must be {want}, got {value!r}")
-
-
-def _check_keys(d: Mapping[str, Any], source: str) -> None:
-    names = [f.name for f in dataclasses.fields(FinetuneConfig)]
-    for key in d:
-        if key in names:
-            continue
-        close = difflib.get_close_matches(str(key).replace("-", "_"), names, n=3, cutoff=0.6)
-        hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(names)}"
-        raise ConfigError(f"{source}: unknown key {str(key)!r} ({hint})")
-
-
-def _check_choices(c: FinetuneConfig) -> None:
-    for name, choices in _CHOICES.items():
-        value = getattr(c, name)
-        if value not in choices:
-            close = difflib.get_close_matches(value.lower(), choices, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"{_flag(name)} must be one of {', '.join(choices)}; got {value!r}{hint}")
-
-
-def _check_finite(c: FinetuneConfig) -> None:
-    """nan passes every ``<`` check and inf trains into NaN weights: refuse both by name."""
-    for f in dataclasses.fields(c):
-        value = getattr(c, f.name)
-        for v in value if isinstance(value, tuple) else (value,):
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{_flag(f.name)} must be a finite number, got {v}")
-    if c.timeout <= 0:
-        raise ConfigError(f"--timeout must be > 0 seconds, got {c.timeout}")
-
-
-def _check_ranges(c: FinetuneConfig) -> None:
-    for name in _AT_LEAST_ONE + _NONE_OR_AT_LEAST_ONE:
-        value = getattr(c, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"{_flag(name)} must be >= 1, got {value}")
-    for name in _AT_LEAST_ZERO:
-        if getattr(c, name) < 0:
-            raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(c, name)}")
-    if c.lr < 0:  # 0 is allowed: a run that must leave the weights as they are checks a round trip
-        raise ConfigError(f"--lr must be >= 0, got {c.lr}")
-    for name in ("eps", "max_grad_norm"):
-        value = getattr(c, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{_flag(name)} must be > 0, got {value}")
-    if c.min_lr > c.lr:
-        raise ConfigError(f"--min-lr ({c.min_lr}) must be <= --lr ({c.lr})")
-    if not all(0.0 <= b < 1.0 for b in c.betas):
-        raise ConfigError(f"--betas must both be in [0, 1), got {list(c.betas)}")
-
-
-def _fit_vpp(c: FinetuneConfig) -> None:
-    """Give each schedule the stages per rank it needs; vpp left at 1 becomes 2 where needed."""
-    if c.schedule in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp == 1:
-        c.vpp = 2
-    if c.schedule in V_SCHEDULES and c.vpp != 2:
-        raise ConfigError(f"--vpp must be 2 for --schedule {c.schedule} (a V of two stages), got {c.vpp}")
-    if c.schedule not in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp != 1:
-        raise ConfigError(
-            f"--vpp must be 1 for --schedule {c.schedule}, got {c.vpp}; "
-            f"use --schedule interleaved-1f1b for several stages per rank"
-        )
-
-
-def _check_microbatches(c: FinetuneConfig) -> None:
-    m = c.num_microbatches
-    if c.batch_size % m:
-        origin = f"({m})" if c.microbatches else f"({m}, the default pp * vpp)"
-        raise ConfigError(f"--batch-size ({c.batch_size}) must be a multiple of --microbatches {origin}")
-
-
-REPORTS = ("jsonl", "tensorboard", "wandb", "none")
-
-
-def _check_eval_and_reports(c: FinetuneConfig) -> None:
-    if c.eval_fraction is not None and not 0.0 < c.eval_fraction < 1.0:
-        raise ConfigError(f"--eval-fraction must be between 0 and 1, got {c.eval_fraction}")
-    if c.eval_fraction is not None and (c.eval_dataset or c.eval_split):
-        raise ConfigError("--eval-fraction holds out part of --dataset; leave out --eval-dataset "
-                          "and --eval-split, or --eval-fraction")
-    for name in ("eval_every", "eval_batches"):
-        if getattr(c, name) is not None and getattr(c, name) < 1:
-            raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(c, name)}")
-    if not c.evaluates:
-        used = [n for n in ("eval_every", "eval_batches", "keep_best") if getattr(c, n)]
-        if used:
-            raise ConfigError(f"{_flag(used[0])} needs an evaluation set: pass --eval-dataset, "
-                              "--eval-split or --eval-fraction")
-    names = [n.strip() for n in c.report_to.split(",") if n.strip()]
-    for name in names:
-        if name not in REPORTS:
-            close = difflib.get_close_matches(name, REPORTS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"--report-to {name!r} is unknown; choose from {', '.join(REPORTS)}{hint}")
-    if "none" in names and len(names) > 1:
-        raise ConfigError(f"--report-to none cannot be combined with {c.report_to!r}")
-def _check_lora(c: FinetuneConfig) -> None:
-    import re
-
-    if c.lora_rank is None:
-        for name, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", "all-linear")):
-            if getattr(c, name) != default:
-                raise ConfigError(f"{_flag(name)} applies to LoRA runs only; add --lora-rank R (e.g. 16)")
-        return
-    if c.lora_rank < 1:
-        raise ConfigError(f"--lora-rank must be >= 1, got {c.lora_rank}")
-    if c.lora_alpha is not None and c.lora_alpha <= 0:
-        raise ConfigError(f"--lora-alpha must be > 0, got {c.lora_alpha}")
-    if not 0.0 <= c.lora_dropout < 1.0:
-        raise ConfigError(f"--lora-dropout must be in [0, 1), got {c.lora_dropout}")
-    names = [t.strip() for t in c.lora_targets.split(",")]
-    if c.lora_targets != "all-linear" and not all(re.fullmatch(r"[A-Za-z0-9_.]+", t) for t in names):
-        raise ConfigError(f"--lora-targets must be all-linear or a comma list of module names like "
-                          f"q_proj,v_proj; got {c.lora_targets!r}")
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    return f"{problem} at line {mark.line + 1}" if mark else problem

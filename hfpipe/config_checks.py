@@ -1,0 +1,211 @@
+"""Every check a :class:`~hfpipe.config.FinetuneConfig` passes when it is built.
+
+Kept apart from the dataclass so that the fields (and their help) read as one list. Each check
+raises :class:`~hfpipe.config.ConfigError` naming the flag to change; :func:`check` runs them
+all, in order: types first (a YAML ``"4"`` for an int is refused, not guessed), then choices,
+finiteness, ranges, the vpp a schedule implies, microbatches, evaluation/reporting, LoRA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from hfpipe.config import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError, FinetuneConfig
+
+__all__ = ["REPORTS", "check", "check_keys", "yaml_problem"]
+
+_CHOICES = {
+    "schedule": SCHEDULES,
+    "plan_method": ("even", "weighted", "balanced"),
+    "lr_schedule": ("cosine", "linear", "constant"),
+    "dtype": ("fp32", "bf16-mixed", "bf16"),
+    "activation_checkpointing": ("none", "full", "selective"),
+}
+_AT_LEAST_ONE = ("pp", "dp", "vpp", "seq_len", "batch_size", "grad_accum", "epochs", "keep", "log_every")
+_NONE_OR_AT_LEAST_ONE = ("microbatches", "max_steps", "save_every", "threads_per_rank")
+_AT_LEAST_ZERO = ("warmup_steps", "seed", "min_lr", "weight_decay")
+
+
+def check(c: FinetuneConfig) -> None:
+    """Coerce every field to its declared type, then run every check (``__post_init__``)."""
+    hints = typing.get_type_hints(type(c))
+    for f in dataclasses.fields(c):
+        setattr(c, f.name, _coerce(f.name, getattr(c, f.name), hints[f.name]))
+    _check_choices(c)
+    _check_finite(c)
+    _check_ranges(c)
+    _fit_vpp(c)
+    _check_microbatches(c)
+    _check_eval_and_reports(c)
+    _check_lora(c)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """`value` as the field's declared type, or a ConfigError naming the flag."""
+    args = typing.get_args(hint)
+    if type(None) in args:  # `X | None`
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    flag, is_number = _flag(name), isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and is_number:
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `1e-5` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if hint is str and isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"{flag} must not be empty")
+        return value
+    if typing.get_origin(hint) is dict and isinstance(value, (str, dict)):
+        from hfpipe.data.config import parse_mapping
+
+        try:
+            return parse_mapping(flag, value)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)):
+        if len(value) == len(typing.get_args(hint)):
+            return tuple(_coerce(name, v, t) for v, t in zip(value, typing.get_args(hint)))
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    want = kind.get(hint, f"a list of {len(typing.get_args(hint))} numbers")
+    want = "NAME=NEW pairs" if typing.get_origin(hint) is dict else want
+    raise ConfigError(f"{flag} must be {want}, got {value!r}")
+
+
+def check_keys(d: Mapping[str, Any], source: str) -> None:
+    names = [f.name for f in dataclasses.fields(FinetuneConfig)]
+    for key in d:
+        if key in names:
+            continue
+        close = difflib.get_close_matches(str(key).replace("-", "_"), names, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(names)}"
+        raise ConfigError(f"{source}: unknown key {str(key)!r} ({hint})")
+
+
+def _check_choices(c: FinetuneConfig) -> None:
+    for name, choices in _CHOICES.items():
+        value = getattr(c, name)
+        if value not in choices:
+            close = difflib.get_close_matches(value.lower(), choices, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{_flag(name)} must be one of {', '.join(choices)}; got {value!r}{hint}")
+
+
+def _check_finite(c: FinetuneConfig) -> None:
+    """nan passes every ``<`` check and inf trains into NaN weights: refuse both by name."""
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{_flag(f.name)} must be a finite number, got {v}")
+    if c.timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {c.timeout}")
+
+
+def _check_ranges(c: FinetuneConfig) -> None:
+    for name in _AT_LEAST_ONE + _NONE_OR_AT_LEAST_ONE:
+        value = getattr(c, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag(name)} must be >= 1, got {value}")
+    for name in _AT_LEAST_ZERO:
+        if getattr(c, name) < 0:
+            raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(c, name)}")
+    if c.lr < 0:  # 0 is allowed: a run that must leave the weights as they are checks a round trip
+        raise ConfigError(f"--lr must be >= 0, got {c.lr}")
+    for name in ("eps", "max_grad_norm"):
+        value = getattr(c, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{_flag(name)} must be > 0, got {value}")
+    if c.min_lr > c.lr:
+        raise ConfigError(f"--min-lr ({c.min_lr}) must be <= --lr ({c.lr})")
+    if not all(0.0 <= b < 1.0 for b in c.betas):
+        raise ConfigError(f"--betas must both be in [0, 1), got {list(c.betas)}")
+
+
+def _fit_vpp(c: FinetuneConfig) -> None:
+    """Give each schedule the stages per rank it needs; vpp left at 1 becomes 2 where needed."""
+    if c.schedule in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp == 1:
+        c.vpp = 2
+    if c.schedule in V_SCHEDULES and c.vpp != 2:
+        raise ConfigError(f"--vpp must be 2 for --schedule {c.schedule} (a V of two stages), got {c.vpp}")
+    if c.schedule not in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp != 1:
+        raise ConfigError(
+            f"--vpp must be 1 for --schedule {c.schedule}, got {c.vpp}; "
+            f"use --schedule interleaved-1f1b for several stages per rank"
+        )
+
+
+def _check_microbatches(c: FinetuneConfig) -> None:
+    m = c.num_microbatches
+    if c.batch_size % m:
+        origin = f"({m})" if c.microbatches else f"({m}, the default pp * vpp)"
+        raise ConfigError(f"--batch-size ({c.batch_size}) must be a multiple of --microbatches {origin}")
+
+
+REPORTS = ("jsonl", "tensorboard", "wandb", "none")
+
+
+def _check_eval_and_reports(c: FinetuneConfig) -> None:
+    if c.eval_fraction is not None and not 0.0 < c.eval_fraction < 1.0:
+        raise ConfigError(f"--eval-fraction must be between 0 and 1, got {c.eval_fraction}")
+    if c.eval_fraction is not None and (c.eval_dataset or c.eval_split):
+        raise ConfigError("--eval-fraction holds out part of --dataset; leave out --eval-dataset "
+                          "and --eval-split, or --eval-fraction")
+    for name in ("eval_every", "eval_batches"):
+        if getattr(c, name) is not None and getattr(c, name) < 1:
+            raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(c, name)}")
+    if not c.evaluates:
+        used = [n for n in ("eval_every", "eval_batches", "keep_best") if getattr(c, n)]
+        if used:
+            raise ConfigError(f"{_flag(used[0])} needs an evaluation set: pass --eval-dataset, "
+                              "--eval-split or --eval-fraction")
+    names = [n.strip() for n in c.report_to.split(",") if n.strip()]
+    for name in names:
+        if name not in REPORTS:
+            close = difflib.get_close_matches(name, REPORTS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"--report-to {name!r} is unknown; choose from {', '.join(REPORTS)}{hint}")
+    if "none" in names and len(names) > 1:
+        raise ConfigError(f"--report-to none cannot be combined with {c.report_to!r}")
+def _check_lora(c: FinetuneConfig) -> None:
+    import re
+
+    if c.lora_rank is None:
+        for name, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", "all-linear")):
+            if getattr(c, name) != default:
+                raise ConfigError(f"{_flag(name)} applies to LoRA runs only; add --lora-rank R (e.g. 16)")
+        return
+    if c.lora_rank < 1:
+        raise ConfigError(f"--lora-rank must be >= 1, got {c.lora_rank}")
+    if c.lora_alpha is not None and c.lora_alpha <= 0:
+        raise ConfigError(f"--lora-alpha must be > 0, got {c.lora_alpha}")
+    if not 0.0 <= c.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {c.lora_dropout}")
+    names = [t.strip() for t in c.lora_targets.split(",")]
+    if c.lora_targets != "all-linear" and not all(re.fullmatch(r"[A-Za-z0-9_.]+", t) for t in names):
+        raise ConfigError(f"--lora-targets must be all-linear or a comma list of module names like "
+                          f"q_proj,v_proj; got {c.lora_targets!r}")
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}" if mark else problem
