@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 from hfpipe.plan import PlanError
-from hfpipe.plan_report import PlanReport, timeline
+from hfpipe.plan_actions import timeline
+from hfpipe.plan_report import PlanReport
 
 __all__ = ["require_matplotlib", "save_png", "stage_colors"]
 

@@ -17,14 +17,8 @@ from hfpipe.config import bundled_config_dir
 from hfpipe.models import UnsupportedModelError
 from hfpipe.pipeline import PipelineError
 from hfpipe.plan import PlanError
-from hfpipe.plan_report import (
-    BYTES_PER_PARAM,
-    format_report,
-    load_model_config,
-    plan_report,
-    schedule_actions,
-    timeline,
-)
+from hfpipe.plan_actions import schedule_actions, timeline
+from hfpipe.plan_report import BYTES_PER_PARAM, format_report, load_model_config, plan_report
 from hfpipe.source import SourceError
 from hfpipe.tiny import tiny_config
 
