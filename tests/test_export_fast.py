@@ -93,8 +93,9 @@ def test_the_copy_pool_fills_two_files_at_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dcp_raw, "copy_span", copy_when_both_run)
     fds = [os.open(tmp_path / f"out{i}.bin", os.O_WRONLY | os.O_CREAT) for i in range(2)]
+    copied = []  # the progress callback: bytes of each span once it is in place
     try:
-        with dcp_raw.CopyPool(workers=2) as pool:
+        with dcp_raw.CopyPool(workers=2, progress=copied.append) as pool:
             jobs = [pool.run(fd, [(dcp_raw.RawSpan(src, 1000 * i, 5000, 0), 0)]) for i, fd in enumerate(fds)]
             for job in jobs:
                 job.result()
@@ -103,6 +104,7 @@ def test_the_copy_pool_fills_two_files_at_once(tmp_path, monkeypatch):
             os.close(fd)
     for i in range(2):
         assert (tmp_path / f"out{i}.bin").read_bytes() == src.read_bytes()[1000 * i:1000 * i + 5000]
+    assert copied == [5000, 5000]
 
 
 def test_a_copy_failing_in_a_pool_thread_fails_the_export_and_leaves_nothing(tmp_path, monkeypatch):

@@ -102,32 +102,38 @@ class CopyPool:
     files and raises a failed copy (a full disk) soon after it happened. Use it as a context
     manager: leaving waits for every started copy and cancels the rest, so no thread writes to a
     file descriptor after its owner has closed it.
+
+    Args:
+        workers: Threads (default: the usable cores, at most 8).
+        progress: Called with the bytes of each finished span, from the pool's threads (so thread-safe).
     """
 
-    def __init__(self, workers: int | None = None):
+    def __init__(self, workers: int | None = None, progress=None):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.workers = workers or max(1, min(8, cores))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="hfpipe-copy")
         self._queue: collections.deque[Future] = collections.deque()
+        self._progress = progress
 
     def run(self, dst_fd: int, copies: list[tuple[RawSpan, int]]) -> Future:
         """Copy each span to its offset of ``dst_fd``, in one task; waits first if too many are queued."""
         while len(self._queue) >= 2 * self.workers:
             self._queue.popleft().result()  # raises a failed copy here, in the caller's thread
-        future = self._pool.submit(_copy_all, dst_fd, copies)
+        future = self._pool.submit(self._copy_all, dst_fd, copies)
         self._queue.append(future)
         return future
+
+    def _copy_all(self, dst_fd: int, copies: list[tuple[RawSpan, int]]) -> None:
+        for span, dst_offset in copies:
+            _copy_from(span.path, dst_fd, span.nbytes, span.offset, dst_offset)
+            if self._progress is not None:
+                self._progress(span.nbytes)
 
     def __enter__(self) -> CopyPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _copy_all(dst_fd: int, copies: list[tuple[RawSpan, int]]) -> None:
-    for span, dst_offset in copies:
-        _copy_from(span.path, dst_fd, span.nbytes, span.offset, dst_offset)
 
 
 def _copy_from(path: Path, dst_fd: int, nbytes: int, src_offset: int, dst_offset: int) -> None:

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -252,7 +253,7 @@ def _write_weights(
     Every shard's layout is known from the plan, so its header goes first and no shard is ever
     gathered in memory (hfpipe.checkpoint.hf_writer): peak memory is one group. Tensors stored as
     is are copied by the kernel, several files at once (dcp_raw.CopyPool), while this thread plans
-    the next groups and converts the others; the bar counts bytes handed to the copiers.
+    the next groups and converts the others; the bar counts bytes once they are in place.
     """
     from tqdm.auto import tqdm
 
@@ -265,8 +266,8 @@ def _write_weights(
     writers: dict[int, ShardWriter] = {}
     filled: list[ShardWriter] = []  # every tensor handed over; copies may still run
     try:
-        with CopyPool() as pool, tqdm(total=total, unit="B", unit_scale=True, desc="export",
-                                      disable=not progress) as bar:  # fmt: skip
+        with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not progress) as bar, \
+                CopyPool(progress=(update := _locked(bar.update))) as pool:
             for group in groups:
                 raw = _raw_group(reader, group)
                 items = raw.items() if raw is not None else _convert_group(reader, model, group).items()
@@ -275,7 +276,10 @@ def _write_weights(
                     if i not in writers:
                         writers[i] = ShardWriter(tmp / names[i], {k: specs[k] for k in shards[i]}, pool)
                     w = writers[i]
-                    bar.update(w.copy(key, value) if raw is not None else w.write(key, value))
+                    if raw is not None:
+                        w.copy(key, value)  # the pool counts the bytes once they are copied
+                    else:
+                        update(w.write(key, value))
                     if not w.remaining:
                         filled.append(writers.pop(i))
                 filled = _close_finished(filled)
@@ -292,6 +296,17 @@ def _write_weights(
     params = sum(shape.numel() for shape, _ in specs.values())
     index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
     (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _locked(fn):
+    """``fn`` one call at a time (a progress bar updated from the copy threads and this one)."""
+    lock = threading.Lock()
+
+    def call(*args):
+        with lock:
+            return fn(*args)
+
+    return call
 
 
 def _close_finished(filled: list) -> list:
