@@ -23,19 +23,19 @@ gradients unsharded in the reduce dtype (fp32; bf16 with ``bf16``) until the ste
 weights ``master / dp + compute``, grads ``reduce + grad / dp``, optimizer ``adamw / dp`` (see
 :func:`param_bytes`): more dp shrinks a rank down to the 6 bytes (bf16-mixed) it cannot shard.
 
-Activations, bytes per token per decoder layer, from Korthikanti et al. 2022 ("Reducing
-Activation Recomputation in Large Transformer Models", eq. 1: ``s*b*h*(34 + 5*a*s/h)`` for 16-bit
-activations): ``34 * h``. Their ``5*a*s`` term is the stored attention scores; transformers' default
-SDPA attention runs fused kernels (flash / memory-efficient) that keep none, which is also what the
-paper's selective recomputation reaches. With ``full`` activation checkpointing a layer keeps
-only its input (``2 * h``), plus one layer's ``34 * h`` recomputed for one microbatch at a time;
-``selective`` checkpoints every other layer of a stage (the first, third, ...), as
-:class:`hfpipe.stage.PipelineStageModule` does. fp32 activations double every figure. The stage with the
+Activations, bytes per token per decoder layer: measured on transformers' own layer, one of each
+kind (dense, MoE, ...), by :mod:`hfpipe.plan_activations` (Korthikanti et al.'s ``34 * h`` for a
+GPT block under-prices these families 1.4x-8x; it remains the fallback). SDPA's fused kernels
+keep no T x T scores, so the bytes grow linearly with tokens. With ``full`` activation
+checkpointing a layer keeps only its input (the hidden states crossing a stage boundary: ``h``,
+or ``hc * h`` for DeepSeek-V4's streams), plus the largest layer recomputed for one microbatch at
+a time; ``selective`` checkpoints every other layer of a stage (the first, third, ...), as
+:class:`hfpipe.stage.PipelineStageModule` does. The stage with the
 head also keeps, per token, the logits in the compute dtype and cross-entropy's fp32
 log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32), unless the microbatch is larger
 than one chunk of :mod:`hfpipe.head_loss`: then it keeps the gradient of its hidden states
-(``h`` per token) and of the head (``vocab * h`` per microbatch). An MTP layer costs a layer plus
-its own logits.
+(``h`` per token) and of the head (``vocab * h`` per microbatch). MTP layers cost nothing: the
+loader skips them (transformers has no module to run them); a layout places them only by name.
 
 Microbatches in flight come from torch's own schedule (the action list each rank runs, as
 ``torch.distributed.pipelining`` builds it): a forward adds a microbatch to its stage, a full
@@ -48,11 +48,13 @@ action list. Bubble fractions are :func:`hfpipe.plan.bubble_fraction`'s analytic
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from hfpipe.head_loss import chunk_tokens
 from hfpipe.plan_actions import in_flight, schedule_actions
+from hfpipe.plan_activations import layer_bytes_per_token
 
 __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
@@ -116,6 +118,8 @@ class PlanReport:
     actions: tuple  # per rank, the (kind, stage, microbatch) steps of the schedule
     dp: int = 1  # data-parallel pipelines; > 1 shards each rank's state with FSDP2
     lora: str | None = None  # a LoRA run's adapters, in words (memory columns are then LoRA's)
+    layer_act: tuple[int, int] = (0, 0)  # fewest and most activation bytes a layer keeps per token
+    hidden: int = 0
 
 
 def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
@@ -172,11 +176,11 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     costs = layer_costs(config, seq_len)
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens = batch // m * seq_len
-    per_mb = [_stage_activations(config, s, tokens, dtype, activation_checkpointing)
+    per_layer = layer_bytes_per_token(config, dtype)
+    per_mb = [_stage_activations(config, s, tokens, dtype, activation_checkpointing, per_layer)
               for s in plan.stages]
     counts, peaks = in_flight(actions, per_mb)
-    recompute = tokens * 34 * config.hidden_size * _ACT_BYTES[dtype] // 2
-    extra = recompute if activation_checkpointing != "none" else 0
+    extra = tokens * max(per_layer, default=0) if activation_checkpointing != "none" else 0  # one recompute
     mean_cost = sum(s.cost for s in plan.stages) / len(plan.stages) or 1.0
     stages = tuple(StageReport(
         s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
@@ -198,7 +202,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         schedule=schedule, microbatches=m, microbatch_size=batch // m, seq_len=seq_len,
         dtype=dtype, activation_checkpointing=activation_checkpointing, stages=stages,
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
-        actions=actions, dp=dp, lora=lora)
+        actions=actions, dp=dp, lora=lora, layer_act=(min(per_layer, default=0), max(per_layer, default=0)),
+        hidden=config.hidden_size)
 
 
 #: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
@@ -223,24 +228,28 @@ def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:
 
 
 def _stage_params(stage, costs) -> int:
+    # MTP layers cost nothing: the loader skips them (transformers has no module to run them)
     return (costs.embed_params * stage.embed + sum(costs.layer_params[i] for i in stage.layers)
-            + costs.mtp_params * len(stage.mtp) + costs.head_params * stage.head)
+            + costs.head_params * stage.head)
 
 
-def _stage_activations(config, stage, tokens: int, dtype: str, ac: str) -> int:
+def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...]) -> int:
     """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward."""
-    h, scale = config.hidden_size, _ACT_BYTES[dtype] / 2
-    n = len(stage.layers)
-    stored = {"none": 0, "full": n, "selective": (n + 1) // 2}[ac]  # layers recomputed in backward
-    layers = (2 * stored + 34 * (n - stored + len(stage.mtp))) * h * scale
-    logits = config.vocab_size * (_ACT_BYTES[dtype] + 4)
+    from hfpipe.models import get_adapter
+
+    act = _ACT_BYTES[dtype]
+    boundary = math.prod(get_adapter(config).hidden_shape(config, 1, 1)[2:]) * act  # a layer's input
+    checkpointed = {"none": 0, "full": 1, "selective": 2}[ac]  # every layer, or every other one
+    layers = sum(boundary if checkpointed and j % checkpointed == 0 else per_layer[i]
+                 for j, i in enumerate(stage.layers))
+    logits = config.vocab_size * (act + 4)
+    h = config.hidden_size
     if stage.head and 0 < chunk_tokens(config.vocab_size) < tokens:
         # hfpipe.head_loss: no logits kept, but the hidden states' gradient and the head's
         # (vocab x hidden) gradient wait for the backward (one chunk's logits are transient)
-        kept = tokens * h * _ACT_BYTES[dtype] + config.vocab_size * h * _ACT_BYTES[dtype]
-        return int((layers + logits * len(stage.mtp)) * tokens + kept)
-    per_token = layers + logits * (stage.head + len(stage.mtp))
-    return int(per_token * tokens)
+        kept = tokens * h * act + config.vocab_size * h * act
+        return int(layers * tokens + kept)
+    return int((layers + logits * stage.head) * tokens)
 
 
 def _rank_report(rank: int, plan, stages, costs, config, per_param, activations: int) -> RankReport:
@@ -341,6 +350,11 @@ def _table(header: list[str], rows: list[list], left: int = -1) -> list[str]:
     return [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
 
 
+def _per_layer(r: PlanReport) -> str:
+    low, high = (f"{b / max(1, r.hidden):.1f}*hidden B" for b in r.layer_act)
+    return low if low == high else f"{low} to {high}"
+
+
 def format_report(report: PlanReport) -> str:
     """The report as plain-text tables: stages, then ranks, then balance and bubble."""
     r, plan = report, report.plan
@@ -369,7 +383,7 @@ def format_report(report: PlanReport) -> str:
         f"bubble {100 * r.bubble:.1f}% of each step idle ({r.schedule}, analytic)",
         f"peak memory {_size(worst.total_bytes)} on rank {worst.rank}",
         f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "
-        f"~34*hidden bytes/token/layer (Korthikanti et al. 2022, SDPA), logits on the head stage",
+        f"{_per_layer(r)} per token per layer (measured on transformers' layer), logits on the head stage",
     ]
     if r.lora:
         lines.append(r.lora)

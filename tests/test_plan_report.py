@@ -65,19 +65,24 @@ def test_weights_grads_and_optimizer_bytes_follow_the_dtype(dtype):
         assert rank.total_bytes == (w + g + o) * rank.params + rank.activation_bytes
 
 
-def test_activations_are_34_h_per_token_per_layer_plus_logits_on_the_head():
+def test_activations_are_each_layers_measured_bytes_plus_logits_on_the_head():
+    from hfpipe.plan_activations import layer_bytes_per_token
+
     config = llama(layers=4)
     h, vocab, seq, mb_size = config.hidden_size, config.vocab_size, 16, 3
     report = plan_report(config, 2, seq_len=seq, batch_size=2 * mb_size, dtype="bf16-mixed")
+    per_layer = layer_bytes_per_token(config, "bf16-mixed")
     tokens = mb_size * seq
     first, last = report.stages
-    assert first.activation_bytes_per_microbatch == 34 * h * 2 * tokens  # two layers
-    assert last.activation_bytes_per_microbatch == (34 * h * 2 + vocab * (2 + 4)) * tokens
+    assert first.activation_bytes_per_microbatch == sum(per_layer[:2]) * tokens  # two layers
+    assert last.activation_bytes_per_microbatch == (sum(per_layer[2:]) + vocab * (2 + 4)) * tokens
     fp32 = plan_report(config, 2, seq_len=seq, batch_size=2 * mb_size, dtype="fp32").stages[0]
-    assert fp32.activation_bytes_per_microbatch == 2 * first.activation_bytes_per_microbatch
+    assert fp32.activation_bytes_per_microbatch > first.activation_bytes_per_microbatch
     full = plan_report(config, 2, seq_len=seq, batch_size=2 * mb_size, activation_checkpointing="full")
     assert full.stages[0].activation_bytes_per_microbatch == 2 * h * 2 * tokens  # layer inputs only
     assert full.ranks[0].activation_bytes < report.ranks[0].activation_bytes
+    selective = plan_report(config, 2, seq_len=seq, batch_size=2 * mb_size, activation_checkpointing="selective")
+    assert selective.stages[0].activation_bytes_per_microbatch == (h * 2 + per_layer[1]) * tokens
 
 
 def in_flight(schedule, pp, m):
