@@ -186,7 +186,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
         s.cost / mean_cost, counts[s.index], per_mb[s.index],
         counts[s.index] * per_mb[s.index] + (extra if s.layers else 0)) for s in plan.stages)
-    ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, dp), peaks[r] + extra)
+    recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
+    ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, dp), peaks[r] + recomputes[r])
                   for r in range(pp))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
