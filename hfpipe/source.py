@@ -66,8 +66,9 @@ def load_tokenizer(folder: str | Path, *, trust_remote_code: bool = False):
         if "trust_remote_code" in str(e):
             raise SourceError(f"{folder}: the tokenizer needs remote code; pass --trust-remote-code "
                               "if you trust it") from None
-        raise SourceError(f"{folder}: no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                          "add the base model's tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise SourceError(f"{folder}: no usable tokenizer ({type(e).__name__}: {why}); add the base model's "
+                          "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
 
 
 @dataclass
