@@ -18,8 +18,10 @@ Reading the numbers: with the checkpoint in the page cache, ``cp`` is one in-ker
 (hfpipe.checkpoint.dcp_raw), in 64 MiB pieces on every core, and writes the rest (converted or
 cast tensors) from memory into shards whose headers it wrote first (hfpipe.checkpoint.hf_writer);
 what remains is fixed cost: DCP metadata, planning on a meta model, transformers' conversion
-tables. Each round syncs, times ``cp``, syncs, times export: dirty-page writeback otherwise moves
-either time by several x.
+tables. Each round syncs before timing ``cp``, the bare kernel copy (cp's syscall in this
+process, one thread) and export: dirty-page writeback otherwise moves any of them by several x.
+``cp`` itself still varies most here (0.5-1.5 s for the same 1.86 GB), so the ratio to the bare
+kernel copy is the steadier figure.
 """
 
 from __future__ import annotations
@@ -154,18 +156,38 @@ def _settle() -> None:
     time.sleep(0.5)
 
 
-def _side_by_side(work: Path, ckpt: str, a: argparse.Namespace) -> tuple[float, dict, list[float]]:
-    """Best cp, best export, and the per-round ratios: each round times cp, then export."""
-    cps, exports = [], []
+def _kernel_copy_seconds(src: Path, dst: Path) -> float:
+    """What ``cp`` does per file (one ``copy_file_range`` loop, one thread), without its process."""
+    t0 = time.perf_counter()
+    dst.mkdir()
+    for path in sorted(p for p in src.iterdir() if p.is_file()):
+        fi, fo = os.open(path, os.O_RDONLY), os.open(dst / path.name, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while os.copy_file_range(fi, fo, 1 << 30):
+                pass
+        finally:
+            os.close(fi)
+            os.close(fo)
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(dst)
+    return seconds
+
+
+def _side_by_side(work: Path, ckpt: str, a: argparse.Namespace) -> dict:
+    """Each round times cp, the bare kernel copy, then export; best of each and per-round ratios."""
+    cps, kernel, exports = [], [], []
     env = {"THP_MEM_ALLOC_ENABLE": "1"} if a.thp else None  # torch's CPU allocator: huge pages
     for i in range(a.repeat):
         _settle()
         cps.append(_cp_seconds(work / ckpt, work / f"cp-{i}"))
+        _settle()
+        kernel.append(_kernel_copy_seconds(work / ckpt, work / f"kc-{i}"))
         shutil.rmtree(work / "export", ignore_errors=True)
         _settle()
         exports.append(_child("export", str(work), ckpt, "--max-shard-size", a.max_shard_size, env=env))
-    ratios = [e["export_s"] / c for c, e in zip(cps, exports)]
-    return min(cps), min(exports, key=lambda r: r["export_s"]), ratios
+    return {"cp": min(cps), "kernel": min(kernel), "export": min(exports, key=lambda r: r["export_s"]),
+            "ratios": [e["export_s"] / c for c, e in zip(cps, exports)],
+            "kernel_ratios": [e["export_s"] / k for k, e in zip(kernel, exports)]}
 
 
 def main() -> None:
@@ -205,22 +227,27 @@ def _run(a: argparse.Namespace, work: Path) -> None:
     ckpt_bytes = _du(work / "ckpt")
     _cp_seconds(work / "ckpt", work / "cp-warm")  # warm the page cache for both contenders
     base = _child("baseline")
-    cp_s, exp, ratios = _side_by_side(work, "ckpt", a)
-    runs = [exp]
+    one = _side_by_side(work, "ckpt", a)
     _build_sharded(work)
-    cp2_s, exp2, ratios2 = _side_by_side(work, "ckpt-dp2pp2", a)
+    two = _side_by_side(work, "ckpt-dp2pp2", a)
+    exp, exp2 = one["export"], two["export"]
     shard = max(f.stat().st_size for f in (work / "export").glob("*.safetensors"))
     rss = max(r["maxrss"] for r in (exp, exp2)) - base["maxrss"]
     rows = [
         ("checkpoint size (DCP)", f"{ckpt_bytes / 1e9:.2f} GB" + ("  (THP_MEM_ALLOC_ENABLE=1)" if a.thp else "")),
-        (f"cp -r (best of {a.repeat}, page cache, no fsync)", f"{cp_s:.2f} s"),
+        (f"cp -r (best of {a.repeat}, page cache, no fsync)", f"{one['cp']:.2f} s"),
+        ("kernel copy, one thread (cp's copy_file_range, no process)", f"{one['kernel']:.2f} s"),
         ("imports (python, torch, transformers + its conversion tables)", f"{exp['import_s']:.2f} s"),
         (f"export call (after imports, best of {a.repeat}; {_copiers()} copy threads)", f"{exp['export_s']:.2f} s"),
         ("export process (incl. python + imports)", f"{exp['wall_s']:.2f} s"),
-        ("time ratio: export call / cp", f"{exp['export_s'] / cp_s:.2f}  (goal <= 1.5){_spread(ratios)}"),
-        ("time ratio: export process / cp", f"{exp['wall_s'] / cp_s:.2f}"),
-        ("dp=2 x pp=2 checkpoint: cp -r / export call", f"{cp2_s:.2f} s / {exp2['export_s']:.2f} s"),
-        ("time ratio (dp x pp): export call / cp", f"{exp2['export_s'] / cp2_s:.2f}  (goal <= 1.5){_spread(ratios2)}"),
+        ("time ratio: export call / cp", f"{exp['export_s'] / one['cp']:.2f}  (goal <= 1.5){_spread(one['ratios'])}"),
+        ("time ratio: export call / kernel copy", f"{exp['export_s'] / one['kernel']:.2f}{_spread(one['kernel_ratios'])}"),
+        ("time ratio: export process / cp", f"{exp['wall_s'] / one['cp']:.2f}"),
+        ("dp=2 x pp=2 checkpoint: cp -r / kernel copy / export call",
+         f"{two['cp']:.2f} s / {two['kernel']:.2f} s / {exp2['export_s']:.2f} s"),
+        ("time ratio (dp x pp): export call / cp", f"{exp2['export_s'] / two['cp']:.2f}  (goal <= 1.5){_spread(two['ratios'])}"),
+        ("time ratio (dp x pp): export call / kernel copy",
+         f"{exp2['export_s'] / two['kernel']:.2f}{_spread(two['kernel_ratios'])}"),
         ("largest shard", f"{shard / 1e6:.0f} MB (max_shard_size {a.max_shard_size})"),
         ("peak RSS export / bare torch", f"{(rss + base['maxrss']) / 1e6:.0f} MB / {base['maxrss'] / 1e6:.0f} MB"),
         ("memory ratio: (export - bare) / shard", f"{rss / shard:.2f}  (goal <= 1.5)"),
