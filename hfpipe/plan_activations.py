@@ -41,8 +41,9 @@ def layer_bytes_per_token(config, dtype: str) -> tuple[int, ...]:
 def _measure_all(key: str, config_cls, dtype: str) -> tuple[int, ...]:
     from hfpipe.stage import build_meta_model, model_config
 
-    config = config_cls.from_dict(json.loads(key))
+    fields = json.loads(key)
     try:
+        config = config_cls.from_dict(fields)
         layers = build_meta_model(model_config(config)).model.layers
         by_kind: dict[str, int] = {}
         out = []
@@ -54,9 +55,9 @@ def _measure_all(key: str, config_cls, dtype: str) -> tuple[int, ...]:
         return tuple(out)
     except Exception as e:  # noqa: BLE001 - a family the measurement cannot run gets the formula
         log.info("activation memory of %s by formula (measuring a layer failed: %s: %s)",
-                 config.model_type, type(e).__name__, (str(e).splitlines() or [""])[0][:200])
-        per = 34 * config.hidden_size * (4 if dtype == "fp32" else 2) // 2
-        return (per,) * config.num_hidden_layers
+                 fields.get("model_type"), type(e).__name__, (str(e).splitlines() or [""])[0][:200])
+        per = 34 * fields["hidden_size"] * (4 if dtype == "fp32" else 2) // 2
+        return (per,) * fields["num_hidden_layers"]
 
 
 def _signature(config, index: int, layer) -> str:
@@ -77,7 +78,8 @@ def _measure_layer(config, index: int, dtype: torch.dtype) -> int:
     (stage,) = build_stage_modules(cfg, [StageSpec(0, (index,), embed=False, head=False)], dtype)
     _materialise(stage, dtype)
     adapter = get_adapter(cfg)
-    x = torch.randn(adapter.hidden_shape(cfg, 1, _TOKENS), dtype=dtype, requires_grad=True)
+    rng = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
+    x = torch.randn(adapter.hidden_shape(cfg, 1, _TOKENS), generator=rng, dtype=dtype, requires_grad=True)
     extra = {"input_ids": torch.zeros(1, _TOKENS, dtype=torch.long)} if adapter.layer_inputs else {}
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     kept: dict[int, int] = {}

@@ -73,3 +73,21 @@ def test_a_256_expert_deepseek_v3_layer_is_measured_in_little_memory():
     assert 2.0 < dense / (34 * h) < 3.0  # 42 h elements against the formula's 17
     assert 3.5 < moe / (34 * h) < 4.5  # the router and 8 experts per token
     assert got["maxrss"] < 2e9  # one MoE layer holds 11e9 parameters; the measurement allocates none
+
+
+def test_measuring_leaves_the_callers_random_state_alone_and_a_failure_falls_back_to_the_formula(monkeypatch):
+    from hfpipe import plan_activations
+
+    plan_activations._measure_all.cache_clear()  # so that this call really measures
+    torch.manual_seed(1)
+    want = torch.rand(3)
+    torch.manual_seed(1)
+    layer_bytes_per_token(tiny_config("qwen3"), "bf16")
+    assert torch.equal(torch.rand(3), want)
+
+    def broken(*args):
+        raise RuntimeError("this family's layer needs an input hfpipe does not make")
+
+    monkeypatch.setattr(plan_activations, "_measure_layer", broken)
+    config = tiny_config("llama", num_hidden_layers=3, hidden_size=96)
+    assert layer_bytes_per_token(config, "bf16") == (34 * 96,) * 3
