@@ -43,14 +43,14 @@ def _measure_all(key: str, config_cls, dtype: str) -> tuple[int, ...]:
 
     fields = json.loads(key)
     try:
-        config = config_cls.from_dict(fields)
-        layers = build_meta_model(model_config(config)).model.layers
+        config = model_config(config_cls.from_dict(fields))
+        full = build_meta_model(config, _DTYPES[dtype])
         by_kind: dict[str, int] = {}
         out = []
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(full.model.layers):
             kind = _signature(config, i, layer)
             if kind not in by_kind:
-                by_kind[kind] = _measure_layer(config, i, _DTYPES[dtype])
+                by_kind[kind] = _measure_layer(config, full, i, _DTYPES[dtype])
             out.append(by_kind[kind])
         return tuple(out)
     except Exception as e:  # noqa: BLE001 - a family the measurement cannot run gets the formula
@@ -68,14 +68,17 @@ def _signature(config, index: int, layer) -> str:
     return json.dumps([classes, shapes, kinds[index] if kinds else None])
 
 
-def _measure_layer(config, index: int, dtype: torch.dtype) -> int:
-    """Bytes autograd keeps, per token, when hfpipe's one-layer stage runs ``_TOKENS`` tokens."""
+def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
+    """Bytes autograd keeps, per token, when hfpipe's one-layer stage runs ``_TOKENS`` tokens.
+
+    The stage takes its modules from ``full`` (the meta model) and gives them real buffers and
+    zero-stride parameters, as loading would give them weights.
+    """
     from hfpipe.models import get_adapter
     from hfpipe.plan import StageSpec
-    from hfpipe.stage import build_stage_modules, model_config
+    from hfpipe.stage import PipelineStageModule
 
-    cfg = model_config(config)
-    (stage,) = build_stage_modules(cfg, [StageSpec(0, (index,), embed=False, head=False)], dtype)
+    stage = PipelineStageModule(StageSpec(0, (index,), embed=False, head=False), cfg, full)
     _materialise(stage, dtype)
     adapter = get_adapter(cfg)
     rng = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
