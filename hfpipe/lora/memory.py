@@ -51,17 +51,16 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
     """
     import dataclasses
 
-    from hfpipe.plan_report import BYTES_PER_PARAM, fsdp_bytes
+    from hfpipe.plan_report import fsdp_bytes, param_bytes
 
     n = sum(counts.get("embed", 0) * s.embed + counts.get("head", 0) * s.head
             + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)
     base = rank_report.params
-    if dp == 1:  # bf16-mixed keeps fp32 masters and the bf16 copy; nothing else changes per weight
-        base_w, (w, g, o) = BYTES_PER_PARAM[dtype][0], (4, 4, 8)
-    else:
-        master, compute, _, _ = fsdp_bytes(dtype)
-        base_w = master / dp + compute
-        w, g, o = 4 / dp + compute, 4 + 4 / dp, 8 / dp  # adapters: fp32 masters, grads and moments
+    base_w = param_bytes(dtype, dp)[0]  # a frozen weight costs what a full run's weight costs
+    if dp == 1:
+        w, g, o = 4, 4, 8
+    else:  # adapters: fp32 masters, grads and moments, sharded as param_bytes shards a full run's
+        w, g, o = 4 / dp + fsdp_bytes(dtype)[1], 4 + 4 / dp, 8 / dp
     return dataclasses.replace(rank_report, weight_bytes=int(base * base_w + w * n),
                                grad_bytes=int(g * n), optimizer_bytes=int(o * n)), n
 
