@@ -264,11 +264,9 @@ def _spread(ratios: list[float]) -> str:
 
 def _copiers() -> int:
     sys.path.insert(0, str(REPO))
-    from hfpipe.checkpoint.dcp_raw import CopyPool
+    from hfpipe.checkpoint.dcp_raw import default_workers
 
-    pool = CopyPool()
-    with pool:
-        return pool.workers
+    return default_workers()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-__all__ = ["CopyPool", "RawSpan", "copy_span", "raw_spans"]
+__all__ = ["CopyPool", "RawSpan", "copy_span", "default_workers", "raw_spans"]
 
 _RECORD = re.compile(r"(^|/)data/\d+$")
 
@@ -93,6 +93,12 @@ def copy_span(src_fd: int, dst_fd: int, nbytes: int, src_offset: int, dst_offset
         done += n
 
 
+def default_workers() -> int:
+    """Copy threads: the cores this process may use, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores))
+
+
 class CopyPool:
     """Kernel copies (:func:`copy_span`) into several files at once, one file per thread.
 
@@ -109,8 +115,7 @@ class CopyPool:
     """
 
     def __init__(self, workers: int | None = None, progress=None):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.workers = workers or max(1, min(8, cores))
+        self.workers = workers or default_workers()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="hfpipe-copy")
         self._queue: collections.deque[Future] = collections.deque()
         self._progress = progress
