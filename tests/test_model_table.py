@@ -18,7 +18,7 @@ import torch
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.tiny import TABLE_KINDS, TINY_KINDS
 from test_stage_equivalence import logit_batches
-from test_train_equivalence import check_equal, make_batches, HP
+from test_train_equivalence import HP, check_equal, make_batches, train_reference
 
 LAYERS = 4
 TOL = 1e-5
@@ -49,22 +49,10 @@ def _reference(path: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         logits = {n: model.eval()(**b, use_cache=False).logits for n, b in logit_batches(model.config.vocab_size).items()}
-    model.train()
-    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt, sched = _optimizer(list(model.named_parameters()), lr_total_steps=STEPS)
-    losses, norms = [], []
-    for (batch,) in make_batches(model.config.vocab_size, steps=STEPS):
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), HP["max_grad_norm"])))
-        losses.append(float(loss.detach()))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    moved = max((weights[k] - start[k]).abs().max().item() for k in weights)
-    assert moved > 100 * TOL, "training did not move the weights: agreement would be trivial"
-    return {"logits": logits, "loss": losses, "norm": norms, "weights": weights}
+    run = train_reference(model, (b for (b,) in make_batches(model.config.vocab_size, steps=STEPS)), opt, sched)
+    assert run["moved"] > 100 * TOL, "training did not move the weights: agreement would be trivial"
+    return {"logits": logits, "loss": run["loss"], "norm": run["norm"], "weights": run["weights"]}
 
 
 def _worker(paths: dict[str, str], pp: int, schedule: str, layout: str | None) -> dict:

@@ -60,13 +60,19 @@ def reference_run(path, dp: int = 1) -> dict:
     """Single-process transformers: full batch, mean loss over valid tokens, same optimizer."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path).train()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    batches = ({k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+               for shards in make_batches(model.config.vocab_size, dp=dp))
+    return train_reference(model, batches, *_optimizer(list(model.named_parameters())))
+
+
+def train_reference(model, batches, opt, sched) -> dict:
+    """transformers' own training loop: per-step loss and clipped grad norm, the final weights
+    and the largest distance any weight moved."""
+    model.train()
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    named = [(n, p) for n, p in model.named_parameters()]
-    opt, sched = _optimizer(named)
     losses, norms = [], []
-    for shards in make_batches(model.config.vocab_size, dp=dp):
-        batch = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+    for batch in batches:
         loss = model(**batch, use_cache=False).loss
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), HP["max_grad_norm"])))
