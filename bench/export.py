@@ -68,7 +68,7 @@ def _save_sharded(src: str, ckpt: str) -> None:
     from safetensors import safe_open
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     d = init_distributed(2, 2)
     state = {}
@@ -83,7 +83,7 @@ def _save_sharded(src: str, ckpt: str) -> None:
 def _build_sharded(work: Path) -> None:
     """The same model saved by a dp=2 x pp=2 job: 4 ranks, every tensor in 2 DCP chunks."""
     sys.path.insert(0, str(REPO))
-    from hfpipe.launch import launch
+    from hfpipe.parallel.launch import launch
 
     launch(_save_sharded, 4, str(work / "source"), str(work / "ckpt-dp2pp2"), threads_per_rank=1)
     shutil.copy(work / "ckpt" / "hfpipe.json", work / "ckpt-dp2pp2" / "hfpipe.json")

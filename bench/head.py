@@ -1,9 +1,9 @@
-"""Benchmark: the last stage's loss with and without token chunks (hfpipe.head_loss), on CPU.
+"""Benchmark: the last stage's loss with and without token chunks (hfpipe.pipeline.head_loss), on CPU.
 
 Builds hfpipe's own last stage (``model.norm`` + ``lm_head``, no decoder layers, so the head is
 all there is to measure) of a random Llama with a Llama-3 vocabulary (128256) and runs one
 microbatch of 1 x 4096 tokens through it the way the pipeline does: the stage's forward, the
-output kept until backward (as torch's ``PipelineStage`` keeps it), :class:`hfpipe.pipeline.TokenLoss`,
+output kept until backward (as torch's ``PipelineStage`` keeps it), :class:`hfpipe.pipeline.schedule.TokenLoss`,
 backward. Two figures, each variant against the other:
 
 - peak memory of the head's loss computation: peak RSS during the step minus RSS just before it,
@@ -36,8 +36,8 @@ def _stage(a):
     import torch
     from transformers import LlamaConfig
 
-    from hfpipe.plan import StageSpec
-    from hfpipe.stage import build_stage_modules
+    from hfpipe.plan.split import StageSpec
+    from hfpipe.pipeline.stage import build_stage_modules
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
@@ -75,8 +75,8 @@ def _rss() -> int:
 def _child(a) -> dict:
     import torch
 
-    from hfpipe.head_loss import chunk_tokens
-    from hfpipe.pipeline import TokenLoss
+    from hfpipe.pipeline.head_loss import chunk_tokens
+    from hfpipe.pipeline.schedule import TokenLoss
 
     torch.set_num_threads(a.threads)
     stage = _stage(a)

@@ -93,10 +93,10 @@ def _rank(folder: Path, pp: int, rank: int, dtype: str) -> dict:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from hfpipe.loader import load_rank_stages
-    from hfpipe.plan import plan_pipeline
-    from hfpipe.source import ModelSource
-    from hfpipe.stage import build_meta_model
+    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
+    from hfpipe.pipeline.stage import build_meta_model
 
     src = ModelSource.open(folder)
     plan = plan_pipeline(src.config, pp)
@@ -144,9 +144,9 @@ def _baseline() -> dict:
 def _ready(folder: Path, pp: int) -> dict:
     """Child: everything a loading process does before its first weight (imports, config, plan, meta)."""
     sys.path.insert(0, str(REPO))
-    from hfpipe.plan import plan_pipeline
-    from hfpipe.source import ModelSource
-    from hfpipe.stage import build_meta_model
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
+    from hfpipe.pipeline.stage import build_meta_model
 
     src = ModelSource.open(folder)
     plan_pipeline(src.config, pp)

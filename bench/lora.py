@@ -45,7 +45,7 @@ def _worker(path: str, mode: str, out: str, steps: int, batch: int, seq: int) ->
     import torch.distributed as dist
 
     from hfpipe.api import load_pipeline
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
     from hfpipe.lora import lora_config
     from hfpipe.train.optim import build_optimizer
 
@@ -84,7 +84,7 @@ def _model(work: Path, hidden: int, layers: int, vocab: int) -> Path:
 
 
 def _run(path: Path, mode: str, work: Path, args) -> dict:
-    from hfpipe.launch import launch
+    from hfpipe.parallel.launch import launch
 
     results = launch(_worker, 2, str(path), mode, str(work / f"ckpt-{mode}"), args.steps, args.batch, args.seq,
                      threads_per_rank=args.threads)

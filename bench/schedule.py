@@ -151,7 +151,7 @@ def _stage_train(module, batch: dict, a: dict, denominator: float):
     """A function running this stage's module alone: forward+backward of each microbatch."""
     import torch
 
-    from hfpipe.pipeline import token_loss_sum
+    from hfpipe.pipeline.schedule import token_loss_sum
 
     chunks, xs = _microbatches(module, batch, a)
     grads = None if module.is_last else [torch.randn(a["microbatch"], a["seq"], module.config.hidden_size)
@@ -173,7 +173,7 @@ def _stage_train(module, batch: dict, a: dict, denominator: float):
 def _train_fns(pm, batch: dict, a: dict) -> dict:
     import torch
 
-    from hfpipe.pipeline import count_tokens
+    from hfpipe.pipeline.schedule import count_tokens
 
     denominator = count_tokens(batch["labels"])
     trainer = pm.trainer(torch.optim.AdamW(pm.parameters(), lr=1e-5), max_grad_norm=1.0)
@@ -193,7 +193,7 @@ def _shape_fns(pm, a: dict) -> dict:
     """Two 1F1B steps at seq -/+ seq/4 (a new shape every step) vs two at seq: the same tokens."""
     import torch
 
-    from hfpipe.pipeline import count_tokens
+    from hfpipe.pipeline.schedule import count_tokens
 
     short, long = a["seq"] - a["seq"] // 4, a["seq"] + a["seq"] // 4
     batches = {n: _batch({**a, "seq": n}) for n in (short, a["seq"], long)}
@@ -431,7 +431,7 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/hfpipe-bench-schedule", help="checkpoint cache; raw times go here")
     args = p.parse_args()
 
-    from hfpipe.launch import launch
+    from hfpipe.parallel.launch import launch
 
     dims = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                 num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=args.seq)

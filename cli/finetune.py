@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hfpipe.config import FinetuneConfig, field_help
+from hfpipe.config.run import FinetuneConfig, field_help
 
 __all__ = ["FIELD_HELP", "build_config", "finetune", "resume_command"]
 

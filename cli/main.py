@@ -27,7 +27,7 @@ from hfpipe.cli.finetune import finetune, resume_command
 from hfpipe.cli.generate import chat, generate
 from hfpipe.cli.plan import plan
 from hfpipe.cli.recipes import recipes
-from hfpipe.train.signals import Interrupted
+from hfpipe.parallel.signals import Interrupted
 
 try:  # typer >= 0.24 ships its own copy of click
     from typer._click.exceptions import NoArgsIsHelpError, UsageError

@@ -56,8 +56,8 @@ def plan(
     """Plan the pipeline stages of a finetune run and print each rank's parameters, memory
     (weights, gradients, AdamW state, activations; dp sharding counted), the balance and the
     schedule's bubble; with --gpu-memory, whether each rank fits and what would make it fit."""
-    from hfpipe.plan_fit import format_fit, parse_memory, report_for, suggest
-    from hfpipe.plan_report import format_report, load_model_config
+    from hfpipe.plan.fit import format_fit, parse_memory, report_for, suggest
+    from hfpipe.plan.report import format_report, load_model_config
 
     given = {k: v for k, v in locals().items() if k in _FIELDS and v is not None}
     if model is not None:

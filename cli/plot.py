@@ -15,9 +15,9 @@ import colorsys
 import os
 from pathlib import Path
 
-from hfpipe.plan import PlanError
-from hfpipe.plan_actions import timeline
-from hfpipe.plan_report import PlanReport
+from hfpipe.plan.split import PlanError
+from hfpipe.plan.actions import timeline
+from hfpipe.plan.report import PlanReport
 
 __all__ = ["require_matplotlib", "save_png", "stage_colors"]
 

@@ -12,7 +12,7 @@ def __getattr__(name):
 
         return getattr(api, name)
     if name == "plan_pipeline":
-        from hfpipe.plan import plan_pipeline
+        from hfpipe.plan.split import plan_pipeline
 
         return plan_pipeline
     raise AttributeError(f"module 'hfpipe' has no attribute {name!r}")

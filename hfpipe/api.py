@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hfpipe.distributed import Dist, init_distributed
-from hfpipe.loader import load_rank_stages
+from hfpipe.parallel.mesh import Dist, init_distributed
+from hfpipe.pipeline.load import load_rank_stages
 from hfpipe.models import get_adapter
-from hfpipe.pipeline import Pipeline, PipelineError, check_microbatches, schedule_style
-from hfpipe.plan import Plan, plan_pipeline
-from hfpipe.source import ModelSource
+from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_microbatches, schedule_style
+from hfpipe.plan.split import Plan, plan_pipeline
+from hfpipe.source.folder import ModelSource
 from hfpipe.train.step import PipelineTrainer, tied_groups
 
 __all__ = ["PipelineModel", "load_pipeline", "DTYPES"]
@@ -182,9 +182,9 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
         pp: Pipeline ranks (default: WORLD_SIZE / dp).
         dp: Data-parallel replicas (FSDP2 over the dp dimension).
         vpp: Stages per rank (default 1, or 2 for multi-stage schedules).
-        schedule: A name from :data:`hfpipe.pipeline.SCHEDULES`.
+        schedule: A name from :data:`hfpipe.pipeline.schedule.SCHEDULES`.
         microbatches: Microbatches per step (default: the number of stages).
-        method, layout: How to split the layers (see :func:`hfpipe.plan.plan_pipeline`).
+        method, layout: How to split the layers (see :func:`hfpipe.plan.split.plan_pipeline`).
         dtype: ``fp32``, ``bf16-mixed`` (fp32 master weights, bf16 compute) or ``bf16``.
         activation_checkpointing: ``none``, ``full`` (every layer) or ``selective`` (every other layer).
         trust_remote_code: Allow configs that need remote code.
@@ -193,7 +193,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
             ``parameters()`` then yields only the adapters.
         seed: Seeds the LoRA adapters' initialisation (per adapter, whatever the pipeline size).
         loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
-            chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.head_loss`.
+            chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.pipeline.head_loss`.
     """
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)

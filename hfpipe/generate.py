@@ -43,7 +43,7 @@ def load_generator(model: str | Path, *, dtype: str = "auto", source: str | Path
         GenerateError, CheckpointError, ExportError, SourceError: the message names the fix.
     """
     from hfpipe.checkpoint.find import find_checkpoint, is_checkpoint_like
-    from hfpipe.source import load_tokenizer
+    from hfpipe.source.folder import load_tokenizer
 
     if dtype not in _DTYPES:
         raise GenerateError(f"--dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
@@ -90,8 +90,8 @@ def _from_checkpoint(ckpt: Path, source: str | Path | None, trust_remote_code: b
 
     from hfpipe.checkpoint.dcp_reader import _DcpReader
     from hfpipe.checkpoint.export import read_checkpoint_meta
-    from hfpipe.source import load_config
-    from hfpipe.stage import build_meta_model
+    from hfpipe.source.folder import load_config
+    from hfpipe.pipeline.stage import build_meta_model
 
     meta = read_checkpoint_meta(ckpt)
     if meta.get("lora"):

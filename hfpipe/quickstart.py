@@ -40,7 +40,7 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 120, pp: i
         lora: Train rank-16 LoRA adapters (``run-lora/``; the export is a PEFT adapter folder,
             verified against ``PeftModel``) instead of every weight.
     """
-    from hfpipe.options import OptionError, require_positive
+    from hfpipe.config.options import OptionError, require_positive
 
     out = Path(out)
     require_positive(steps=steps, pp=pp)
@@ -101,7 +101,7 @@ def _clear_previous_run(run: Path, echo) -> None:
     if not run.exists():
         return
     if not ((run / "checkpoints").is_dir() or (run / "metrics.jsonl").is_file()):
-        from hfpipe.config import ConfigError
+        from hfpipe.config.run import ConfigError
 
         raise ConfigError(f"{run} exists and is not a quickstart run; choose another --out")
     shutil.rmtree(run)
@@ -109,7 +109,7 @@ def _clear_previous_run(run: Path, echo) -> None:
 
 
 def _finetune(base: Path, run: Path, steps: int, pp: int, echo, lora: bool) -> tuple[float, float]:
-    from hfpipe.config import FinetuneConfig
+    from hfpipe.config.run import FinetuneConfig
     from hfpipe.train.runner import finetune
 
     # LoRA trains far fewer weights: a higher learning rate reaches the same answers in as many steps.

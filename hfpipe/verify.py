@@ -72,15 +72,15 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
         SourceError, LoadError, PlanError, PipelineError, UnsupportedModelError: the folder or
             the options cannot be used (one line saying what to fix).
     """
-    from hfpipe.launch import launch
+    from hfpipe.parallel.launch import launch
     from hfpipe.models import get_adapter
-    from hfpipe.pipeline import PipelineError, check_microbatches, schedule_style
-    from hfpipe.plan import plan_pipeline
-    from hfpipe.source import ModelSource
+    from hfpipe.pipeline.schedule import PipelineError, check_microbatches, schedule_style
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
 
     from hfpipe.data import check_seq_len
     from hfpipe.lora.folder import read_adapter_folder
-    from hfpipe.options import require_positive, require_tolerance
+    from hfpipe.config.options import require_positive, require_tolerance
 
     for flag, value in (("--seq-len", seq_len), ("--batch-size", 1 if batch is None else batch)):
         if value < 1:
@@ -108,7 +108,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
 
 def _check_shards(source) -> None:
     """Every shard the index names exists, has a readable header and all its bytes."""
-    from hfpipe.source import SourceError
+    from hfpipe.source.folder import SourceError
 
     for name in sorted(set(source.weight_map.values())):
         header = source.header(name)  # SourceError if missing or the header is corrupt
@@ -154,7 +154,7 @@ def _reference_logits(folder: Path, inputs: dict, trust_remote_code: bool,
     """transformers' logits (fp32, one process), through PEFT with an adapter; the model is freed."""
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.loader import LoadError
+    from hfpipe.pipeline.load import LoadError
 
     with _quiet_transformers():
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -185,7 +185,7 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
     import torch.distributed as dist
 
     from hfpipe.api import load_pipeline
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     mesh = init_distributed(plan.pp)
     try:

@@ -6,7 +6,7 @@ import functools
 import tempfile
 from pathlib import Path
 
-from hfpipe.launch import launch
+from hfpipe.parallel.launch import launch
 
 TIMEOUT_S = 300
 

@@ -37,7 +37,7 @@ def ckpt(tiny, tmp_path_factory) -> Path:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.config import FinetuneConfig
+    from hfpipe.config.run import FinetuneConfig
 
     model = AutoModelForCausalLM.from_pretrained(tiny)
     root = tmp_path_factory.mktemp("run") / "out"
@@ -362,7 +362,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, ckpt, tmp_path, l
 
 
 def _hold(lock_file: Path, folder: Path):
-    from hfpipe.lock import FolderLock
+    from hfpipe.parallel.lock import FolderLock
 
     return FolderLock(lock_file, folder, "OUT").acquire()
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.checkpoint.dcp import CheckpointError, latest_checkpoint, load_checkpoint, resolve_resume
 from hfpipe.checkpoint.export import export_checkpoint
-from hfpipe.config import FinetuneConfig
+from hfpipe.config.run import FinetuneConfig
 from hfpipe.train.runner import finetune
 
 LAYERS = 4
@@ -119,7 +119,7 @@ def stages_to_dcp_worker(jobs: list[tuple[str, str]]) -> None:
     """Load each source into pp=3 stages and save them untouched as a step-0 checkpoint."""
     from hfpipe.api import load_pipeline
     from hfpipe.checkpoint.dcp import rank_view, save_checkpoint
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     dist_info = init_distributed(3)
     for source, root in jobs:
@@ -188,7 +188,7 @@ def reload_worker(ckpt: str, ids: torch.Tensor, sync_root: str, async_root: str)
     """
     from hfpipe.api import load_pipeline
     from hfpipe.checkpoint.dcp import rank_view, save_checkpoint
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
     from hfpipe.train.optim import build_optimizer
 
     meta = json.loads((Path(ckpt) / "hfpipe.json").read_text())
@@ -283,7 +283,7 @@ def save(state, *, checkpoint_id, **kwargs):
 PipelineTrainer.step, dcp.save = step, save
 
 if __name__ == "__main__":
-    from hfpipe.config import FinetuneConfig
+    from hfpipe.config.run import FinetuneConfig
     from hfpipe.train.runner import finetune
 
     finetune(FinetuneConfig.from_dict(json.loads(sys.argv[1])))

@@ -116,7 +116,7 @@ def test_version():
 
 
 def test_finetune_has_a_flag_for_every_config_field():
-    from hfpipe.config import FinetuneConfig
+    from hfpipe.config.run import FinetuneConfig
 
     names = {p.name for p in get_command(app).commands["finetune"].params}
     assert {f.name for f in FinetuneConfig.__dataclass_fields__.values()} <= names

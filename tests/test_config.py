@@ -7,7 +7,7 @@ import pytest
 import yaml
 from transformers import AutoConfig
 
-from hfpipe.config import (
+from hfpipe.config.run import (
     INTERLEAVED_SCHEDULES,
     SCHEDULES,
     V_SCHEDULES,

@@ -267,7 +267,7 @@ def test_eval_dataset_uses_the_same_format_options(tmp_path, tok):
 
 
 def test_columns_and_roles_come_from_flags_or_recipe_mappings(tmp_path):
-    from hfpipe.config import ConfigError, FinetuneConfig
+    from hfpipe.config.run import ConfigError, FinetuneConfig
 
     flags = FinetuneConfig(model="m", columns="question=prompt, answer=response", roles="bot=assistant")
     (tmp_path / "r.yaml").write_text("model: m\ncolumns: {question: prompt, answer: response}\n"

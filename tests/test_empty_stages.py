@@ -56,7 +56,7 @@ def _reference(path: str) -> dict:
 
 def _worker(path: str, pp: int, cases: list, out_root: str) -> dict:
     from hfpipe.api import load_pipeline
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     dist = init_distributed(pp)
     results = {}

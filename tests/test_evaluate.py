@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _dist import tiny_checkpoint
-from hfpipe.config import ConfigError, FinetuneConfig
+from hfpipe.config.run import ConfigError, FinetuneConfig
 from hfpipe.data import COLUMNS, IGNORE_INDEX, DataConfig, load_examples, load_splits
 from hfpipe.train.evaluate import eval_batches, eval_tokens
 

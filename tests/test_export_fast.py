@@ -45,7 +45,7 @@ def save_dp_sharded(src: str, ckpt: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     d = init_distributed(1, 2)
     model = AutoModelForCausalLM.from_pretrained(src)

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from _dist import tiny_checkpoint
 from hfpipe.cli.main import app
-from hfpipe.config import FinetuneConfig
+from hfpipe.config.run import FinetuneConfig
 from hfpipe.train.runner import finetune
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,7 +234,7 @@ def test_a_hung_rank_is_named_within_the_timeout(model, tmp_path):
 
 def fail_on_rank_1(kind: str) -> None:
     """Rank 1 fails (a user error, or a crash); rank 0 would have gone on."""
-    from hfpipe.source import SourceError
+    from hfpipe.source.folder import SourceError
 
     if os.environ["RANK"] == "1":
         raise SourceError("model-00002.safetensors: truncated shard; re-download it") if kind == "user" \
@@ -248,8 +248,8 @@ def fail_on_rank_1(kind: str) -> None:
                  marks=pytest.mark.slow),
 ])
 def test_an_error_inside_a_worker_reaches_the_user_as_one_line(kind, error, message, capfd):
-    from hfpipe import worker_errors
-    from hfpipe.launch import launch
+    from hfpipe.parallel import worker_errors
+    from hfpipe.parallel.launch import launch
 
     with pytest.raises(getattr(worker_errors, error)) as caught:
         launch(fail_on_rank_1, 2, kind, threads_per_rank=1)
@@ -310,7 +310,7 @@ def rank_of_this_process() -> str:
 def test_a_single_node_run_ignores_rdzv_endpoint_so_two_runs_never_join(caplog):
     import socket
 
-    from hfpipe.launch import launch
+    from hfpipe.parallel.launch import launch
 
     with socket.socket() as busy:  # another job's endpoint: a launch that used it would hang there
         busy.bind(("127.0.0.1", 0))

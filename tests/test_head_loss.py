@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _dist import run_ranks, tiny_checkpoint
-from hfpipe.head_loss import chunk_tokens, chunked_loss_sum
+from hfpipe.pipeline.head_loss import chunk_tokens, chunked_loss_sum
 from test_train_equivalence import check_equal, pipeline_worker, reference_run
 
 B, T, H, V = 2, 64, 8, 1000
@@ -119,7 +119,7 @@ def test_chunks_follow_a_logits_budget_and_can_be_turned_off(monkeypatch):
 
 def chunked_worker(*args) -> dict:
     """:func:`pipeline_worker`, failing unless the loss really ran in chunks."""
-    import hfpipe.pipeline as pipeline
+    import hfpipe.pipeline.schedule as pipeline
 
     calls = []
     plain = pipeline.chunked_loss_sum
@@ -162,8 +162,8 @@ def test_plan_counts_the_chunked_head(monkeypatch):
     """Llama-3 8B at 4096 tokens: the head stage keeps hidden and head gradients, not the logits."""
     from transformers import LlamaConfig
 
-    import hfpipe.head_loss as head_loss
-    from hfpipe.plan_report import plan_report
+    import hfpipe.pipeline.head_loss as head_loss
+    from hfpipe.plan.report import plan_report
 
     monkeypatch.delenv("HFPIPE_LOSS_CHUNK_TOKENS", raising=False)
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

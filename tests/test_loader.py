@@ -1,4 +1,4 @@
-"""Spec of the checkpoint loader (``hfpipe.source``, ``hfpipe.safetensors_io``, ``hfpipe.loader``).
+"""Spec of the checkpoint loader (``hfpipe.source.folder``, ``hfpipe.source.safetensors_io``, ``hfpipe.pipeline.load``).
 
 Each pipeline rank opens only the shards that hold its own tensors and reads only those tensors;
 what it loads is bit for bit what ``from_pretrained`` would put under the same names. Checkpoints
@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hfpipe.loader import LoadError, load_rank_stages
+from hfpipe.pipeline.load import LoadError, load_rank_stages
 from hfpipe.models import UnsupportedModelError
-from hfpipe.plan import Plan, StageSpec, plan_pipeline
-from hfpipe.source import ModelSource, SourceError
+from hfpipe.plan.split import Plan, StageSpec, plan_pipeline
+from hfpipe.source.folder import ModelSource, SourceError
 from hfpipe.tiny import TINY_KINDS, make_fp8_checkpoint, make_tiny_checkpoint
 
 CPU = torch.device("cpu")
@@ -194,7 +194,7 @@ def test_mtp_layer_tensors_are_skipped_with_a_log_line_and_never_read(tiny, tmp_
     folder = shutil.copytree(tiny("deepseek_v3"), tmp_path / "ckpt")
     n = ModelSource.open(folder).config.num_hidden_layers
     add_tensors(folder, mtp_tensors(n), "mtp.safetensors")
-    with caplog.at_level(logging.INFO, logger="hfpipe.loader"):
+    with caplog.at_level(logging.INFO, logger="hfpipe.pipeline.load"):
         ranks = load_all_ranks(folder, 2)
     for _, stats in ranks:
         assert stats.skipped_mtp == 6

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from hfpipe.config import ConfigError, FinetuneConfig
+from hfpipe.config.run import ConfigError, FinetuneConfig
 from hfpipe.train.logs import LINES, next_commands
 from hfpipe.train.progress import Reporter
 from hfpipe.train.step import StepResult

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
-from hfpipe.config import ConfigError, FinetuneConfig
+from hfpipe.config.run import ConfigError, FinetuneConfig
 from hfpipe.train.runner import finetune
 from test_checkpoint import (
     assert_same_state,
@@ -313,7 +313,7 @@ def test_a_lora_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch, mer
     import safetensors.torch
 
     from hfpipe.checkpoint import adapter
-    from hfpipe.lock import FolderBusyError, FolderLock
+    from hfpipe.parallel.lock import FolderBusyError, FolderLock
 
     base = tiny_checkpoint("llama", num_hidden_layers=2)
     ckpt = lora_checkpoint_from_peft(base, tmp_path / "step-00000003", "all-linear")

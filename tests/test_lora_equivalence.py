@@ -66,7 +66,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def pipeline_worker(path: str, pp: int, dp: int, schedules: tuple[str, ...], kw: dict, options: dict) -> dict:
     """Train LoRA ``len(batches)`` steps with each schedule; return measurements of this rank."""
     from hfpipe.api import load_pipeline
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     dist = init_distributed(pp, dp)
     results = {}

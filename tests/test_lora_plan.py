@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfpipe.config import FinetuneConfig, bundled_config_dir
-from hfpipe.plan_report import format_report, plan_report, BYTES_PER_PARAM
+from hfpipe.config.run import FinetuneConfig, bundled_config_dir
+from hfpipe.plan.report import format_report, plan_report, BYTES_PER_PARAM
 from hfpipe.tiny import tiny_config
 
 GIB = 1024**3

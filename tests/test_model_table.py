@@ -57,7 +57,7 @@ def _reference(path: str) -> dict:
 
 def _worker(paths: dict[str, str], pp: int, schedule: str, layout: str | None) -> dict:
     from hfpipe.api import load_pipeline
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     dist = init_distributed(pp)
     out = {}

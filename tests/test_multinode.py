@@ -118,7 +118,7 @@ def test_two_hosts_end_bitwise_equal_to_one(two_hosts, tmp_path, pp, dp):
 
 SLURM_WORKER = """
 import json, os
-from hfpipe.distributed import init_distributed
+from hfpipe.parallel.mesh import init_distributed
 d = init_distributed(2, 2)
 print(json.dumps({"rank": d.rank, "world": d.world, "pp_rank": d.pp_rank, "dp_rank": d.dp_rank,
                   "local_rank": int(os.environ["LOCAL_RANK"])}))
@@ -127,7 +127,7 @@ print(json.dumps({"rank": d.rank, "world": d.world, "pp_rank": d.pp_rank, "dp_ra
 
 def test_slurm_tasks_map_to_torch_ranks():
     """2 nodes x 2 tasks as srun starts them: the real entry (init_distributed) on each task."""
-    from hfpipe.distributed import _free_port
+    from hfpipe.parallel.mesh import _free_port
 
     port = str(_free_port())
     base = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
@@ -154,7 +154,7 @@ def test_slurm_tasks_map_to_torch_ranks():
 
 
 def test_the_first_node_of_a_slurm_job_hosts_the_rendezvous():
-    from hfpipe.distributed import first_host
+    from hfpipe.parallel.mesh import first_host
 
     assert first_host("gpu[07-08,10]") == "gpu07"
     assert first_host("node3,node4") == "node3"
@@ -170,7 +170,7 @@ SLURM_NODE_1 = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", 
 @pytest.mark.parametrize("env, node", [(TORCHRUN_NODE_1, (2, 1, 0)), (SLURM_NODE_1, (2, 1, 1)),
                                        ({"RANK": "0", "WORLD_SIZE": "1"}, (1, 0, 0))])
 def test_a_launched_worker_knows_its_node(monkeypatch, env, node):
-    from hfpipe.distributed import launched_node
+    from hfpipe.parallel.mesh import launched_node
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
@@ -181,8 +181,8 @@ def test_a_launched_worker_knows_its_node(monkeypatch, env, node):
 
 def test_under_torchrun_local_rank_0_holds_its_nodes_lock_and_a_busy_folder_is_refused(tmp_path, monkeypatch):
     """Two runs into one folder are refused under torchrun/srun too, node by node, before any work."""
-    from hfpipe.config import FinetuneConfig
-    from hfpipe.lock import FolderBusyError, run_lock
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.parallel.lock import FolderBusyError, run_lock
     from hfpipe.train import runner
 
     for k, v in TORCHRUN_NODE_1.items():  # rank 2 = local rank 0 of node 1 (of 2)

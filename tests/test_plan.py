@@ -1,4 +1,4 @@
-"""Spec of hfpipe.plan: how a model is split into pipeline stages, and why.
+"""Spec of hfpipe.plan.split: how a model is split into pipeline stages, and why.
 
 Everything here is pure: transformers configs in, plans out. Big models (Llama-3.1-70B,
 DeepSeek-V3 671B) are planned from their configs alone; the cost model builds them on the meta
@@ -14,7 +14,7 @@ import re
 import pytest
 from transformers import DeepseekV3Config, LlamaConfig
 
-from hfpipe.plan import (
+from hfpipe.plan.split import (
     SCHEDULES,
     PlanError,
     balanced_partition,

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from hfpipe.plan_activations import layer_bytes_per_token
+from hfpipe.plan.activations import layer_bytes_per_token
 from hfpipe.tiny import tiny_config
 
 TOKENS = 64
@@ -53,8 +53,8 @@ def test_a_layers_measured_bytes_are_what_transformers_keeps_for_backward(kind):
 MEASURE_V3 = """
 import json, resource
 from transformers import AutoConfig
-from hfpipe.config import bundled_config_dir
-from hfpipe.plan_activations import layer_bytes_per_token
+from hfpipe.config.run import bundled_config_dir
+from hfpipe.plan.activations import layer_bytes_per_token
 config = AutoConfig.from_pretrained(bundled_config_dir("deepseek-ai/DeepSeek-V3"))
 per_layer = layer_bytes_per_token(config, "bf16-mixed")
 print(json.dumps({"per_layer": per_layer, "h": config.hidden_size,
@@ -76,7 +76,7 @@ def test_a_256_expert_deepseek_v3_layer_is_measured_in_little_memory():
 
 
 def test_measuring_leaves_the_callers_random_state_alone_and_a_failure_falls_back_to_the_formula(monkeypatch):
-    from hfpipe import plan_activations
+    from hfpipe.plan import activations as plan_activations
 
     plan_activations._measure_all.cache_clear()  # so that this call really measures
     torch.manual_seed(1)

@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from hfpipe.cli.main import app
-from hfpipe.config import FinetuneConfig
-from hfpipe.plan import PlanError
-from hfpipe.plan_fit import fit_report, parse_memory, plan_kwargs, report_for, suggest
-from hfpipe.plan_report import BYTES_PER_PARAM, load_model_config, param_bytes, plan_report
+from hfpipe.config.run import FinetuneConfig
+from hfpipe.plan.split import PlanError
+from hfpipe.plan.fit import fit_report, parse_memory, plan_kwargs, report_for, suggest
+from hfpipe.plan.report import BYTES_PER_PARAM, load_model_config, param_bytes, plan_report
 from hfpipe.recipes import find_recipe
 from hfpipe.tiny import tiny_config
 

@@ -1,4 +1,4 @@
-"""Spec of hfpipe.plan_report: what a plan costs each stage and rank, from config.json alone.
+"""Spec of hfpipe.plan.report: what a plan costs each stage and rank, from config.json alone.
 
 Parameters are checked against the transformers model itself, bytes against the per-dtype table,
 and microbatches in flight against the schedules' textbook counts (1F1B keeps ``p - rank``, GPipe
@@ -13,13 +13,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from hfpipe.config import bundled_config_dir
+from hfpipe.config.run import bundled_config_dir
 from hfpipe.models import UnsupportedModelError
-from hfpipe.pipeline import PipelineError
-from hfpipe.plan import PlanError
-from hfpipe.plan_actions import schedule_actions, timeline
-from hfpipe.plan_report import BYTES_PER_PARAM, format_report, load_model_config, plan_report
-from hfpipe.source import SourceError
+from hfpipe.pipeline.schedule import PipelineError
+from hfpipe.plan.split import PlanError
+from hfpipe.plan.actions import schedule_actions, timeline
+from hfpipe.plan.report import BYTES_PER_PARAM, format_report, load_model_config, plan_report
+from hfpipe.source.folder import SourceError
 from hfpipe.tiny import tiny_config
 
 BUNDLED = ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B",
@@ -66,7 +66,7 @@ def test_weights_grads_and_optimizer_bytes_follow_the_dtype(dtype):
 
 
 def test_activations_are_each_layers_measured_bytes_plus_logits_on_the_head():
-    from hfpipe.plan_activations import layer_bytes_per_token
+    from hfpipe.plan.activations import layer_bytes_per_token
 
     config = llama(layers=4)
     h, vocab, seq, mb_size = config.hidden_size, config.vocab_size, 16, 3

@@ -14,7 +14,7 @@ from test_train_equivalence import HP, LAYERS, MICRO, _optimizer, make_batches
 
 def precision_worker(path: str) -> dict:
     from hfpipe.api import load_pipeline
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     dist = init_distributed(2)
     out = {}

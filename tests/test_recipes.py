@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from hfpipe.config import ConfigError, FinetuneConfig, bundled_config_dir
-from hfpipe.plan import plan_pipeline
-from hfpipe.plan_fit import parse_memory, report_for
+from hfpipe.config.run import ConfigError, FinetuneConfig, bundled_config_dir
+from hfpipe.plan.split import plan_pipeline
+from hfpipe.plan.fit import parse_memory, report_for
 from hfpipe.recipes import RECIPE_DIR, Recipe, find_recipe, list_recipes
 
 RECIPES = sorted(RECIPE_DIR.glob("*.yaml"))

@@ -56,11 +56,11 @@ def _reference(path, batches) -> dict[str, torch.Tensor]:
 
 
 def _logits_worker(paths: dict[str, str], pp: int) -> dict:
-    from hfpipe.distributed import init_distributed
-    from hfpipe.loader import load_rank_stages
-    from hfpipe.pipeline import Pipeline
-    from hfpipe.plan import plan_pipeline
-    from hfpipe.source import ModelSource
+    from hfpipe.parallel.mesh import init_distributed
+    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.schedule import Pipeline
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
 
     dist = init_distributed(pp)
     diffs = {}
@@ -116,7 +116,7 @@ def test_packed_documents_do_not_attend_to_each_other():
 
 def _uneven_worker(path: str) -> list[str]:
     from hfpipe.api import load_pipeline
-    from hfpipe.pipeline import PipelineError
+    from hfpipe.pipeline.schedule import PipelineError
 
     pm = load_pipeline(path, pp=2, schedule="gpipe", microbatches=2)
     errors = []

@@ -14,7 +14,7 @@ from test_train_equivalence import check_equal, pipeline_worker, reference_run
 
 def counting_worker(*args) -> dict:
     """:func:`pipeline_worker`, also counting the torch stages built on this rank."""
-    import hfpipe.pipeline as pipeline
+    import hfpipe.pipeline.schedule as pipeline
 
     built = []
     base = pipeline.PipelineStage

@@ -92,7 +92,7 @@ def pipeline_worker(path: str, pp: int, dp: int, schedules: tuple[str, ...], acc
     With ``accum`` > 1 each batch is fed as that many accumulation batches of one step.
     """
     from hfpipe.api import load_pipeline
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
 
     dist = init_distributed(pp, dp)
     results = {}

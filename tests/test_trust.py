@@ -21,8 +21,8 @@ import torch
 from hfpipe.checkpoint.dcp import CheckpointError, check_complete
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
-from hfpipe.safetensors_io import SafetensorsError, read_header
-from hfpipe.source import ModelSource, SourceError
+from hfpipe.source.safetensors_io import SafetensorsError, read_header
+from hfpipe.source.folder import ModelSource, SourceError
 from hfpipe.tiny import make_tiny_checkpoint
 
 INDEX = "model.safetensors.index.json"

@@ -38,7 +38,7 @@ from hfpipe.checkpoint.export_plan import (
     set_out_dtypes,
 )
 from hfpipe.checkpoint.dcp_reader import _create_file_view, _DcpReader
-from hfpipe.safetensors_io import DTYPES
+from hfpipe.source.safetensors_io import DTYPES
 
 __all__ = ["ExportError", "export_checkpoint", "read_checkpoint_meta"]
 
@@ -201,7 +201,7 @@ def _meta_model(src: Path) -> torch.nn.Module:
     """The full model on the meta device: its names, shapes and conversion tables, no memory."""
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.source import load_config
+    from hfpipe.source.folder import load_config
 
     cfg = load_config(src, trust_remote_code=False)  # export never runs a source's code, never asks
     if getattr(cfg, "quantization_config", None) is not None:
@@ -212,7 +212,7 @@ def _meta_model(src: Path) -> torch.nn.Module:
 
 def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
     """The source checkpoint's keys and their stored dtypes (None where a shard is gone), if known."""
-    from hfpipe.safetensors_io import SafetensorsError, read_header
+    from hfpipe.source.safetensors_io import SafetensorsError, read_header
 
     weight_map = guard.source_weight_map(src, INDEX)
     if weight_map is not None:

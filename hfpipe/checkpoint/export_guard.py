@@ -53,7 +53,7 @@ def side_files(src: Path, skip) -> list[Path]:
 
 def source_weight_map(src: Path, index: str) -> dict[str, str] | None:
     """The source index's key -> shard map with every shard name checked, or None without an index."""
-    from hfpipe.source import SourceError, check_shard_names
+    from hfpipe.source.folder import SourceError, check_shard_names
 
     path = src / index
     if not path.is_file():

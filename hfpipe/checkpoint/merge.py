@@ -135,7 +135,7 @@ class _FusedExperts:
         self._done: set[str] = set()
         if modules:
             from hfpipe.checkpoint.export import _meta_model
-            from hfpipe.loader import model_key_mapper
+            from hfpipe.pipeline.load import model_key_mapper
 
             self.meta = _meta_model(src)
             mapper = model_key_mapper(self.meta)

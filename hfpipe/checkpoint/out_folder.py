@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hfpipe.checkpoint import export_guard as guard
 from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.lock import FolderLock
+from hfpipe.parallel.lock import FolderLock
 
 __all__ = ["build_folder", "check_out", "locked_out", "make_dir"]
 

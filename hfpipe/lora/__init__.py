@@ -204,7 +204,7 @@ def config_from_dict(d: dict):
 
 
 def from_finetune_config(cfg):
-    """The ``LoraConfig`` of a :class:`~hfpipe.config.FinetuneConfig`'s ``lora_*`` fields, or ``None``."""
+    """The ``LoraConfig`` of a :class:`~hfpipe.config.run.FinetuneConfig`'s ``lora_*`` fields, or ``None``."""
     if cfg.lora_rank is None:
         return None
     return lora_config(cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
@@ -220,7 +220,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
 
     config = from_finetune_config(cfg)
     if config is not None:
-        from hfpipe.stage import build_meta_model, model_config as hf_config
+        from hfpipe.pipeline.stage import build_meta_model, model_config as hf_config
 
         resolve_config(config, build_meta_model(hf_config(model_config)))
     if resume is None:

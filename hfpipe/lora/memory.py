@@ -21,7 +21,7 @@ def adapter_params(model_config, rank: int, targets: str = "all-linear") -> dict
     Returns:
         ``{"embed": n, "head": n, "layer.<i>": n, ...}`` (parts without adapters are 0 or absent).
     """
-    from hfpipe.stage import build_meta_model, model_config as hf_config
+    from hfpipe.pipeline.stage import build_meta_model, model_config as hf_config
 
     meta = build_meta_model(hf_config(model_config))
     config = resolve_config(lora_config(rank, targets=targets), meta)
@@ -40,18 +40,18 @@ def adapter_params(model_config, rank: int, targets: str = "all-linear") -> dict
 
 
 def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int = 1):
-    """A plan's :class:`~hfpipe.plan_report.RankReport` for a LoRA run of the same layout.
+    """A plan's :class:`~hfpipe.plan.report.RankReport` for a LoRA run of the same layout.
 
     The base is frozen: its weights stay but it has no gradients and no AdamW state. The adapters
     are fp32 weights, fp32 gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each. With
-    ``dp > 1`` FSDP2 shards both as it shards a full run (hfpipe.plan_report.param_bytes): the
+    ``dp > 1`` FSDP2 shards both as it shards a full run (hfpipe.plan.report.param_bytes): the
     masters and AdamW state split ``dp`` ways, the gathered compute copies and the step's
     unsharded gradients whole. Activations are the full run's: backward still goes through every
     base layer, for the adapters below it.
     """
     import dataclasses
 
-    from hfpipe.plan_report import fsdp_bytes, param_bytes
+    from hfpipe.plan.report import fsdp_bytes, param_bytes
 
     n = sum(counts.get("embed", 0) * s.embed + counts.get("head", 0) * s.head
             + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)

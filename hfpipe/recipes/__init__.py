@@ -1,6 +1,6 @@
 """The recipes shipped with hfpipe: ``hfpipe/recipes/<name>.yaml``, installed with the package.
 
-Each recipe is a YAML file of :class:`~hfpipe.config.FinetuneConfig` keys that opens with a comment:
+Each recipe is a YAML file of :class:`~hfpipe.config.run.FinetuneConfig` keys that opens with a comment:
 its purpose on the first line, the launch command, and a ``# Fits:`` line naming the GPUs it fits
 (which ``hfpipe plan`` confirms; a test checks every recipe). ``--recipe`` takes a recipe's name
 (``llama3_1_8b_sft_pp4``) or the path of any YAML file.
@@ -53,7 +53,7 @@ def find_recipe(name: str | Path) -> Path:
     Raises:
         ConfigError: neither; the message lists close names (or all of them).
     """
-    from hfpipe.config import ConfigError
+    from hfpipe.config.run import ConfigError
 
     path = Path(name).expanduser()
     if path.is_file():

@@ -71,10 +71,10 @@ class Evaluator:
     """Runs the evaluation when it is due and remembers the best loss.
 
     Args:
-        cfg: The run's :class:`hfpipe.config.FinetuneConfig`.
+        cfg: The run's :class:`hfpipe.config.run.FinetuneConfig`.
         trainer: The :class:`hfpipe.train.step.PipelineTrainer` (its ``eval_loss``).
         rows: The evaluation rows, or None (then nothing is ever due).
-        dist_info: This rank's :class:`hfpipe.distributed.Dist`.
+        dist_info: This rank's :class:`hfpipe.parallel.mesh.Dist`.
         out: The output folder (the best checkpoint's record is read from ``out/best``).
     """
 

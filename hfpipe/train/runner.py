@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hfpipe.config import FinetuneConfig
+from hfpipe.config.run import FinetuneConfig
 
 __all__ = ["finetune", "preflight", "run_worker", "model_inputs"]
 
@@ -32,9 +32,9 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     """
     from hfpipe.data import batches_per_epoch, check_seq_len
     from hfpipe.models import get_adapter
-    from hfpipe.pipeline import check_microbatches, schedule_style
-    from hfpipe.plan import plan_pipeline
-    from hfpipe.source import ModelSource
+    from hfpipe.pipeline.schedule import check_microbatches, schedule_style
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
     from hfpipe.train.logs import check_sinks
 
     check_sinks(cfg.report_to)
@@ -111,14 +111,14 @@ def _load_splits(cfg: FinetuneConfig, tok):
 
 
 def _tokenizer(folder: Path, cfg: FinetuneConfig):
-    from hfpipe.source import load_tokenizer
+    from hfpipe.source.folder import load_tokenizer
 
     return load_tokenizer(folder, trust_remote_code=cfg.trust_remote_code)
 
 
 def check_vocab(tokenizer, source) -> None:
     """Token ids beyond the embedding would index past it (a crash, or garbage on GPU)."""
-    from hfpipe.source import SourceError
+    from hfpipe.source.folder import SourceError
 
     vocab = getattr(source.config, "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
@@ -133,9 +133,9 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     Under torchrun/srun (RANK and WORLD_SIZE, or SLURM_PROCID set) this process is one worker;
     otherwise ``pp * dp`` local workers are started through torch's elastic launcher.
     """
-    from hfpipe.distributed import in_launched_env, launched_node
-    from hfpipe.launch import check_launch, launch
-    from hfpipe.lock import run_lock
+    from hfpipe.parallel.mesh import in_launched_env, launched_node
+    from hfpipe.parallel.launch import check_launch, launch
+    from hfpipe.parallel.lock import run_lock
 
     if in_launched_env():
         # Every rank checks the cheap things; only global rank 0 tokenises the dataset here, so
@@ -163,7 +163,7 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
 
 def _finish(summary: dict) -> dict:
     """The run's summary; a run stopped by a signal (after saving) raises :class:`Interrupted`."""
-    from hfpipe.train.signals import Interrupted
+    from hfpipe.parallel.signals import Interrupted
 
     if summary.get("interrupted"):
         raise Interrupted(summary["interrupted"], summary["step"], summary.get("checkpoint"))
@@ -195,7 +195,7 @@ class _Position:
 def run_worker(cfg_dict: dict) -> dict:
     """One rank of a run (module level so the launcher can start it)."""
     from hfpipe.api import load_pipeline
-    from hfpipe.distributed import init_distributed
+    from hfpipe.parallel.mesh import init_distributed
     from hfpipe.lora import from_finetune_config
     from hfpipe.train.optim import build_optimizer, build_scheduler
 
@@ -271,7 +271,7 @@ class _Run:
         self.pending = None  # the async save still being written, if any
         self.start = 0  # the step this process started (or resumed) at
         self.last_saved: Path | None = None
-        from hfpipe.train.signals import StopRequest
+        from hfpipe.parallel.signals import StopRequest
 
         self.stop = StopRequest(pm.dist.device).install()
 

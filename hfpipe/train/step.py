@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hfpipe.pipeline import Pipeline, count_tokens
+from hfpipe.pipeline.schedule import Pipeline, count_tokens
 from hfpipe.train.optim import unique_parameters
 
 __all__ = ["StepResult", "PipelineTrainer", "tied_groups"]
@@ -60,8 +60,8 @@ class PipelineTrainer:
     """Runs exact optimizer steps for this rank's stages.
 
     Args:
-        pipe: This rank's :class:`hfpipe.pipeline.Pipeline`.
-        dist_info: This rank's :class:`hfpipe.distributed.Dist`.
+        pipe: This rank's :class:`hfpipe.pipeline.schedule.Pipeline`.
+        dist_info: This rank's :class:`hfpipe.parallel.mesh.Dist`.
         optimizer: Any torch optimizer over this rank's parameters (the user's own is fine).
         scheduler: Optional LR scheduler stepped after each optimizer step.
         max_grad_norm: Clip to this global norm; ``None`` or 0 disables clipping (norm still reported).

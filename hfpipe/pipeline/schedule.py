@@ -3,7 +3,7 @@
 torch's schedules do the ordering, the send/recv and the backward; this module only chooses the
 schedule, checks microbatch counts up front in the user's terms, keeps the loss exact (summed
 cross-entropy over a known global token count, ``scale_grads=False``), and resizes the stages
-when the batch shape changes (hfpipe.stage_shapes), since torch's stages size their receive
+when the batch shape changes (hfpipe.pipeline.shapes), since torch's stages size their receive
 buffers on first use.
 """
 
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
-from hfpipe.head_loss import chunk_tokens, chunked_loss_sum
-from hfpipe.stage_shapes import resize_schedule
+from hfpipe.pipeline.head_loss import chunk_tokens, chunked_loss_sum
+from hfpipe.pipeline.shapes import resize_schedule
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -93,7 +93,7 @@ class TokenLoss:
     the summed gradient equal the single-process full-batch mean, whatever the padding.
 
     With ``head`` set (the last stage module, whose forward then stops at the final hidden
-    states), the loss applies ``head.logits`` ``chunk`` tokens at a time (hfpipe.head_loss).
+    states), the loss applies ``head.logits`` ``chunk`` tokens at a time (hfpipe.pipeline.head_loss).
     """
 
     def __init__(self) -> None:
@@ -133,7 +133,7 @@ class Pipeline:
         microbatches: Microbatches per step.
         group: The pipeline process group.
         device: This rank's device.
-        loss_chunk_tokens: Tokens per chunk of the last stage's loss (hfpipe.head_loss); ``None``
+        loss_chunk_tokens: Tokens per chunk of the last stage's loss (hfpipe.pipeline.head_loss); ``None``
             sizes chunks to a logits budget and chunks only microbatches larger than one chunk;
             0 computes the full logits in the last stage's forward.
     """
@@ -163,7 +163,7 @@ class Pipeline:
     def _get_schedule(self, shape, kwargs, mode: str):
         """A schedule for ``mode`` ("train", "loss" or "logits") and this batch shape.
 
-        A new shape resizes the stages of the schedule kept for this mode (hfpipe.stage_shapes);
+        A new shape resizes the stages of the schedule kept for this mode (hfpipe.pipeline.shapes);
         only where that cannot be done are new stages built.
         """
         if shape[0] % self.microbatches:  # torch would split it unevenly and return wrong rows, silently

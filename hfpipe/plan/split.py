@@ -2,7 +2,7 @@
 
 Pure functions of a transformers config and the pipeline shape: no process group, no weights, no
 files. The model is split into ``pp * vpp`` contiguous stages; ``style`` maps stages to ranks.
-Costs come from :mod:`hfpipe.cost`: a parameter count of the real transformers model built on the
+Costs come from :mod:`hfpipe.plan.cost`: a parameter count of the real transformers model built on the
 meta device, so the planner knows every architecture transformers knows.
 """
 
@@ -12,7 +12,7 @@ import itertools
 import re
 from dataclasses import dataclass
 
-from hfpipe.cost import CostModel, layer_costs
+from hfpipe.plan.cost import CostModel, layer_costs
 
 __all__ = [
     "METHODS", "SCHEDULES", "STYLES", "CostModel", "Plan", "PlanError", "StageSpec",

@@ -1,9 +1,9 @@
-"""Does a run fit its GPUs? The plan of a :class:`~hfpipe.config.FinetuneConfig`, checked per rank
+"""Does a run fit its GPUs? The plan of a :class:`~hfpipe.config.run.FinetuneConfig`, checked per rank
 against a memory size, and the nearest changes that make it fit.
 
 ``hfpipe plan`` prices exactly what ``hfpipe finetune`` would run: both start from the same
 FinetuneConfig (its defaults, a recipe, flags), and :func:`plan_kwargs` is the one place that turns
-its fields into :func:`hfpipe.plan_report.plan_report` arguments. A feature that changes memory
+its fields into :func:`hfpipe.plan.report.plan_report` arguments. A feature that changes memory
 (e.g. LoRA's rank) adds its field there and in ``plan_report``; the fit check, the suggestions and
 the CLI then follow without change.
 
@@ -18,7 +18,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from hfpipe.plan import PlanError
+from hfpipe.plan.split import PlanError
 
 __all__ = ["RankFit", "Suggestion", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
            "report_for", "suggest"]
@@ -46,10 +46,10 @@ def parse_memory(text: str) -> int:
 
 
 def plan_kwargs(cfg) -> dict:
-    """:func:`~hfpipe.plan_report.plan_report` arguments for a FinetuneConfig (bar the model config).
+    """:func:`~hfpipe.plan.report.plan_report` arguments for a FinetuneConfig (bar the model config).
 
     Args:
-        cfg: A :class:`hfpipe.config.FinetuneConfig`.
+        cfg: A :class:`hfpipe.config.run.FinetuneConfig`.
     """
     # Every option that changes memory goes through here, so fits, suggestions and the PNG follow.
     return dict(pp=cfg.pp, dp=cfg.dp, vpp=cfg.vpp, schedule=cfg.schedule, layout=cfg.layout,
@@ -60,8 +60,8 @@ def plan_kwargs(cfg) -> dict:
 
 
 def report_for(model_config, cfg, name: str | None = None):
-    """The :class:`~hfpipe.plan_report.PlanReport` of running ``cfg`` on ``model_config``."""
-    from hfpipe.plan_report import plan_report
+    """The :class:`~hfpipe.plan.report.PlanReport` of running ``cfg`` on ``model_config``."""
+    from hfpipe.plan.report import plan_report
 
     return plan_report(model_config, name=name or cfg.model, **plan_kwargs(cfg))
 
@@ -143,7 +143,7 @@ def _with_microbatches(cfg, pp: int) -> dict:
 
 def _lever(model_config, cfg, limit: int, ladder: list[dict]) -> Suggestion | None:
     """The first change on ``ladder`` whose plan fits, or None."""
-    from hfpipe.config import ConfigError
+    from hfpipe.config.run import ConfigError
 
     for changes in ladder:
         try:
@@ -159,7 +159,7 @@ def _lever(model_config, cfg, limit: int, ladder: list[dict]) -> Suggestion | No
 
 def format_fit(report, limit: int, suggestions: list[Suggestion] | None = None) -> str:
     """Per rank: fits, fits tightly, or does not fit by how much; then the verdict and suggestions."""
-    from hfpipe.plan_report import _size
+    from hfpipe.plan.report import _size
 
     fits = fit_report(report, limit)
     lines = [f"memory per rank against --gpu-memory {_size(limit)}:"]

@@ -53,7 +53,7 @@ class PipelineStageModule(nn.Module):
     """One pipeline stage: an optional embedding, some decoder layers, an optional norm + head.
 
     Args:
-        spec: The stage's :class:`hfpipe.plan.StageSpec`.
+        spec: The stage's :class:`hfpipe.plan.split.StageSpec`.
         config: The model's transformers config.
         full: The full HF model on the meta device, whose submodules this stage takes.
         adapter: The family's adapter (default: looked up from ``config``).
@@ -75,7 +75,7 @@ class PipelineStageModule(nn.Module):
             setattr(self.model, name, getattr(full.model, name) if spec.head else None)
         self.activation_checkpointing = "none"
         # When set (training on the last stage), forward stops at the final hidden states and the
-        # loss applies :meth:`logits` chunk by chunk (hfpipe.head_loss), never holding (B, T, V).
+        # loss applies :meth:`logits` chunk by chunk (hfpipe.pipeline.head_loss), never holding (B, T, V).
         self.head_in_loss = False
         self.hidden_dtype = full.dtype  # dtype of the hidden states it receives (the compute dtype)
         if self.lm_head is not None and self.model.embed_tokens is None and getattr(config, "tie_word_embeddings", False):
@@ -122,7 +122,7 @@ class PipelineStageModule(nn.Module):
         """Final norm -> lm_head -> the family's logit transforms (last stage only).
 
         Every step is per token, so ``logits(h[:, a:b]) == logits(h)[:, a:b]``: the chunked loss
-        (:mod:`hfpipe.head_loss`) calls it on slices of the hidden states.
+        (:mod:`hfpipe.pipeline.head_loss`) calls it on slices of the hidden states.
         """
         before = [getattr(self.model, name) for name in self.adapter.head_modules]
         return self.adapter.head(self.config, self.model.norm, self.lm_head, hidden, before)

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hfpipe.safetensors_io import SafetensorsError, read_header
+from hfpipe.source.safetensors_io import SafetensorsError, read_header
 
 __all__ = ["ModelSource", "SourceError", "check_shard_names", "load_config", "load_tokenizer"]
 

@@ -39,7 +39,7 @@ def layer_bytes_per_token(config, dtype: str) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=32)
 def _measure_all(key: str, config_cls, dtype: str) -> tuple[int, ...]:
-    from hfpipe.stage import build_meta_model, model_config
+    from hfpipe.pipeline.stage import build_meta_model, model_config
 
     fields = json.loads(key)
     try:
@@ -75,8 +75,8 @@ def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
     zero-stride parameters, as loading would give them weights.
     """
     from hfpipe.models import get_adapter
-    from hfpipe.plan import StageSpec
-    from hfpipe.stage import PipelineStageModule
+    from hfpipe.plan.split import StageSpec
+    from hfpipe.pipeline.stage import PipelineStageModule
 
     stage = PipelineStageModule(StageSpec(0, (index,), embed=False, head=False), cfg, full)
     _materialise(stage, dtype)

@@ -50,7 +50,7 @@ def layer_costs(config, seq_len: int = 4096) -> CostModel:
     Returns:
         The :class:`CostModel`.
     """
-    from hfpipe.plan import PlanError  # plan imports this module
+    from hfpipe.plan.split import PlanError  # plan imports this module
 
     if seq_len < 1:
         raise PlanError(f"--seq-len must be >= 1, got {seq_len}")
@@ -95,7 +95,7 @@ def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
             if len(module) == num_layers:
                 return module
-    from hfpipe.plan import PlanError  # plan imports this module
+    from hfpipe.plan.split import PlanError  # plan imports this module
 
     raise PlanError(f"{type(model).__name__} has no ModuleList of {num_layers} decoder layers "
                     "(num_hidden_layers); hfpipe cannot split this architecture")

@@ -94,5 +94,5 @@ def run_lock(output_dir: str | Path, nnodes: int = 1, node_rank: int = 0) -> Fol
     The nodes of one multi-node run share the folder: each holds its own node's lock, so a second
     run is refused node by node while the run's own nodes never block each other.
     """
-    name = ".hfpipe.lock" if nnodes == 1 else f".hfpipe.node{node_rank}.lock"
+    name = ".hfpipe.parallel.lock" if nnodes == 1 else f".hfpipe.node{node_rank}.lock"
     return FolderLock(Path(output_dir) / name, Path(output_dir), "--output-dir")

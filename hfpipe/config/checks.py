@@ -1,7 +1,7 @@
-"""Every check a :class:`~hfpipe.config.FinetuneConfig` passes when it is built.
+"""Every check a :class:`~hfpipe.config.run.FinetuneConfig` passes when it is built.
 
 Kept apart from the dataclass so that the fields (and their help) read as one list. Each check
-raises :class:`~hfpipe.config.ConfigError` naming the flag to change; :func:`check` runs them
+raises :class:`~hfpipe.config.run.ConfigError` naming the flag to change; :func:`check` runs them
 all, in order: types first (a YAML ``"4"`` for an int is refused, not guessed), then choices,
 finiteness, ranges, the vpp a schedule implies, microbatches, evaluation/reporting, LoRA.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from hfpipe.config import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError, FinetuneConfig
+from hfpipe.config.run import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError, FinetuneConfig
 
 __all__ = ["REPORTS", "check", "check_keys", "yaml_problem"]
 

@@ -24,7 +24,7 @@ def schedule_actions(schedule: str, pp: int, vpp: int, microbatches: int) -> tup
         return tuple(_single_stage_steps(schedule, rank, pp, microbatches) for rank in range(pp))
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    from hfpipe.pipeline import SCHEDULES
+    from hfpipe.pipeline.schedule import SCHEDULES
 
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
     ops = get_schedule_ops(SCHEDULES[schedule], pp, microbatches, num_stages_per_rank=vpp)
@@ -75,7 +75,7 @@ def timeline(actions) -> list[list[tuple[float, float, str, int, int]]]:
     """Per rank, ``(start, end, kind, stage, microbatch)`` of every step of :func:`schedule_actions`.
 
     Each rank runs its steps in order, each waiting for its rank and its data, with unit step
-    times F = I = W = 1, B = 2 (the convention of :func:`hfpipe.plan.bubble_fraction`).
+    times F = I = W = 1, B = 2 (the convention of :func:`hfpipe.plan.split.bubble_fraction`).
     """
     last = max((stage for steps in actions for _, stage, _ in steps), default=0)
     done: dict[tuple[str, int, int], float] = {}  # ("F" | "G", stage, mb) -> finish time

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from hfpipe.models import get_adapter
-from hfpipe.safetensors_io import SafetensorsError, read_tensors
-from hfpipe.source import ModelSource, SourceError
+from hfpipe.source.safetensors_io import SafetensorsError, read_tensors
+from hfpipe.source.folder import ModelSource, SourceError
 
 __all__ = ["LoadError", "LoadStats", "load_stage_weights", "model_key_mapper"]
 
@@ -137,7 +137,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     """Fill the meta-device ``stages`` of one rank with their tensors from ``source``.
 
     Args:
-        stages: This rank's :class:`hfpipe.stage.PipelineStageModule` objects (meta device).
+        stages: This rank's :class:`hfpipe.pipeline.stage.PipelineStageModule` objects (meta device).
         source: The opened checkpoint.
         device: Where the tensors go.
         dtype: Floating dtype of the stage parameters; ``None`` keeps each meta parameter's dtype.
@@ -158,7 +158,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     stats = LoadStats(skipped_mtp=skipped)
     _mark_fp32(units, stages[0]._hf_model)
     _read_and_place(units, source, targets, device, dtype, stats)
-    from hfpipe.stage import rebuild_buffers
+    from hfpipe.pipeline.stage import rebuild_buffers
 
     for stage in stages:
         rebuild_buffers(stage, device)
@@ -289,10 +289,10 @@ def load_rank_stages(source: ModelSource, plan, pp_rank: int, device: torch.devi
     """Build and load the stage modules ``plan`` gives to pipeline rank ``pp_rank``.
 
     Returns:
-        ``(modules, stats)``: the rank's :class:`hfpipe.stage.PipelineStageModule` list in
+        ``(modules, stats)``: the rank's :class:`hfpipe.pipeline.stage.PipelineStageModule` list in
         increasing stage index, on ``device``, and the :class:`LoadStats` of the read.
     """
-    from hfpipe.stage import build_stage_modules, model_config
+    from hfpipe.pipeline.stage import build_stage_modules, model_config
 
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32)

@@ -1,7 +1,7 @@
 """What a pipeline plan costs each rank: parameters, memory and idle time, from config.json alone.
 
 ``hfpipe plan`` prints this before any GPU is rented. The model is built on the meta device (no
-weights), split by :func:`hfpipe.plan.plan_pipeline`, and each stage is priced as follows.
+weights), split by :func:`hfpipe.plan.split.plan_pipeline`, and each stage is priced as follows.
 
 Weights, gradients and AdamW state, bytes per parameter by ``dtype``:
 
@@ -24,16 +24,16 @@ weights ``master / dp + compute``, grads ``reduce + grad / dp``, optimizer ``ada
 :func:`param_bytes`): more dp shrinks a rank down to the 6 bytes (bf16-mixed) it cannot shard.
 
 Activations, bytes per token per decoder layer: measured on transformers' own layer, one of each
-kind (dense, MoE, ...), by :mod:`hfpipe.plan_activations` (Korthikanti et al.'s ``34 * h`` for a
+kind (dense, MoE, ...), by :mod:`hfpipe.plan.activations` (Korthikanti et al.'s ``34 * h`` for a
 GPT block under-prices these families 1.4x-8x; it remains the fallback). SDPA's fused kernels
 keep no T x T scores, so the bytes grow linearly with tokens. With ``full`` activation
 checkpointing a layer keeps only its input (the hidden states crossing a stage boundary: ``h``,
 or ``hc * h`` for DeepSeek-V4's streams), plus the largest layer recomputed for one microbatch at
 a time; ``selective`` checkpoints every other layer of a stage (the first, third, ...), as
-:class:`hfpipe.stage.PipelineStageModule` does. The stage with the
+:class:`hfpipe.pipeline.stage.PipelineStageModule` does. The stage with the
 head also keeps, per token, the logits in the compute dtype and cross-entropy's fp32
 log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32), unless the microbatch is larger
-than one chunk of :mod:`hfpipe.head_loss`: then it keeps the gradient of its hidden states
+than one chunk of :mod:`hfpipe.pipeline.head_loss`: then it keeps the gradient of its hidden states
 (``h`` per token) and of the head (``vocab * h`` per microbatch). MTP layers cost nothing: the
 loader skips them (transformers has no module to run them); a layout places them only by name.
 
@@ -42,7 +42,7 @@ Microbatches in flight come from torch's own schedule (the action list each rank
 backward frees it, and a split backward (zero-bubble) frees it only at the weight-gradient step,
 since the weight gradient needs the layer inputs. This gives 1F1B ``min(p - rank, m)`` in flight,
 GPipe all ``m``; a rank's activation peak is the largest sum over its stages at any point of its
-action list. Bubble fractions are :func:`hfpipe.plan.bubble_fraction`'s analytic ones.
+action list. Bubble fractions are :func:`hfpipe.plan.split.bubble_fraction`'s analytic ones.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfpipe.head_loss import chunk_tokens
-from hfpipe.plan_actions import in_flight, schedule_actions
-from hfpipe.plan_activations import layer_bytes_per_token
+from hfpipe.pipeline.head_loss import chunk_tokens
+from hfpipe.plan.actions import in_flight, schedule_actions
+from hfpipe.plan.activations import layer_bytes_per_token
 
 __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
@@ -104,7 +104,7 @@ class PlanReport:
     model: str
     total_params: int  # of the transformers model (MTP layers it lacks not included)
     num_layers: int
-    plan: object  # hfpipe.plan.Plan
+    plan: object  # hfpipe.plan.split.Plan
     schedule: str
     microbatches: int
     microbatch_size: int  # sequences per microbatch
@@ -133,7 +133,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         config: A transformers ``PretrainedConfig`` of a supported causal LM.
         pp: Pipeline ranks.
         vpp: Stages per rank; left at 1 it becomes 2 for the interleaved and V schedules.
-        schedule: One of :data:`hfpipe.pipeline.SCHEDULES`; default ``1f1b``, or
+        schedule: One of :data:`hfpipe.pipeline.schedule.SCHEDULES`; default ``1f1b``, or
             ``interleaved-1f1b`` when ``vpp > 1``.
         layout: Megatron-style layout (overrides ``method``).
         method: ``balanced``, ``even`` or ``weighted``.
@@ -152,8 +152,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
             names the option to change).
     """
     from hfpipe.models import get_adapter
-    from hfpipe.pipeline import check_microbatches, schedule_style
-    from hfpipe.plan import PlanError, bubble_fraction, layer_costs, plan_pipeline
+    from hfpipe.pipeline.schedule import check_microbatches, schedule_style
+    from hfpipe.plan.split import PlanError, bubble_fraction, layer_costs, plan_pipeline
 
     if dtype not in BYTES_PER_PARAM:
         raise PlanError(f"--dtype must be one of {', '.join(BYTES_PER_PARAM)}; got {dtype!r}")
@@ -163,7 +163,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if dp < 1:
         raise PlanError(f"--dp must be >= 1, got {dp}")
     get_adapter(config)
-    from hfpipe.options import require_positive
+    from hfpipe.config.options import require_positive
 
     require_positive(pp=pp, vpp=vpp, seq_len=seq_len, microbatches=microbatches, batch_size=batch_size)
     schedule = schedule or ("interleaved-1f1b" if vpp > 1 else "1f1b")
@@ -246,7 +246,7 @@ def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_laye
     logits = config.vocab_size * (act + 4)
     h = config.hidden_size
     if stage.head and 0 < chunk_tokens(config.vocab_size) < tokens:
-        # hfpipe.head_loss: no logits kept, but the hidden states' gradient and the head's
+        # hfpipe.pipeline.head_loss: no logits kept, but the hidden states' gradient and the head's
         # (vocab x hidden) gradient wait for the backward (one chunk's logits are transient)
         kept = tokens * h * act + config.vocab_size * h * act
         return int(layers * tokens + kept)
@@ -282,8 +282,8 @@ def load_model_config(name: str, *, trust_remote_code: bool = False):
     Raises:
         SourceError: nothing usable under that name.
     """
-    from hfpipe.config import bundled_config_dir
-    from hfpipe.source import SourceError, load_config
+    from hfpipe.config.run import bundled_config_dir
+    from hfpipe.source.folder import SourceError, load_config
 
     path = Path(name).expanduser()
     if path.is_dir():
@@ -308,7 +308,7 @@ def load_model_config(name: str, *, trust_remote_code: bool = False):
 def _config_from_file(path: Path, trust_remote_code: bool):
     from transformers import AutoConfig
 
-    from hfpipe.source import SourceError, load_config
+    from hfpipe.source.folder import SourceError, load_config
 
     if path.name == "config.json":
         return load_config(path.parent, trust_remote_code=trust_remote_code)

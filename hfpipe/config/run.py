@@ -2,7 +2,7 @@
 
 A recipe file (``hfpipe/recipes/*.yaml``) holds ``FinetuneConfig`` fields and nothing else; the
 ``hfpipe finetune`` flags are the same fields spelled ``--batch-size``. Every check runs in
-``__post_init__`` (they live in :mod:`hfpipe.config_checks`), so a config built from a file, from
+``__post_init__`` (they live in :mod:`hfpipe.config.checks`), so a config built from a file, from
 flags or with ``dataclasses.replace`` is checked the same way, and each message names the flag.
 """
 
@@ -35,7 +35,7 @@ INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
 #: Schedules that put exactly two stages per rank in a V (rank r holds stages r and 2*pp-1-r).
 V_SCHEDULES = ("zbv", "dualpipev")
 
-_BUNDLED_CONFIGS = Path(__file__).parent / "assets" / "configs"
+_BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
 
 
 class ConfigError(ValueError):
@@ -184,7 +184,7 @@ class FinetuneConfig:
     that did not answer (a hung or dead rank)."""
 
     def __post_init__(self) -> None:
-        from hfpipe.config_checks import check
+        from hfpipe.config.checks import check
 
         check(self)
 
@@ -214,7 +214,7 @@ class FinetuneConfig:
         """Build a config from option -> value; unknown keys and bad values name `source`."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"{source}: expected a mapping of option: value, got {type(d).__name__}")
-        from hfpipe.config_checks import check_keys
+        from hfpipe.config.checks import check_keys
 
         check_keys(d, source)
         if "model" not in d:
@@ -227,7 +227,7 @@ class FinetuneConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> FinetuneConfig:
         """Read a recipe file; `overrides` (the CLI flags) win over it, None ones are ignored."""
-        from hfpipe.config_checks import check_keys, yaml_problem
+        from hfpipe.config.checks import check_keys, yaml_problem
 
         path = Path(path)
         try:

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def check_launch(world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
                  threads_per_rank: int | None) -> None:
     """Refuse launch options that cannot work, before any process starts (one line each)."""
-    from hfpipe.distributed import LaunchError
+    from hfpipe.parallel.mesh import LaunchError
 
     if nnodes < 1:
         raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
@@ -66,8 +66,8 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hfpipe.train.signals import CONTROL_ENV, LauncherSignals
-    from hfpipe.worker_errors import debug, raise_from_failures
+    from hfpipe.parallel.signals import CONTROL_ENV, LauncherSignals
+    from hfpipe.parallel.worker_errors import debug, raise_from_failures
 
     check_launch(nprocs * nnodes, nnodes, node_rank, rdzv_endpoint, threads_per_rank)
     if nnodes == 1 and rdzv_endpoint:  # two single-node runs must never join each other
@@ -142,8 +142,8 @@ class _Entry:
 
         import torch
 
-        from hfpipe.train.signals import CONTROL_ENV
-        from hfpipe.worker_errors import debug, record_failure
+        from hfpipe.parallel.signals import CONTROL_ENV
+        from hfpipe.parallel.worker_errors import debug, record_failure
 
         if self.threads:
             torch.set_num_threads(self.threads)

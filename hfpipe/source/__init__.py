@@ -1,0 +1,1 @@
+"""Where a model comes from: the local folder or hub cache, and the safetensors files in it."""
