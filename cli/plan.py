@@ -17,9 +17,9 @@ from hfpipe.cli.finetune import _opt, build_config
 
 __all__ = ["plan"]
 
-_FIELDS = ("pp", "dp", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
+_FIELDS = ("pp", "dp", "ep", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
            "batch_size", "dtype", "activation_checkpointing", "trust_remote_code", "lora_rank",
-           "lora_targets")
+           "lora_targets", "quantize_base")
 
 
 def plan(
@@ -36,6 +36,7 @@ def plan(
              "nearest changes that would.", show_default=False)] = None,
     pp: Annotated[Optional[int], _opt("pp")] = None,
     dp: Annotated[Optional[int], _opt("dp")] = None,
+    ep: Annotated[Optional[int], _opt("ep")] = None,
     vpp: Annotated[Optional[int], _opt("vpp")] = None,
     schedule: Annotated[Optional[str], _opt("schedule")] = None,
     layout: Annotated[Optional[str], _opt("layout")] = None,
@@ -48,6 +49,7 @@ def plan(
     trust_remote_code: Annotated[Optional[bool], _opt(
         "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
     lora_rank: Annotated[Optional[int], _opt("lora_rank")] = None,
+    quantize_base: Annotated[Optional[str], _opt("quantize_base")] = None,
     lora_targets: Annotated[Optional[str], _opt("lora_targets")] = None,
     png: Annotated[Optional[Path], typer.Option(
         help="Also draw the schedule timeline and each rank's memory into this PNG (needs "

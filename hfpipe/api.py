@@ -170,17 +170,19 @@ def _default_pp(dp: int) -> int:
     return max(1, world // dp)
 
 
-def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | None = None,
+def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, vpp: int | None = None,
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
                   trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
-                  seed: int = 0, loss_chunk_tokens: int | None = None) -> PipelineModel:
+                  seed: int = 0, loss_chunk_tokens: int | None = None,
+                  quantize_base: str | None = None) -> PipelineModel:
     """Load this rank's stages of ``model`` (folder or hub id) ready to train.
 
     Args:
         model: Local HF folder or hub id.
         pp: Pipeline ranks (default: WORLD_SIZE / dp).
         dp: Data-parallel replicas (FSDP2 over the dp dimension).
+        ep: Expert-parallel degree: MoE routed experts sharded over ep ranks of the dp group.
         vpp: Stages per rank (default 1, or 2 for multi-stage schedules).
         schedule: A name from :data:`hfpipe.pipeline.schedule.SCHEDULES`.
         microbatches: Microbatches per step (default: the number of stages).
@@ -194,7 +196,10 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, vpp: int | 
         seed: Seeds the LoRA adapters' initialisation (per adapter, whatever the pipeline size).
         loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
             chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.pipeline.head_loss`.
+        quantize_base: ``nf4`` or ``fp8``: keep a LoRA run's frozen base quantized on the device.
     """
+    if ep != 1 or quantize_base is not None:  # the two axes land in parallel/ and quant/
+        raise PipelineError("--ep and --quantize-base are not available in this build yet")
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
     microbatches = microbatches or pp * vpp

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from hfpipe.config.run import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError, FinetuneConfig
+from hfpipe.config.names import INTERLEAVED_SCHEDULES, QUANTIZE_BASE, SCHEDULES, V_SCHEDULES, ConfigError
 
 __all__ = ["REPORTS", "check", "check_keys", "yaml_problem"]
 
@@ -28,12 +28,12 @@ _CHOICES = {
     "dtype": ("fp32", "bf16-mixed", "bf16"),
     "activation_checkpointing": ("none", "full", "selective"),
 }
-_AT_LEAST_ONE = ("pp", "dp", "vpp", "seq_len", "batch_size", "grad_accum", "epochs", "keep", "log_every")
+_AT_LEAST_ONE = ("pp", "dp", "ep", "vpp", "seq_len", "batch_size", "grad_accum", "epochs", "keep", "log_every")
 _NONE_OR_AT_LEAST_ONE = ("microbatches", "max_steps", "save_every", "threads_per_rank")
 _AT_LEAST_ZERO = ("warmup_steps", "seed", "min_lr", "weight_decay")
 
 
-def check(c: FinetuneConfig) -> None:
+def check(c: "FinetuneConfig") -> None:
     """Coerce every field to its declared type, then run every check (``__post_init__``)."""
     hints = typing.get_type_hints(type(c))
     for f in dataclasses.fields(c):
@@ -90,8 +90,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{flag} must be {want}, got {value!r}")
 
 
-def check_keys(d: Mapping[str, Any], source: str) -> None:
-    names = [f.name for f in dataclasses.fields(FinetuneConfig)]
+def check_keys(d: Mapping[str, Any], source: str, names: list[str]) -> None:
+    """Refuse a key of `d` that is not one of the config's field `names`, suggesting the closest."""
     for key in d:
         if key in names:
             continue
@@ -100,7 +100,7 @@ def check_keys(d: Mapping[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: unknown key {str(key)!r} ({hint})")
 
 
-def _check_choices(c: FinetuneConfig) -> None:
+def _check_choices(c: "FinetuneConfig") -> None:
     for name, choices in _CHOICES.items():
         value = getattr(c, name)
         if value not in choices:
@@ -109,7 +109,7 @@ def _check_choices(c: FinetuneConfig) -> None:
             raise ConfigError(f"{_flag(name)} must be one of {', '.join(choices)}; got {value!r}{hint}")
 
 
-def _check_finite(c: FinetuneConfig) -> None:
+def _check_finite(c: "FinetuneConfig") -> None:
     """nan passes every ``<`` check and inf trains into NaN weights: refuse both by name."""
     for f in dataclasses.fields(c):
         value = getattr(c, f.name)
@@ -120,7 +120,7 @@ def _check_finite(c: FinetuneConfig) -> None:
         raise ConfigError(f"--timeout must be > 0 seconds, got {c.timeout}")
 
 
-def _check_ranges(c: FinetuneConfig) -> None:
+def _check_ranges(c: "FinetuneConfig") -> None:
     for name in _AT_LEAST_ONE + _NONE_OR_AT_LEAST_ONE:
         value = getattr(c, name)
         if value is not None and value < 1:
@@ -138,9 +138,12 @@ def _check_ranges(c: FinetuneConfig) -> None:
         raise ConfigError(f"--min-lr ({c.min_lr}) must be <= --lr ({c.lr})")
     if not all(0.0 <= b < 1.0 for b in c.betas):
         raise ConfigError(f"--betas must both be in [0, 1), got {list(c.betas)}")
+    if c.dp % c.ep:
+        raise ConfigError(f"--ep ({c.ep}) must divide --dp ({c.dp}): experts are sharded over ep "
+                          f"ranks of the data-parallel group")
 
 
-def _fit_vpp(c: FinetuneConfig) -> None:
+def _fit_vpp(c: "FinetuneConfig") -> None:
     """Give each schedule the stages per rank it needs; vpp left at 1 becomes 2 where needed."""
     if c.schedule in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp == 1:
         c.vpp = 2
@@ -153,7 +156,7 @@ def _fit_vpp(c: FinetuneConfig) -> None:
         )
 
 
-def _check_microbatches(c: FinetuneConfig) -> None:
+def _check_microbatches(c: "FinetuneConfig") -> None:
     m = c.num_microbatches
     if c.batch_size % m:
         origin = f"({m})" if c.microbatches else f"({m}, the default pp * vpp)"
@@ -163,7 +166,7 @@ def _check_microbatches(c: FinetuneConfig) -> None:
 REPORTS = ("jsonl", "tensorboard", "wandb", "none")
 
 
-def _check_eval_and_reports(c: FinetuneConfig) -> None:
+def _check_eval_and_reports(c: "FinetuneConfig") -> None:
     if c.eval_fraction is not None and not 0.0 < c.eval_fraction < 1.0:
         raise ConfigError(f"--eval-fraction must be between 0 and 1, got {c.eval_fraction}")
     if c.eval_fraction is not None and (c.eval_dataset or c.eval_split):
@@ -185,11 +188,14 @@ def _check_eval_and_reports(c: FinetuneConfig) -> None:
             raise ConfigError(f"--report-to {name!r} is unknown; choose from {', '.join(REPORTS)}{hint}")
     if "none" in names and len(names) > 1:
         raise ConfigError(f"--report-to none cannot be combined with {c.report_to!r}")
-def _check_lora(c: FinetuneConfig) -> None:
+def _check_lora(c: "FinetuneConfig") -> None:
     import re
 
+    if c.quantize_base is not None and c.quantize_base not in QUANTIZE_BASE:
+        raise ConfigError(f"--quantize-base must be one of {', '.join(QUANTIZE_BASE)}; got {c.quantize_base!r}")
     if c.lora_rank is None:
-        for name, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", "all-linear")):
+        for name, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", "all-linear"),
+                              ("quantize_base", None)):
             if getattr(c, name) != default:
                 raise ConfigError(f"{_flag(name)} applies to LoRA runs only; add --lora-rank R (e.g. 16)")
         return

@@ -18,6 +18,9 @@ from typing import Any
 
 import yaml
 
+from hfpipe.config.checks import check, check_keys, yaml_problem
+from hfpipe.config.names import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError
+
 __all__ = [
     "ConfigError",
     "FinetuneConfig",
@@ -28,18 +31,7 @@ __all__ = [
     "field_help",
 ]
 
-#: Every pipeline schedule, as spelled in ``--schedule``.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
-#: Schedules that put several stages per rank in a loop (rank r holds stages r, r+pp, ...).
-INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
-#: Schedules that put exactly two stages per rank in a V (rank r holds stages r and 2*pp-1-r).
-V_SCHEDULES = ("zbv", "dualpipev")
-
 _BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value or file; the message names the flag or key to fix."""
 
 
 @dataclass
@@ -56,6 +48,9 @@ class FinetuneConfig:
     """Pipeline-parallel degree: ranks per pipeline."""
     dp: int = 1
     """Data-parallel degree: pipelines side by side; world size is pp * dp."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's routed experts are sharded over ep ranks of the
+    data-parallel group (ep divides dp); tokens reach their experts by all-to-all."""
     vpp: int = 1
     """Stages per rank. Left at 1, it becomes 2 for the interleaved and V schedules."""
     schedule: str = "1f1b"
@@ -178,14 +173,16 @@ class FinetuneConfig:
     """Modules that get adapters: all-linear (every linear layer but the output head) or a comma
     list of module names such as q_proj,k_proj,v_proj,o_proj."""
 
+    quantize_base: str | None = None
+    """nf4 | fp8: keep the frozen base weights quantized on the device and dequantize each layer
+    just in time (LoRA runs only); null keeps them in the run's dtype."""
+
     # --- trust ---
     timeout: float = 600.0
     """Seconds a rank waits for its peers in one collective before the run stops, naming the rank
     that did not answer (a hung or dead rank)."""
 
     def __post_init__(self) -> None:
-        from hfpipe.config.checks import check
-
         check(self)
 
     @property
@@ -214,9 +211,7 @@ class FinetuneConfig:
         """Build a config from option -> value; unknown keys and bad values name `source`."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"{source}: expected a mapping of option: value, got {type(d).__name__}")
-        from hfpipe.config.checks import check_keys
-
-        check_keys(d, source)
+        check_keys(d, source, [f.name for f in dataclasses.fields(cls)])
         if "model" not in d:
             raise ConfigError(f"{source}: the model is required (set `model:` in the recipe, or give MODEL on the command line)")
         try:
@@ -227,8 +222,6 @@ class FinetuneConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> FinetuneConfig:
         """Read a recipe file; `overrides` (the CLI flags) win over it, None ones are ignored."""
-        from hfpipe.config.checks import check_keys, yaml_problem
-
         path = Path(path)
         try:
             data = yaml.safe_load(path.read_text())
@@ -240,7 +233,7 @@ class FinetuneConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
         given = {k: v for k, v in overrides.items() if v is not None}
-        check_keys(given, "command-line overrides")
+        check_keys(given, "command-line overrides", [f.name for f in dataclasses.fields(cls)])
         return cls.from_dict({**data, **given}, source=str(path))
 
 
