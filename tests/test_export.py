@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hfpipe.checkpoint import export as export_mod
-from hfpipe.checkpoint import ExportError, export_checkpoint, read_checkpoint_meta
+from hfpipe.checkpoint.export import ExportError, export_checkpoint, read_checkpoint_meta
 from hfpipe.checkpoint.hf_writer import ShardWriter
 from hfpipe.tiny import make_fp8_checkpoint, make_tiny_checkpoint
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.checkpoint import dcp_raw
 from hfpipe.checkpoint import export as export_mod
-from hfpipe.checkpoint import ExportError, export_checkpoint
+from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.checkpoint.hf_writer import ShardWriter
 from test_export import make_dcp_checkpoint
 

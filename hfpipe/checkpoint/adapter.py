@@ -19,12 +19,8 @@ from pathlib import Path
 import torch
 
 from hfpipe.checkpoint.dcp_reader import _DcpReader
-from hfpipe.checkpoint.export import (
-    ExportError,
-    _copy_side_files,
-    _resolve_source,
-    read_checkpoint_meta,
-)
+from hfpipe.checkpoint.export_guard import ExportError
+from hfpipe.checkpoint.meta import copy_side_files, meta_model, read_checkpoint_meta, resolve_source
 from hfpipe.checkpoint.out_folder import build_folder, locked_out
 
 __all__ = ["export_adapter", "is_lora_checkpoint"]
@@ -63,7 +59,7 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
     if dtype != "auto":
         raise ExportError(f"--dtype {dtype} does not apply to a LoRA checkpoint: the adapter stays fp32 and "
                           "--merge keeps the base checkpoint's dtypes; drop --dtype")
-    src = _resolve_source(meta, source)
+    src = resolve_source(meta, source)
     config = config_from_dict(meta["lora"])
     with locked_out(out, force, (ckpt, src)):
         adapters = _read_adapters(ckpt, config, src)
@@ -106,10 +102,9 @@ def _expected_names(config, src: Path) -> set[str]:
 
     from peft.tuners.lora import LoraModel
 
-    from hfpipe.checkpoint.export import _meta_model
     from hfpipe.lora import ADAPTER
 
-    model = _meta_model(src)
+    model = meta_model(src)
     LoraModel(model, copy.deepcopy(config), ADAPTER, low_cpu_mem_usage=True)
     return {n for n, p in model.named_parameters() if p.requires_grad}
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from hfpipe.checkpoint import export_guard as guard
+import hfpipe.checkpoint.export_guard as guard
 from hfpipe.checkpoint.export_guard import ExportError
+from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files, meta_model, read_checkpoint_meta, resolve_source
 from hfpipe.checkpoint.out_folder import build_folder, locked_out
 from hfpipe.checkpoint.export_plan import (
     Group,
@@ -44,43 +45,8 @@ __all__ = ["ExportError", "export_checkpoint", "read_checkpoint_meta"]
 
 log = logging.getLogger(__name__)
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
-_META_FIELDS = {"format": int, "step": int, "source": str, "source_dtype": str, "tied": bool, "config": dict}
-
-
-def read_checkpoint_meta(ckpt: str | Path) -> dict:
-    """Parse and validate a checkpoint folder's ``hfpipe.json`` (and check DCP's ``.metadata``).
-
-    Raises:
-        ExportError: the folder, ``.metadata`` or ``hfpipe.json`` is missing, or a field is wrong.
-    """
-    ckpt = Path(ckpt)
-    if not ckpt.is_dir():
-        raise ExportError(f"checkpoint {ckpt} not found; pass a folder like OUT/checkpoints/step-00000010")
-    for name in (".metadata", "hfpipe.json"):
-        if not (ckpt / name).is_file():
-            raise ExportError(f"checkpoint {ckpt} is incomplete: {name} missing; pick an earlier checkpoint")
-    path = ckpt / "hfpipe.json"
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{path} is not valid JSON ({e}); pick an earlier checkpoint") from None
-    if not isinstance(meta, dict):
-        raise ExportError(f"{path} must hold a JSON object; pick an earlier checkpoint")
-    for name, kind in _META_FIELDS.items():
-        value = meta.get(name)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            got = "missing" if name not in meta else type(value).__name__
-            raise ExportError(
-                f"{path}: field {name!r} must be {kind.__name__}, got {got}; not an hfpipe checkpoint?"
-            )
-    if meta["format"] != 1:
-        raise ExportError(f"{path}: format {meta['format']} is not supported (expected 1); upgrade hfpipe")
-    return meta
 
 
 def export_checkpoint(
@@ -119,7 +85,7 @@ def export_checkpoint(
         from hfpipe.checkpoint.adapter import export_adapter
 
         return export_adapter(ckpt, out, merge=merge, force=force, source=source, dtype=dtype)
-    src = _resolve_source(meta, source)
+    src = resolve_source(meta, source)
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)
     with locked_out(out, force, (ckpt, src)):
@@ -129,7 +95,7 @@ def export_checkpoint(
 def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool) -> Path:
     cfg_json = guard.source_config_json(src)
     fp8 = _source_quantization(src, cfg_json)
-    model = _meta_model(src)
+    model = meta_model(src)
     reader = _DcpReader(ckpt, _create_file_view)  # this module's name: None forces dcp.load
     guard.check_data_files(ckpt, reader.metadata)
     groups = plan_groups(model, reader, ckpt)  # first: another model is named by its keys
@@ -143,7 +109,7 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
     def fill(tmp: Path) -> None:
         _write_weights(tmp, reader, model, groups, shards, progress)
         _write_config(tmp, cfg_json, dominant_dtype(groups), fp8)
-        _copy_side_files(src, tmp)
+        copy_side_files(src, tmp)
 
     build_folder(out, fill, sum(nbytes(*spec) for spec in flat(groups).values()))
     log.info("exported step %d to %s", meta["step"], out)
@@ -151,17 +117,6 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
 
 
 # --- inputs -----------------------------------------------------------------------------------
-
-
-def _resolve_source(meta: dict, source: str | Path | None) -> Path:
-    src = Path(source if source is not None else meta["source"]).expanduser().absolute()
-    if not (src / "config.json").is_file():
-        origin = "" if source is not None else " (recorded in hfpipe.json)"
-        raise ExportError(
-            f"source folder {src}{origin} has no config.json (moved or deleted?); "
-            "pass source=<the HF model folder the run started from> (--source)"
-        )
-    return src
 
 
 def _parse_dtype(dtype: str) -> torch.dtype | None:
@@ -195,19 +150,6 @@ def _source_quantization(src: Path, cfg_json: dict) -> bool:
         f"{src / 'config.json'}: quantization {quant.get('quant_method')!r} is not supported; "
         "export supports unquantised and fp8 sources"
     )
-
-
-def _meta_model(src: Path) -> torch.nn.Module:
-    """The full model on the meta device: its names, shapes and conversion tables, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    from hfpipe.source.folder import load_config
-
-    cfg = load_config(src, trust_remote_code=False)  # export never runs a source's code, never asks
-    if getattr(cfg, "quantization_config", None) is not None:
-        del cfg.quantization_config  # we export dequantised weights into a plain model
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
 
 
 def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
@@ -381,16 +323,3 @@ def _write_config(tmp: Path, cfg_json: dict, dtype: torch.dtype, fp8: bool) -> N
     if fp8:
         del cfg["quantization_config"]  # the weights are dequantised now
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
-def _copy_side_files(src: Path, tmp: Path) -> None:
-    """Copy every non-weight file of the source (generation config, tokenizer, chat template, code)."""
-    def skip(name: str) -> bool:
-        return name == "config.json" or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json")
-
-    for path in guard.side_files(src, skip):  # regular files inside the source only
-        name = path.name
-        shutil.copy2(path, tmp / name)
-        log.debug("copied %s", name)
-
-

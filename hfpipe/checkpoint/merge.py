@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hfpipe.checkpoint.export import INDEX, SINGLE, ExportError, _copy_side_files
+from hfpipe.checkpoint.export_guard import ExportError
+from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files, meta_model
 
 __all__ = ["write_merged"]
 
@@ -54,7 +55,7 @@ def write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor]
     if (src / INDEX).is_file():
         shutil.copy2(src / INDEX, tmp / INDEX)
     shutil.copy2(src / "config.json", tmp / "config.json")
-    _copy_side_files(src, tmp)
+    copy_side_files(src, tmp)
 
 
 def _merge_targets(adapters: dict[str, torch.Tensor]) -> list[str]:
@@ -134,10 +135,9 @@ class _FusedExperts:
         self._cache: dict[str, torch.Tensor] = {}
         self._done: set[str] = set()
         if modules:
-            from hfpipe.checkpoint.export import _meta_model
             from hfpipe.pipeline.load import model_key_mapper
 
-            self.meta = _meta_model(src)
+            self.meta = meta_model(src)
             mapper = model_key_mapper(self.meta)
             self.sources: dict[str, list[tuple[str, object, object]]] = {}  # fused param -> its keys
             for key in _weight_map(src):

@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from hfpipe.checkpoint import export_guard as guard
+import hfpipe.checkpoint.export_guard as guard
 from hfpipe.checkpoint.export_guard import ExportError
 from hfpipe.parallel.lock import FolderLock
 
