@@ -60,6 +60,7 @@ class PipelineModel:
     pipe: Pipeline
     tied_group: object = None
     lora: object = None  # the resolved peft.LoraConfig of a LoRA run (base frozen), or None
+    quantize: object = None  # the hfpipe.quant.linear.QuantSpec of a quantized base, or None
 
     @property
     def loss_rank(self) -> int:
@@ -132,6 +133,8 @@ class PipelineModel:
             from hfpipe.lora import config_to_dict
 
             meta["lora"] = config_to_dict(self.lora)  # the base is meta["source"]
+        if self.quantize is not None:
+            meta["quantize_base"] = self.quantize.to_dict()  # how the base was quantized (for --merge)
         return save_checkpoint(Path(root), step, self.view(), optimizer, meta, keep=keep,
                                async_save=async_save)
 
@@ -175,7 +178,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
                   trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
                   seed: int = 0, loss_chunk_tokens: int | None = None,
-                  quantize_base: str | None = None) -> PipelineModel:
+                  quantize_base: str | None = None, quantize_block_size: int | None = None) -> PipelineModel:
     """Load this rank's stages of ``model`` (folder or hub id) ready to train.
 
     Args:
@@ -196,10 +199,14 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         seed: Seeds the LoRA adapters' initialisation (per adapter, whatever the pipeline size).
         loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
             chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.pipeline.head_loss`.
-        quantize_base: ``nf4`` or ``fp8``: keep a LoRA run's frozen base quantized on the device.
+        quantize_base: ``nf4`` or ``fp8``: keep a LoRA run's frozen base quantized on the device
+            (:mod:`hfpipe.quant`); every decoder-layer linear dequantizes just in time.
+        quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the
+            checkpoint's own tiles, else 128).
     """
-    if ep != 1 or quantize_base is not None:  # the two axes land in parallel/ and quant/
-        raise PipelineError("--ep and --quantize-base are not available in this build yet")
+    if ep != 1:  # the axis lands in parallel/
+        raise PipelineError("--ep is not available in this build yet")
+    quantize = _quant_spec(quantize_base, quantize_block_size, lora)
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
     microbatches = microbatches or pp * vpp
@@ -211,7 +218,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
     dist = dist or init_distributed(pp, dp)
     param_dtype, compute_dtype = DTYPES[dtype]
-    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype)
+    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype, quantize)
     log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
              stats.bytes_read / 1e6, len(stats.files_opened))
     for m in modules:
@@ -228,7 +235,20 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     group = tied_groups(plan, dist, tied)
     pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=loss_chunk_tokens)
-    return PipelineModel(source, plan, dist, modules, pipe, group, lora)
+    return PipelineModel(source, plan, dist, modules, pipe, group, lora, quantize)
+
+
+def _quant_spec(kind: str | None, block: int | None, lora):
+    """The :class:`~hfpipe.quant.linear.QuantSpec` of ``quantize_base``, checked against ``lora``."""
+    if kind is None:
+        if block is not None:
+            raise PipelineError("--quantize-block-size applies with --quantize-base nf4|fp8 only")
+        return None
+    if lora is None:
+        raise PipelineError("--quantize-base trains LoRA adapters on a frozen base; add --lora-rank R (e.g. 16)")
+    from hfpipe.quant.linear import QuantSpec
+
+    return QuantSpec(kind, block)
 
 
 def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hfpipe.models import get_adapter
+from hfpipe.quant.linear import Quantizer
 from hfpipe.source.safetensors_io import SafetensorsError, read_tensors
 from hfpipe.source.folder import ModelSource, SourceError
 
@@ -133,7 +134,7 @@ def _fp8_block(config) -> tuple[int, int]:
 
 
 def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: torch.device,
-                       dtype: torch.dtype | None = None) -> LoadStats:
+                       dtype: torch.dtype | None = None, quantizer=None) -> LoadStats:
     """Fill the meta-device ``stages`` of one rank with their tensors from ``source``.
 
     Args:
@@ -141,6 +142,8 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
         source: The opened checkpoint.
         device: Where the tensors go.
         dtype: Floating dtype of the stage parameters; ``None`` keeps each meta parameter's dtype.
+        quantizer: A prepared :class:`hfpipe.quant.linear.Quantizer` (``--quantize-base``), which
+            quantizes each base weight as its shard is read; ``None`` loads full precision.
 
     Returns:
         What was opened and read.
@@ -152,12 +155,13 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     targets = _stage_targets(stages)
     full_keys = set(_full_model_keys(stages[0]))
     mapper = model_key_mapper(stages[0]._hf_model)
-    units, skipped = _plan_units(source, full_keys, set(targets), mapper, adapter.num_mtp_layers(source.config))
+    wanted = set(targets) - (quantizer.scales if quantizer else set())  # scales come with their weights
+    units, skipped = _plan_units(source, full_keys, wanted, mapper, adapter.num_mtp_layers(source.config))
     if skipped:
         log.info("skipped %d checkpoint tensors of MTP layers the HF model does not have", skipped)
     stats = LoadStats(skipped_mtp=skipped)
     _mark_fp32(units, stages[0]._hf_model)
-    _read_and_place(units, source, targets, device, dtype, stats)
+    _read_and_place(units, source, targets, device, dtype, stats, quantizer)
     from hfpipe.pipeline.stage import rebuild_buffers
 
     for stage in stages:
@@ -166,7 +170,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     return stats
 
 
-def _read_and_place(units, source, targets, device, dtype, stats: LoadStats) -> None:
+def _read_and_place(units, source, targets, device, dtype, stats: LoadStats, quantizer=None) -> None:
     """Read shard by shard; finish each unit as soon as all its tensors are in."""
     needed_by_file: dict[str, list[str]] = defaultdict(list)
     waiting: dict[str, list[_Unit]] = defaultdict(list)
@@ -189,19 +193,27 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats) -> 
         for unit in {id(u): u for k in keys for u in waiting[k]}.values():
             wanted = _with_scales(source, unit.sources)
             if all(k in have for k in wanted):
-                tensor = _finish_unit(unit, have, source, block)
-                _place(targets[unit.target], tensor, device, dtype, unit, source)
+                keep = quantizer is not None and quantizer.keeps_stored(unit.target) and unit.converter is None
+                tensor = _finish_unit(unit, have, source, block, keep)
+                scale = have.get(unit.sources[0] + _SCALE_SUFFIX) if keep else None
+                if quantizer is None or not quantizer.place(unit.target, tensor, scale, targets[unit.target],
+                                                            device, dtype):
+                    _place(targets[unit.target], tensor, device, dtype, unit, source)
                 for k in wanted:
                     if all(u is unit for u in waiting[k]):
                         have.pop(k, None)
 
 
-def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block) -> torch.Tensor:
+def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block, keep_fp8: bool = False) -> torch.Tensor:
+    """The in-memory tensor of ``unit``: FP8 dequantized (unless ``keep_fp8``), converters applied."""
     tensors = {}
     for key in unit.sources:
         t = have[key]
         scale = have.get(key + _SCALE_SUFFIX)
-        tensors[key] = _dequantize(t, scale, block) if scale is not None else t
+        if scale is None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise LoadError(f"{source.weight_map[key]}: FP8 weight {key!r} has no {key + _SCALE_SUFFIX!r} "
+                            "beside it; the checkpoint is incomplete: re-download it")
+        tensors[key] = _dequantize(t, scale, block) if scale is not None and not keep_fp8 else t
     if unit.converter is None:
         return tensors[unit.sources[0]]
     conv = unit.converter
@@ -285,16 +297,21 @@ def _check_materialised(stage: nn.Module) -> None:
 
 
 def load_rank_stages(source: ModelSource, plan, pp_rank: int, device: torch.device,
-                     dtype: torch.dtype | None = None):
+                     dtype: torch.dtype | None = None, quantize=None):
     """Build and load the stage modules ``plan`` gives to pipeline rank ``pp_rank``.
 
     Returns:
         ``(modules, stats)``: the rank's :class:`hfpipe.pipeline.stage.PipelineStageModule` list in
         increasing stage index, on ``device``, and the :class:`LoadStats` of the read.
+        ``quantize`` (a :class:`hfpipe.quant.linear.QuantSpec`) keeps the base linears quantized.
     """
     from hfpipe.pipeline.stage import build_stage_modules, model_config
 
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32)
-    stats = load_stage_weights(modules, source, device, dtype)
+    quantizer = None
+    if quantize is not None:
+        quantizer = Quantizer(quantize, source.config)
+        quantizer.prepare(modules, dtype or torch.float32)
+    stats = load_stage_weights(modules, source, device, dtype, quantizer)
     return modules, stats

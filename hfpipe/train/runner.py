@@ -38,10 +38,10 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.train.logs import check_sinks
 
     check_sinks(cfg.report_to)
-    if cfg.ep != 1 or cfg.quantize_base is not None:  # the two axes land in parallel/ and quant/
+    if cfg.ep != 1:  # the axis lands in parallel/
         from hfpipe.config.names import ConfigError
 
-        raise ConfigError("--ep and --quantize-base are not available in this build yet")
+        raise ConfigError("--ep is not available in this build yet")
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
     check_microbatches(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches, cfg.batch_size)
@@ -211,7 +211,8 @@ def run_worker(cfg_dict: dict) -> dict:
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
                        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
                        trust_remote_code=cfg.trust_remote_code, dist=dist_info,
-                       lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base)
+                       lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base,
+                       quantize_block_size=cfg.quantize_block_size)
     examples, held = _load_data(cfg, pm, dist_info)
     total = _total_steps(cfg, examples)
     optimizer = build_optimizer(pm.modules, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps)

@@ -1,0 +1,85 @@
+"""LoRA on a quantized frozen base (``--quantize-base nf4|fp8``) equals PEFT on the same quantized model.
+
+The oracle is one process: transformers' ``from_pretrained`` model whose decoder-layer linears
+hold the same quantized weights (torchao's ``NF4Tensor`` of the same block sizes; block-FP8
+codes and scales of the same tiles, or, for a checkpoint that ships FP8, transformers' own FP8
+dequantization at load), under PEFT's ``get_peft_model``, trained as
+:mod:`test_lora_equivalence` trains it. Loss and grad norm per step, and every adapter after 3
+steps, agree within 1e-5; so do logits and adapter gradients of one batch.
+
+The default run takes a slice (pp 2 with 1F1B and a V schedule, dp 2); ``pytest -m slow`` runs
+every schedule at pp 2 and pp 3 for both kinds, dp 2 x pp 2 and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_ranks, tiny_checkpoint
+from test_lora_equivalence import LORA, TOL, hf_model, lora_config, run_and_check, start_adapters
+from test_train_equivalence import ALL_SCHEDULES, LAYERS, MICRO, make_batches
+
+pytest.importorskip("torchao", reason="--quantize-base nf4 needs torchao (pip install 'hfpipe[qlora]')")
+
+FP8_BLOCK = 32  # tiles of 32 x 32: every tiny weight holds several, and transformers' dequantizer takes them
+
+
+def quantized_hf_model(kind: str, block: int | None = None):
+    """A ``build`` for the oracle: ``from_pretrained``, then the same quantization as the pipeline's."""
+
+    def build(path: str, dtype: torch.dtype):
+        from hfpipe.quant.fp8 import FP8Linear, quantize_blocks
+        from hfpipe.quant.linear import quantized_linears
+        from hfpipe.quant.nf4 import DEFAULT_BLOCK, quantize_nf4
+
+        model = hf_model(path, dtype)
+        with torch.no_grad():
+            for name, linear in quantized_linears(model).items():
+                if kind == "nf4":
+                    q = quantize_nf4(linear.weight.detach(), block or DEFAULT_BLOCK)
+                    linear.weight = nn.Parameter(q, requires_grad=False)
+                    continue
+                new = FP8Linear(linear.in_features, linear.out_features, block, compute_dtype=dtype)
+                new.weight, new.weight_scale_inv = quantize_blocks(linear.weight.detach(), block)
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, new)
+        return model
+
+    return build
+
+
+def fp8_checkpoint() -> str:
+    """A block-FP8 copy of the tiny Llama (fp32 elsewhere), as DeepSeek-V3 ships its weights."""
+    import tempfile
+
+    from hfpipe.tiny import make_fp8_checkpoint
+
+    base = tiny_checkpoint("llama", num_hidden_layers=LAYERS)
+    return str(make_fp8_checkpoint(base, tempfile.mkdtemp(prefix="hfpipe-fp8-"), FP8_BLOCK, dtype=None))
+
+
+def transformers_fp8(path: str, dtype: torch.dtype):
+    """transformers' own reading of an FP8 checkpoint: dequantized at load (its CPU path)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                quantization_config=FineGrainedFP8Config(dequantize=True))
+
+
+NF4 = {"quantize_base": "nf4"}
+FP8 = {"quantize_base": "fp8", "quantize_block_size": FP8_BLOCK}
+
+
+def test_nf4_pp2_matches_peft_on_the_same_nf4_model():
+    run_and_check("llama", 2, ("1f1b", "zbv"), options=NF4, build=quantized_hf_model("nf4"))
+
+
+def test_fp8_quantized_at_load_pp2_matches_peft():
+    run_and_check("llama", 2, ("1f1b",), options=FP8, build=quantized_hf_model("fp8", FP8_BLOCK))
+
+
+def test_fp8_checkpoint_kept_as_stored_pp2_matches_transformers_dequantized():
+    run_and_check("llama", 2, ("interleaved-1f1b",), options={"quantize_base": "fp8"},
+                  build=transformers_fp8, path=fp8_checkpoint())
