@@ -83,3 +83,14 @@ def test_fp8_quantized_at_load_pp2_matches_peft():
 def test_fp8_checkpoint_kept_as_stored_pp2_matches_transformers_dequantized():
     run_and_check("llama", 2, ("interleaved-1f1b",), options={"quantize_base": "fp8"},
                   build=transformers_fp8, path=fp8_checkpoint())
+
+
+def test_nf4_dp2_fsdp2_equals_one_process():
+    """accelerate#3983 reports FSDP2 silently corrupting training on bitsandbytes' Params4bit:
+    torchao's NF4Tensor shards over dp and trains exactly as one process."""
+    run_and_check("llama", 1, ("1f1b",), dp=2, options=NF4, build=quantized_hf_model("nf4"))
+
+
+@pytest.mark.slow
+def test_fp8_dp2_x_pp2_matches_peft():
+    run_and_check("llama", 2, ("1f1b",), dp=2, options=FP8, build=quantized_hf_model("fp8", FP8_BLOCK))
