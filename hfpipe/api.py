@@ -13,6 +13,7 @@ Inside ``torchrun --nproc-per-node 4 train.py``::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -218,6 +219,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
     dist = dist or init_distributed(pp, dp)
     param_dtype, compute_dtype = DTYPES[dtype]
+    if quantize is not None:
+        quantize = dataclasses.replace(quantize, dtype=str(param_dtype).removeprefix("torch."))
     modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype, quantize)
     log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
              stats.bytes_read / 1e6, len(stats.files_opened))

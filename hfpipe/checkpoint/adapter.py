@@ -45,7 +45,9 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
         merge: Merge the adapters into the base weights (base dtype and key layout).
         force: Replace an existing ``out`` once the new folder is complete.
         source: The base model folder, if it moved since training.
-        dtype: Must be ``auto``: adapters stay fp32 (as PEFT saves them), a merge keeps the base's dtypes.
+        dtype: ``auto`` for an adapter (fp32, as PEFT saves it). A merge keeps the base's dtypes with
+            ``auto``, except a quantized base (``--quantize-base``, block-FP8) which merges to bf16;
+            ``bf16``, or ``fp8`` (the linears requantized per block) for any merge.
 
     Raises:
         ExportError: not a LoRA checkpoint, adapters that do not fit the base, or a bad ``out``.
@@ -56,9 +58,9 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
     meta = read_checkpoint_meta(ckpt)
     if not is_lora_checkpoint(meta):
         raise ExportError(f"checkpoint {ckpt} is not a LoRA run's; export it without --merge")
-    if dtype != "auto":
-        raise ExportError(f"--dtype {dtype} does not apply to a LoRA checkpoint: the adapter stays fp32 and "
-                          "--merge keeps the base checkpoint's dtypes; drop --dtype")
+    if dtype != "auto" and not merge:
+        raise ExportError(f"--dtype {dtype} does not apply to a LoRA adapter export: the adapter stays fp32; "
+                          "drop --dtype, or add --merge")
     src = resolve_source(meta, source)
     config = config_from_dict(meta["lora"])
     with locked_out(out, force, (ckpt, src)):
@@ -67,7 +69,8 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
             from hfpipe.checkpoint.merge import write_merged
 
             nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters), nbytes)
+            quant = meta.get("quantize_base")
+            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters, quant=quant, dtype=dtype), nbytes)
         else:
             nbytes = sum(t.nbytes for t in adapters.values())
             build_folder(out, lambda tmp: _write_adapter(tmp, config, adapters, _base_name(meta, src)), nbytes)

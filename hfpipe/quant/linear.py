@@ -37,6 +37,7 @@ class QuantSpec:
 
     kind: str
     block: int | None = None
+    dtype: str = "float32"  # the parameter dtype weights are cast to before quantizing (for --merge)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -45,7 +46,7 @@ class QuantSpec:
             raise QuantError(f"--quantize-block-size must be >= 1, got {self.block}")
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "block": self.block}
+        return {"kind": self.kind, "block": self.block, "dtype": self.dtype}
 
 
 def source_fp8_block(config) -> int | None:
