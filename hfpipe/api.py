@@ -232,6 +232,10 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
 
         lora = resolve_config(lora, modules[0]._hf_model)
         add_adapters(modules, lora, seed=seed)
+    if dp > 1 and quantize is not None:
+        from hfpipe.quant.linear import check_shardable
+
+        check_shardable(modules, dp)
     if dp > 1 or compute_dtype != param_dtype:
         _shard(modules, dist, compute_dtype)
     tied = bool(getattr(source.config, "tie_word_embeddings", False))

@@ -7,8 +7,9 @@ dequantization at load), under PEFT's ``get_peft_model``, trained as
 :mod:`test_lora_equivalence` trains it. Loss and grad norm per step, and every adapter after 3
 steps, agree within 1e-5; so do logits and adapter gradients of one batch.
 
-The default run takes a slice (pp 2 with 1F1B and a V schedule, dp 2); ``pytest -m slow`` runs
-every schedule at pp 2 and pp 3 for both kinds, dp 2 x pp 2 and bf16.
+The default run takes a slice (NF4 at pp 2 with 1F1B and a V schedule; a checkpoint's own FP8
+at pp 2 interleaved; :mod:`test_qbase_export` adds FP8 quantized at load); ``pytest -m slow`` runs
+every schedule at pp 2 and pp 3 for both kinds, dp 2 (FSDP2) alone and with pp 2, and bf16.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import run_ranks, tiny_checkpoint
-from test_lora_equivalence import LORA, TOL, hf_model, lora_config, run_and_check, start_adapters
-from test_train_equivalence import ALL_SCHEDULES, LAYERS, MICRO, make_batches
+from _dist import tiny_checkpoint
+from test_lora_equivalence import BF16_TOL, hf_model, run_and_check
+from test_train_equivalence import ALL_SCHEDULES, LAYERS
 
 pytest.importorskip("torchao", reason="--quantize-base nf4 needs torchao (pip install 'hfpipe[qlora]')")
 
@@ -76,15 +77,12 @@ def test_nf4_pp2_matches_peft_on_the_same_nf4_model():
     run_and_check("llama", 2, ("1f1b", "zbv"), options=NF4, build=quantized_hf_model("nf4"))
 
 
-def test_fp8_quantized_at_load_pp2_matches_peft():
-    run_and_check("llama", 2, ("1f1b",), options=FP8, build=quantized_hf_model("fp8", FP8_BLOCK))
-
-
 def test_fp8_checkpoint_kept_as_stored_pp2_matches_transformers_dequantized():
     run_and_check("llama", 2, ("interleaved-1f1b",), options={"quantize_base": "fp8"},
                   build=transformers_fp8, path=fp8_checkpoint())
 
 
+@pytest.mark.slow
 def test_nf4_dp2_fsdp2_equals_one_process():
     """accelerate#3983 reports FSDP2 silently corrupting training on bitsandbytes' Params4bit:
     torchao's NF4Tensor shards over dp and trains exactly as one process."""
@@ -92,5 +90,31 @@ def test_nf4_dp2_fsdp2_equals_one_process():
 
 
 @pytest.mark.slow
-def test_fp8_dp2_x_pp2_matches_peft():
-    run_and_check("llama", 2, ("1f1b",), dp=2, options=FP8, build=quantized_hf_model("fp8", FP8_BLOCK))
+@pytest.mark.parametrize("kind", ["nf4", "fp8"])
+def test_dp2_x_pp2_matches_peft(kind):
+    options = NF4 if kind == "nf4" else FP8
+    run_and_check("llama", 2, ("1f1b", "interleaved-1f1b"), dp=2, options=options,
+                  build=quantized_hf_model(kind, FP8_BLOCK if kind == "fp8" else None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nf4", "fp8"])
+@pytest.mark.parametrize("pp", [2, 3])
+def test_every_schedule(kind, pp):
+    options = NF4 if kind == "nf4" else FP8
+    run_and_check("llama", pp, ALL_SCHEDULES, options=options,
+                  build=quantized_hf_model(kind, FP8_BLOCK if kind == "fp8" else None))
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_every_schedule_pp3():
+    run_and_check("llama", 3, ALL_SCHEDULES, options={"quantize_base": "fp8"}, build=transformers_fp8,
+                  path=fp8_checkpoint())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nf4", "fp8"])
+def test_bf16_run_keeps_the_base_quantized_and_matches_peft_in_bf16(kind):
+    options = NF4 if kind == "nf4" else FP8
+    run_and_check("llama", 2, ("1f1b",), options={**options, "dtype": "bf16"}, dtype=torch.bfloat16, tol=BF16_TOL,
+                  build=quantized_hf_model(kind, FP8_BLOCK if kind == "fp8" else None))

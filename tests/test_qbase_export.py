@@ -57,7 +57,7 @@ def _run(kind: str, tmp_path: Path):
     return path, Path(ranks[0]["ckpt"]), logits
 
 
-@pytest.mark.parametrize("kind", ["nf4", "fp8"])
+@pytest.mark.parametrize("kind", [pytest.param("nf4", marks=pytest.mark.slow), "fp8"])
 def test_adapter_export_and_merges_of_a_quantized_run(kind, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -215,6 +215,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
 
     Raises:
         LoraError: targets matching nothing, or a LoRA/full checkpoint resumed by the other kind of run.
+        QuantError: a ``--quantize-base`` block size that does not fit the model, or torchao missing.
     """
     import json
 
@@ -222,7 +223,12 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
     if config is not None:
         from hfpipe.pipeline.stage import build_meta_model, model_config as hf_config
 
-        resolve_config(config, build_meta_model(hf_config(model_config)))
+        full = build_meta_model(hf_config(model_config))
+        resolve_config(config, full)
+        if getattr(cfg, "quantize_base", None) is not None:  # block sizes and torchao, before any process starts
+            from hfpipe.quant.linear import QuantSpec, Quantizer
+
+            Quantizer(QuantSpec(cfg.quantize_base, cfg.quantize_block_size), model_config).prepare([full], full.dtype)
     if resume is None:
         return
     meta = json.loads((resume / "hfpipe.json").read_text())
@@ -233,4 +239,8 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
         raise LoraError(f"--resume {resume} is {kind} checkpoint; {fix} to resume it, or start afresh")
     if saved is not None and saved.get("r") != config.r:
         raise LoraError(f"--resume {resume} holds rank-{saved.get('r')} adapters; pass --lora-rank {saved.get('r')}")
+    was = (meta.get("quantize_base") or {}).get("kind")
+    if saved is not None and was != getattr(cfg, "quantize_base", None):
+        fix = f"pass --quantize-base {was}" if was else "drop --quantize-base"
+        raise LoraError(f"--resume {resume} trained its adapters on a {was or 'full-precision'} base; {fix}")
 

@@ -24,7 +24,8 @@ from torch import nn
 from hfpipe.quant.fp8 import FP8Linear, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
 
-__all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "quantized_linears", "source_fp8_block"]
+__all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "check_shardable", "quantized_linears",
+           "source_fp8_block"]
 
 KINDS = ("nf4", "fp8")
 FP8_DEFAULT_BLOCK = 128  # DeepSeek-V3's weight_block_size
@@ -140,3 +141,21 @@ class Quantizer:
         module._buffers["weight"] = tensor.to(device)
         module._buffers["weight_scale_inv"] = scale.to(device=device, dtype=torch.float32)
         return True
+
+
+def check_shardable(modules: list[nn.Module], dp: int) -> None:
+    """Raise :class:`QuantError` unless every NF4 weight splits into ``dp`` equal FSDP2 row shards.
+
+    FSDP2 pads a parameter whose rows do not divide evenly, and an ``NF4Tensor`` cannot be padded
+    (nor split inside a group of scales). FP8 weights are buffers, kept whole on every dp rank.
+    """
+    for module in modules:
+        for name, p in module.named_parameters():
+            w = getattr(p, "_local_tensor", p)
+            if not hasattr(w, "quantization_factor"):
+                continue
+            parts = (w.shape[0], w.quantized_scalers.numel(), w.quantization_factor.numel())
+            if any(n % dp for n in parts):
+                raise QuantError(f"--dp {dp}: NF4 weight {name} ({w.shape[0]} rows, {parts[2]} groups of scales) "
+                                 f"does not split into {dp} equal FSDP2 shards; use --dp 2, 4 or 8, or "
+                                 "--quantize-base fp8")
