@@ -118,3 +118,53 @@ def test_bf16_run_keeps_the_base_quantized_and_matches_peft_in_bf16(kind):
     options = NF4 if kind == "nf4" else FP8
     run_and_check("llama", 2, ("1f1b",), options={**options, "dtype": "bf16"}, dtype=torch.bfloat16, tol=BF16_TOL,
                   build=quantized_hf_model(kind, FP8_BLOCK if kind == "fp8" else None))
+
+
+def test_fp8_blocks_are_the_checkpoint_format_and_dequantize_as_transformers_does():
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from hfpipe.quant.fp8 import dequantize_blocks, quantize_blocks
+    from hfpipe.tiny import _quantize_blocks
+
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_blocks(w, 32)
+    q_tiny, s_tiny = _quantize_blocks(w, 32)  # how the FP8 test checkpoints are written
+    assert torch.equal(q.view(torch.uint8), q_tiny.view(torch.uint8)) and torch.equal(s, s_tiny)
+    assert s.shape == (3, 2) and q.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(dequantize_blocks(q, s, 32), Fp8Dequantize(None)._dequantize_one(q, s, torch.float32),
+                               atol=0, rtol=0)
+    assert 0 < (dequantize_blocks(q, s, 32) - w).abs().max() < 0.07 * w.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp8"])
+def test_backward_keeps_only_the_quantized_weight(kind):
+    """Just in time: what autograd saves for backward holds no full-precision copy of the weight."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraModel
+
+    from hfpipe.quant.fp8 import FP8Linear, quantize_blocks
+    from hfpipe.quant.nf4 import quantize_nf4
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 64, generator=g)
+    root = nn.Module()
+    root.norm = nn.LayerNorm(64)  # PEFT reads the device from a parameter; an FP8 linear holds buffers only
+    if kind == "nf4":
+        root.proj = nn.Linear(64, 128, bias=False)
+        root.proj.weight = nn.Parameter(quantize_nf4(w), requires_grad=False)
+        dense = root.proj.weight.get_original_weight()
+    else:
+        root.proj = FP8Linear(64, 128, 32)
+        root.proj.weight, root.proj.weight_scale_inv = quantize_blocks(w, 32)
+        dense = root.proj.dequantized()
+    LoraModel(root, LoraConfig(r=4, target_modules=["proj"]), "default")
+    x = torch.randn(3, 64, generator=g, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = root.proj(x)
+    full_size = [t for t in saved if t.is_floating_point() and t.numel() >= w.numel() and type(t) is torch.Tensor
+                 and t.dtype in (torch.float32, torch.bfloat16)]
+    assert not full_size, [(t.dtype, tuple(t.shape)) for t in full_size]
+    y.sum().backward()
+    torch.testing.assert_close(y, x @ dense.T, atol=1e-6, rtol=0)  # lora_B starts at zero
+    torch.testing.assert_close(x.grad, torch.ones(3, 128) @ dense, atol=1e-5, rtol=0)
