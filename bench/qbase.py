@@ -79,7 +79,7 @@ def _worker(path: str, mode: str, steps: int, batch: int, seq: int) -> dict:
     import torch.distributed as dist
 
     from hfpipe.api import load_pipeline
-    from hfpipe.lora import lora_config
+    from hfpipe.lora.adapters import lora_config
     from hfpipe.parallel.mesh import init_distributed
     from hfpipe.train.optim import build_optimizer
 

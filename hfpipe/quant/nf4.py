@@ -34,7 +34,11 @@ _MAX_DP = 8  # scale groups never straddle an eighth of the rows: FSDP2 can shar
 
 
 class QuantError(ValueError):
-    """A quantized-base setting that cannot work (one line: names the option or tensor and the fix)."""
+    """A quantized-base setting that cannot work (one line: names the option or tensor and the fix).
+
+    The layer's own ``ValueError`` (as ARCHITECTURE.md allows) rather than an ``HfpipeError``: importing
+    ``hfpipe.errors`` would put ``quant/`` one floor higher, and the export path over it past nine.
+    """
 
 
 def torchao_nf4():
