@@ -7,9 +7,9 @@ dequantization at load), under PEFT's ``get_peft_model``, trained as
 :mod:`test_lora_equivalence` trains it. Loss and grad norm per step, and every adapter after 3
 steps, agree within 1e-5; so do logits and adapter gradients of one batch.
 
-The default run takes a slice (NF4 at pp 2 with 1F1B and a V schedule; a checkpoint's own FP8
-at pp 2 interleaved; :mod:`test_qbase_export` adds FP8 quantized at load); ``pytest -m slow`` runs
-every schedule at pp 2 and pp 3 for both kinds, dp 2 (FSDP2) alone and with pp 2, and bf16.
+The default run takes a slice (NF4 quantized at load, and a checkpoint's own FP8 kept as stored,
+each at pp 2 with 1F1B on a 4-layer model); ``pytest -m slow`` runs every schedule at pp 2 and
+pp 3 for both kinds (8 layers), dp 2 (FSDP2) alone and with pp 2, and bf16.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ def quantized_hf_model(kind: str, block: int | None = None):
     return build
 
 
-def fp8_checkpoint() -> str:
+def fp8_checkpoint(layers: int = LAYERS) -> str:
     """A block-FP8 copy of the tiny Llama (fp32 elsewhere), as DeepSeek-V3 ships its weights."""
     import tempfile
 
     from hfpipe.tiny import make_fp8_checkpoint
 
-    base = tiny_checkpoint("llama", num_hidden_layers=LAYERS)
+    base = tiny_checkpoint("llama", num_hidden_layers=layers)
     return str(make_fp8_checkpoint(base, tempfile.mkdtemp(prefix="hfpipe-fp8-"), FP8_BLOCK, dtype=None))
 
 
@@ -73,13 +73,17 @@ NF4 = {"quantize_base": "nf4"}
 FP8 = {"quantize_base": "fp8", "quantize_block_size": FP8_BLOCK}
 
 
+SMALL = 4  # layers of the default run's models (the slow matrix uses LAYERS)
+
+
 def test_nf4_pp2_matches_peft_on_the_same_nf4_model():
-    run_and_check("llama", 2, ("1f1b", "zbv"), options=NF4, build=quantized_hf_model("nf4"))
+    run_and_check("llama", 2, ("1f1b",), options=NF4, build=quantized_hf_model("nf4"),
+                  path=str(tiny_checkpoint("llama", num_hidden_layers=SMALL)))
 
 
 def test_fp8_checkpoint_kept_as_stored_pp2_matches_transformers_dequantized():
-    run_and_check("llama", 2, ("interleaved-1f1b",), options={"quantize_base": "fp8"},
-                  build=transformers_fp8, path=fp8_checkpoint())
+    run_and_check("llama", 2, ("1f1b",), options={"quantize_base": "fp8"}, build=transformers_fp8,
+                  path=fp8_checkpoint(SMALL))
 
 
 @pytest.mark.slow
@@ -107,7 +111,7 @@ def test_every_schedule(kind, pp):
 
 
 @pytest.mark.slow
-def test_fp8_checkpoint_every_schedule_pp3():
+def test_fp8_checkpoint_every_schedule_pp3():  # kept as stored, against transformers' own dequantization
     run_and_check("llama", 3, ALL_SCHEDULES, options={"quantize_base": "fp8"}, build=transformers_fp8,
                   path=fp8_checkpoint())
 

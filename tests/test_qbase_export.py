@@ -1,6 +1,6 @@
 """Checkpoints and exports of a quantized-base LoRA run (``--quantize-base nf4|fp8``).
 
-A pp-2 run trains 3 steps and saves; its checkpoint holds the adapters (and AdamW state) only.
+In the slow suite (three exports and four model loads each). A pp-2 run trains 3 steps and saves; its checkpoint holds the adapters (and AdamW state) only.
 ``hfpipe export`` gives a PEFT adapter: PEFT on the same quantized model reproduces the
 pipeline's logits within 1e-5. ``--merge`` gives a bf16 folder, ``--merge --dtype fp8`` a
 block-FP8 folder; transformers loads both, their merged weights are exactly ``dequant(Q(W)) +
@@ -57,7 +57,8 @@ def _run(kind: str, tmp_path: Path):
     return path, Path(ranks[0]["ckpt"]), logits
 
 
-@pytest.mark.parametrize("kind", [pytest.param("nf4", marks=pytest.mark.slow), "fp8"])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nf4", "fp8"])
 def test_adapter_export_and_merges_of_a_quantized_run(kind, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
