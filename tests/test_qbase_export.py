@@ -1,6 +1,7 @@
 """Checkpoints and exports of a quantized-base LoRA run (``--quantize-base nf4|fp8``).
 
-In the slow suite (three exports and four model loads each). A pp-2 run trains 3 steps and saves; its checkpoint holds the adapters (and AdamW state) only.
+In the slow suite (three exports and four model loads each). A pp-2 run trains 3 steps and
+saves; its checkpoint holds the adapters (and AdamW state) only.
 ``hfpipe export`` gives a PEFT adapter: PEFT on the same quantized model reproduces the
 pipeline's logits within 1e-5. ``--merge`` gives a bf16 folder, ``--merge --dtype fp8`` a
 block-FP8 folder; transformers loads both, their merged weights are exactly ``dequant(Q(W)) +
