@@ -46,10 +46,7 @@ def torchao_nf4():
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
-        try:
-            from torchao.dtypes import nf4tensor as nf4_tensor  # torchao < 0.15
-        except ImportError:
-            raise QuantError("--quantize-base nf4 needs torchao: pip install 'hfpipe[qlora]'") from None
+        raise QuantError("--quantize-base nf4 needs torchao >= 0.18: pip install 'hfpipe[qlora]'") from None
     return nf4_tensor
 
 
