@@ -172,3 +172,13 @@ def test_backward_keeps_only_the_quantized_weight(kind):
     y.sum().backward()
     torch.testing.assert_close(y, x @ dense.T, atol=1e-6, rtol=0)  # lora_B starts at zero
     torch.testing.assert_close(x.grad, torch.ones(3, 128) @ dense, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_attention_and_shared_experts_nf4_pp2():
+    """MoE: attention, dense and shared-expert linears quantized; the router and the fused routed
+    experts (adapted through PEFT's target_parameters) stay in the run's dtype."""
+    from test_lora_equivalence import DSV3_LORA
+
+    run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_LORA, options={"quantize_base": "nf4", "quantize_block_size": 16},
+                  build=quantized_hf_model("nf4", 16))
