@@ -69,11 +69,16 @@ def write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor]
         save_file(tensors, tmp / fname, metadata={"format": "pt"})
         out_map.update(dict.fromkeys(tensors, fname))
         del tensors
-    if (src / INDEX).is_file():
-        total = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(out_map.items()))}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2))
-    (tmp / "config.json").write_text(json.dumps(base.config_json(cfg_json) if base.changes else cfg_json, indent=2))
+    if not base.changes:  # the base's own files, keys and dtypes
+        if (src / INDEX).is_file():
+            shutil.copy2(src / INDEX, tmp / INDEX)
+        shutil.copy2(src / "config.json", tmp / "config.json")
+    else:  # keys (FP8 scales) and dtypes changed: a new index and config
+        if (src / INDEX).is_file():
+            total = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(out_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(base.config_json(cfg_json), indent=2))
     copy_side_files(src, tmp)
 
 
