@@ -60,10 +60,24 @@ def plan_kwargs(cfg) -> dict:
 
 
 def report_for(model_config, cfg, name: str | None = None):
-    """The :class:`~hfpipe.plan.report.PlanReport` of running ``cfg`` on ``model_config``."""
+    """The :class:`~hfpipe.plan.report.PlanReport` of running ``cfg`` on ``model_config``.
+
+    Reports are kept by their arguments: :func:`suggest` asks again for plans it (or the caller)
+    already priced, and a report is a frozen value of its arguments alone.
+    """
+    from hfpipe.plan.cost import config_key
     from hfpipe.plan.report import plan_report
 
-    return plan_report(model_config, name=name or cfg.model, **plan_kwargs(cfg))
+    kwargs = plan_kwargs(cfg)
+    key = (config_key(model_config), type(model_config), name or cfg.model, tuple(sorted(kwargs.items())))
+    if key not in _REPORTS:
+        if len(_REPORTS) >= 256:
+            _REPORTS.clear()
+        _REPORTS[key] = plan_report(model_config, name=name or cfg.model, **kwargs)
+    return _REPORTS[key]
+
+
+_REPORTS: dict = {}
 
 
 @dataclass(frozen=True)
