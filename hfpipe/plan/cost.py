@@ -31,7 +31,7 @@ class CostModel:
     embed: float  # the lookup, costed as memory traffic (see _EMBED_FLOPS_PER_HIDDEN)
     head: float  # final norm + lm_head: 2 FLOPs per parameter (2 * hidden * vocab), tied or not
     layers: tuple[float, ...]  # per decoder layer: 2 FLOPs per active parameter + attention
-    mtp: float  # one MTP layer; 0.0 if the model has none
+    mtp: float  # one MTP layer if it ran (0.0 without one); hfpipe skips MTP on load: stages cost 0
     embed_params: int
     head_params: int  # includes a tied lm_head weight: the head stage holds its own copy
     layer_params: tuple[int, ...]  # every parameter of each layer, all experts included (memory)

@@ -47,6 +47,7 @@ action list. Bubble fractions are :func:`hfpipe.plan.split.bubble_fraction`'s an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -55,13 +56,13 @@ from pathlib import Path
 from hfpipe.pipeline.head_loss import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import layer_bytes_per_token
+from hfpipe.plan.experts import all_to_all_bytes, check_ep, describe_ep, price_ranks as price_ep
+from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
+from hfpipe.plan.sharding import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, fsdp_bytes, param_bytes
 
-__all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
+__all__ = ["BYTES_PER_PARAM", "PlanReport", "fsdp_bytes", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
 
-#: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
-BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
-_ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}  # bytes per activation element
 _AC_MODES = ("none", "selective", "full")
 _MULTI_STAGE = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 
@@ -91,10 +92,13 @@ class RankReport:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int  # the peak over the rank's schedule, not the sum of stage peaks
+    transient_bytes: int = 0  # a quantized base's dequantized weights (hfpipe.plan.quant)
+    all_to_all_bytes: int = 0  # expert-parallel traffic one GPU sends per step (not memory)
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+                + self.transient_bytes)
 
 
 @dataclass(frozen=True)
@@ -120,13 +124,16 @@ class PlanReport:
     lora: str | None = None  # a LoRA run's adapters, in words (memory columns are then LoRA's)
     layer_act: tuple[int, int] = (0, 0)  # fewest and most activation bytes a layer keeps per token
     hidden: int = 0
+    ep: int = 1  # expert-parallel degree (hfpipe.plan.experts)
+    notes: tuple[str, ...] = ()  # lines about expert parallelism, a quantized base, idle ranks
 
 
 def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
                 method: str = "balanced", microbatches: int | None = None, seq_len: int = 4096,
                 batch_size: int | None = None, dtype: str = "bf16-mixed",
                 activation_checkpointing: str = "none", name: str | None = None,
-                dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear") -> PlanReport:
+                dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear",
+                ep: int = 1, quantize_base: str | None = None) -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -146,6 +153,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         dp: Data-parallel degree; above 1, weights, gradients and optimizer state are priced as
             FSDP2 shards them (see the module docstring).
         lora_rank, lora_targets: Price a LoRA run instead (frozen base, fp32 adapters).
+        ep: Expert-parallel degree: routed experts sharded over ep ranks of dp (hfpipe.plan.experts).
+        quantize_base: ``nf4`` or ``fp8``: a LoRA run's frozen base quantized (hfpipe.plan.quant).
 
     Raises:
         PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
@@ -153,7 +162,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     """
     from hfpipe.models import get_adapter
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
-    from hfpipe.plan.split import PlanError, bubble_fraction, layer_costs, plan_pipeline
+    from hfpipe.plan.split import PlanError, bubble_fraction, idle_ranks, layer_costs, plan_pipeline
 
     if dtype not in BYTES_PER_PARAM:
         raise PlanError(f"--dtype must be one of {', '.join(BYTES_PER_PARAM)}; got {dtype!r}")
@@ -162,6 +171,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                         f"got {activation_checkpointing!r}")
     if dp < 1:
         raise PlanError(f"--dp must be >= 1, got {dp}")
+    check_quant(quantize_base, lora_rank)
     get_adapter(config)
     from hfpipe.config.options import require_positive
 
@@ -174,6 +184,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     plan = plan_pipeline(config, pp, vpp=vpp, style=schedule_style(schedule), method=method,
                          layout=layout, seq_len=seq_len)
     costs = layer_costs(config, seq_len)
+    check_ep(config, ep, costs, dp)
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens = batch // m * seq_len
     per_layer = layer_bytes_per_token(config, dtype)
@@ -189,14 +200,24 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, dp), peaks[r] + recomputes[r])
                   for r in range(pp))
+    ranks = price_ep(ranks, plan, costs, dtype, dp, ep)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
-    lora = None
+    lora, notes = None, []
     if lora_rank is not None:
         from hfpipe.lora.memory import describe_plan
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
                                     total - costs.embed_params * tied, dp)
+        if ep > 1 or quantize_base:
+            ranks = price_base(ranks, plan, config, quantize_base, dtype, dp, ep)
+    if ep > 1:
+        a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing)
+        ranks = tuple(dataclasses.replace(r, all_to_all_bytes=a) for r, a in zip(ranks, a2a))
+        notes.append(describe_ep(config, ep, dp, a2a, _size))
+    if quantize_base:
+        notes.append(describe_quant(quantize_base, ranks, _size))
+    notes += idle_ranks(plan)
     return PlanReport(
         model=name or getattr(config, "_name_or_path", "") or config.model_type,
         total_params=total - costs.embed_params * tied, num_layers=len(costs.layers), plan=plan,
@@ -204,28 +225,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         dtype=dtype, activation_checkpointing=activation_checkpointing, stages=stages,
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
         actions=actions, dp=dp, lora=lora, layer_act=(min(per_layer, default=0), max(per_layer, default=0)),
-        hidden=config.hidden_size)
-
-
-#: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
-_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}
-
-
-def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
-    """(master, compute copy, unsharded gradient, AdamW) bytes per parameter under FSDP2 at ``dtype``."""
-    return _FSDP_BYTES[dtype]
-
-
-def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter on one rank at data-parallel ``dp``.
-
-    ``dp == 1`` is :data:`BYTES_PER_PARAM`; above it, FSDP2's shards plus the whole compute-dtype
-    parameters and reduce-dtype gradients a pipeline step keeps (see the module docstring).
-    """
-    if dp == 1:
-        return BYTES_PER_PARAM[dtype]
-    master, compute, grad, optim = _FSDP_BYTES[dtype]
-    return master / dp + compute, grad + grad / dp, optim / dp
+        hidden=config.hidden_size, ep=ep, notes=tuple(notes))
 
 
 def _stage_params(stage, costs) -> int:
@@ -270,6 +270,8 @@ def _holds(stage) -> str:
     for one, many, ids in (("layer", "layers", stage.layers), ("mtp", "mtp", stage.mtp)):
         if ids:
             parts.append(f"{one} {ids[0]}" if len(ids) == 1 else f"{many} {ids[0]}-{ids[-1]}")
+    if stage.mtp:
+        parts[-1] += " (skipped)"  # the loader skips MTP: transformers has no module to run it
     parts += ["norm, head"] if stage.head else []
     return ", ".join(parts) or "(empty)"
 
@@ -373,19 +375,26 @@ def format_report(report: PlanReport) -> str:
         [s.index, s.rank, s.holds, _count(s.params), f"{s.cost_share:.3f}", s.in_flight,
          _size(s.activation_bytes)] for s in r.stages], left=2)
     lines.append("")
-    lines += _table(["rank", "stages", "params", "weights", "grads", "optimizer", "activations", "total"], [
+    dequant, a2a = any(k.transient_bytes for k in r.ranks), r.ep > 1
+    lines += _table(["rank", "stages", "params", "weights", "grads", "optimizer", "activations"]
+                    + ["dequant"] * dequant + ["total"] + ["all-to-all/step"] * a2a, [
         [k.rank, ",".join(map(str, k.stages)), _count(k.params), _size(k.weight_bytes),
-         _size(k.grad_bytes), _size(k.optimizer_bytes), _size(k.activation_bytes),
-         _size(k.total_bytes)] for k in r.ranks])
+         _size(k.grad_bytes), _size(k.optimizer_bytes), _size(k.activation_bytes)]
+        + [_size(k.transient_bytes)] * dequant + [_size(k.total_bytes)]
+        + [_size(k.all_to_all_bytes)] * a2a for k in r.ranks])
     worst = max(r.ranks, key=lambda k: k.total_bytes)
+    tokens = r.microbatches * r.microbatch_size * r.seq_len * r.dp
     lines += [
         "",
         f"balance {r.balance:.3f} (costliest stage / mean; 1.000 is perfect)",
         f"bubble {100 * r.bubble:.1f}% of each step idle ({r.schedule}, analytic)",
+        f"tokens per schedule step: {tokens:,} ({r.microbatches * r.microbatch_size} sequences x "
+        f"{r.seq_len} x dp {r.dp}) on {plan.pp * r.dp} GPUs",
         f"peak memory {_size(worst.total_bytes)} on rank {worst.rank}",
         f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "
         f"{_per_layer(r)} per token per layer (measured on transformers' layer), logits on the head stage",
     ]
     if r.lora:
         lines.append(r.lora)
+    lines += r.notes
     return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""Bytes per parameter on one rank: by dtype, and as FSDP2 shards them over a data-parallel group.
+
+The lowest piece of the plan's memory model, shared by the report (:mod:`hfpipe.plan.report`), the
+expert-parallel pricing (:mod:`hfpipe.plan.experts`), the quantized base (:mod:`hfpipe.plan.quant`)
+and LoRA's (:mod:`hfpipe.lora.memory`). See :mod:`hfpipe.plan.report` for why each number is what
+it is.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "fsdp_bytes", "param_bytes"]
+
+#: dtype -> (weights, gradients, optimizer) bytes per parameter at dp 1.
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
+#: dtype -> bytes per activation element (what runs the matmuls).
+ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
+#: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
+_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}
+
+
+def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
+    """(master, compute copy, unsharded gradient, AdamW) bytes per parameter under FSDP2 at ``dtype``."""
+    return _FSDP_BYTES[dtype]
+
+
+def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter on one rank, sharded over ``dp`` ranks.
+
+    ``dp == 1`` is :data:`BYTES_PER_PARAM`; above it, FSDP2's shards plus the whole compute-dtype
+    parameters and reduce-dtype gradients a pipeline step keeps (see :mod:`hfpipe.plan.report`).
+    """
+    if dp == 1:
+        return BYTES_PER_PARAM[dtype]
+    master, compute, grad, optim = _FSDP_BYTES[dtype]
+    return master / dp + compute, grad + grad / dp, optim / dp
