@@ -150,3 +150,18 @@ def test_the_issues_deepseek_v3_fp8_lora_plan_fits_one_node_of_141gb():
     assert max(k.total_bytes for k in r.ranks) <= 141 * GIB
     # the experts dominate: ~29 MoE layers x 256 experts x 44M parameters / ep 4, at ~1 byte each
     assert all(70 * GIB < k.weight_bytes < 100 * GIB for k in r.ranks)
+
+
+def test_a_moe_plan_that_does_not_fit_is_told_to_shard_its_experts():
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.plan.fit import report_for, suggest
+
+    config = load_model_config("deepseek-ai/DeepSeek-V3")
+    cfg = FinetuneConfig(model="deepseek-ai/DeepSeek-V3", pp=8, dp=32, microbatches=64, batch_size=64,
+                         seq_len=4096, dtype="bf16-mixed", activation_checkpointing="full")
+    assert max(r.total_bytes for r in report_for(config, cfg).ranks) > 80 * GIB
+    found = suggest(config, cfg, 80 * GIB)
+    assert found[0].changes == {"ep": 32} and found[0].gpus == 256
+    assert all(s.peak <= 0.9 * 80 * GIB for s in found)
+    dense = suggest(tiny_config("llama"), FinetuneConfig(model="x", pp=2, seq_len=64), 2**20)
+    assert not [s for s in dense if "ep" in s.changes]  # never for a dense model
