@@ -109,3 +109,21 @@ def test_skipping_the_matmuls_keeps_the_same_bytes(kind, dtype, monkeypatch):
     monkeypatch.setattr(plan_activations, "_SkipMatmuls", contextlib.nullcontext)
     assert layer_bytes_per_token(config, dtype) == skipped
     plan_activations._measure_all.cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V4-Flash-Base",
+                                   "deepseek-ai/DeepSeek-V2-Lite", "meta-llama/Llama-3.1-70B"])
+def test_skipping_the_matmuls_keeps_the_same_bytes_on_the_bundled_models(model, monkeypatch):
+    import contextlib
+
+    from hfpipe.plan import activations as plan_activations
+    from hfpipe.plan.report import load_model_config
+
+    config = load_model_config(model)
+    plan_activations._measure_all.cache_clear()
+    skipped = layer_bytes_per_token(config, "bf16-mixed")
+    plan_activations._measure_all.cache_clear()
+    monkeypatch.setattr(plan_activations, "_SkipMatmuls", contextlib.nullcontext)
+    assert layer_bytes_per_token(config, "bf16-mixed") == skipped
+    plan_activations._measure_all.cache_clear()
