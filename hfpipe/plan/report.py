@@ -43,20 +43,23 @@ backward frees it, and a split backward (zero-bubble) frees it only at the weigh
 since the weight gradient needs the layer inputs. This gives 1F1B ``min(p - rank, m)`` in flight,
 GPipe all ``m``; a rank's activation peak is the largest sum over its stages at any point of its
 action list. Bubble fractions are :func:`hfpipe.plan.split.bubble_fraction`'s analytic ones.
+
+``ep > 1`` re-prices each rank's routed experts (:mod:`hfpipe.plan.experts`: ``1/ep`` of them,
+FSDP2 over ``dp/ep``) and counts the all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
+its frozen base (:mod:`hfpipe.plan.quant`) and adds the transient dequantized weight.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from hfpipe.pipeline.head_loss import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import layer_bytes_per_token
 from hfpipe.plan.experts import all_to_all_bytes, check_ep, describe_ep, price_ranks as price_ep
+from hfpipe.plan.model_config import load_model_config
 from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
 from hfpipe.plan.sharding import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, fsdp_bytes, param_bytes
 
@@ -274,57 +277,6 @@ def _holds(stage) -> str:
         parts[-1] += " (skipped)"  # the loader skips MTP: transformers has no module to run it
     parts += ["norm, head"] if stage.head else []
     return ", ".join(parts) or "(empty)"
-
-
-def load_model_config(name: str, *, trust_remote_code: bool = False):
-    """A transformers config from a folder, a JSON file, a bundled model id or a hub id.
-
-    Only config.json is read (or, for hub ids not bundled with hfpipe, downloaded).
-
-    Raises:
-        SourceError: nothing usable under that name.
-    """
-    from hfpipe.config.run import bundled_config_dir
-    from hfpipe.source.folder import SourceError, load_config
-
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return load_config(path, trust_remote_code=trust_remote_code)
-    if path.is_file():
-        return _config_from_file(path, trust_remote_code)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(".json"):
-        raise SourceError(f"{name}: no such folder or config file")
-    bundled = bundled_config_dir(name)
-    if bundled is not None:
-        return load_config(bundled, trust_remote_code=trust_remote_code)
-    from huggingface_hub import hf_hub_download
-
-    try:
-        path = Path(hf_hub_download(name, "config.json"))
-    except Exception as e:  # network, auth, offline and unknown-repo errors mean the same here
-        raise SourceError(f"{name}: not a folder, a config file, a bundled model or a fetchable "
-                          f"hub id ({type(e).__name__}); pass a config.json path") from None
-    return load_config(path.parent, trust_remote_code=trust_remote_code)
-
-
-def _config_from_file(path: Path, trust_remote_code: bool):
-    from transformers import AutoConfig
-
-    from hfpipe.source.folder import SourceError, load_config
-
-    if path.name == "config.json":
-        return load_config(path.parent, trust_remote_code=trust_remote_code)
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"{path}: not valid JSON ({e})") from None
-    if raw.get("auto_map") and not trust_remote_code:
-        raise SourceError(f"{path}: model type {raw.get('model_type')!r} needs remote code; "
-                          "pass --trust-remote-code if you trust it")
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError) as e:
-        raise SourceError(f"{path}: {str(e).splitlines()[0]}") from None
 
 
 def _size(n: float) -> str:
