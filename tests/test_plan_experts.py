@@ -135,20 +135,31 @@ def test_a_layout_stage_of_only_mtp_costs_nothing_and_is_named_idle():
     assert "mtp 6 (skipped)" in report.stages[2].holds
 
 
+ISSUE_17 = ("deepseek-ai/DeepSeek-V3 --pp 8 --dp 32 --ep 32 --microbatches 64 --batch-size 64 --seq-len 4096 "
+            "--dtype bf16-mixed --activation-checkpointing full --gpu-memory 80GB")
+ISSUE_18 = ("deepseek-ai/DeepSeek-V3 --lora-rank 16 --quantize-base fp8 --pp 2 --dp 4 --ep 4 --microbatches 8 "
+            "--batch-size 8 --seq-len 4096 --dtype bf16 --activation-checkpointing full --gpu-memory 141GB")
+
+
 def test_the_issues_deepseek_v3_ep_plan_fits_80gb_at_256_gpus_with_a_small_bubble():
+    result = runner.invoke(app, ["plan", *ISSUE_17.split()])
+    assert result.exit_code == 0, result.output
+    assert "fits: every rank within 80.0 GiB (256 GPUs)" in result.output
     config = load_model_config("deepseek-ai/DeepSeek-V3")
     r = plan_report(config, 8, dp=32, ep=32, microbatches=64, batch_size=64, seq_len=4096,
                     dtype="bf16-mixed", activation_checkpointing="full")
-    assert max(k.total_bytes for k in r.ranks) <= 0.9 * 80 * GIB
+    assert max(k.total_bytes for k in r.ranks) <= 0.9 * 80 * GIB  # not even tight
     assert r.bubble <= 0.15 and r.plan.pp * r.dp == 256
 
 
 def test_the_issues_deepseek_v3_fp8_lora_plan_fits_one_node_of_141gb():
+    result = runner.invoke(app, ["plan", *ISSUE_18.split()])
+    assert result.exit_code == 0, result.output
+    assert "fits: every rank within 141.0 GiB (8 GPUs)" in result.output
     config = load_model_config("deepseek-ai/DeepSeek-V3")
     r = plan_report(config, 2, dp=4, ep=4, microbatches=8, batch_size=8, seq_len=4096, dtype="bf16",
                     activation_checkpointing="full", lora_rank=16, quantize_base="fp8")
-    assert max(k.total_bytes for k in r.ranks) <= 141 * GIB
-    # the experts dominate: ~29 MoE layers x 256 experts x 44M parameters / ep 4, at ~1 byte each
+    # the experts dominate: ~30 MoE layers x 256 experts x 44M parameters / ep 4, at ~1 byte each
     assert all(70 * GIB < k.weight_bytes < 100 * GIB for k in r.ranks)
 
 
@@ -165,3 +176,18 @@ def test_a_moe_plan_that_does_not_fit_is_told_to_shard_its_experts():
     assert all(s.peak <= 0.9 * 80 * GIB for s in found)
     dense = suggest(tiny_config("llama"), FinetuneConfig(model="x", pp=2, seq_len=64), 2**20)
     assert not [s for s in dense if "ep" in s.changes]  # never for a dense model
+
+
+def test_a_lora_run_with_ep_holds_its_share_of_the_frozen_experts():
+    config = tiny_config("deepseek_v3")
+    kw = dict(pp=2, dp=4, seq_len=32, batch_size=4, microbatches=4, dtype="bf16", lora_rank=8)
+    plain, ep = plan_report(config, **kw), plan_report(config, ep=2, **kw)
+    shapes = meta_params(config)
+    w_dp, w_edp = param_bytes("bf16", 4)[0], param_bytes("bf16", 2)[0]
+    for p, e in zip(plain.ranks, ep.ranks):
+        routed = sum(math.prod(s) for n, s in shapes.items()
+                     if layer_of(n) in on_rank(ep.plan, e.rank) and ".mlp.experts." in n)
+        adapters = p.weight_bytes - int(p.params * w_dp)
+        assert e.weight_bytes == pytest.approx((p.params - routed) * w_dp + routed // 2 * w_edp + adapters, abs=2)
+        assert (e.grad_bytes, e.optimizer_bytes) == (p.grad_bytes, p.optimizer_bytes)  # adapters only
+        assert e.transient_bytes == 0
