@@ -7,7 +7,7 @@ replicated over the group and FSDP2-sharded over all ``dp`` ranks, as without ep
 rank holds are FSDP2-sharded over the ``dp / ep`` ranks that hold the same experts (the expert
 helper's design, as in NeMo AutoModel and DeepSpeed-MoE: an (edp, ep) mesh over the dp ranks); at
 ``ep == dp`` they are not sharded further. So per expert parameter a rank keeps
-:func:`~hfpipe.plan.sharding.param_bytes` at ``dp / ep`` instead of ``dp``, on ``1 / ep`` of them.
+:func:`~hfpipe.plan.memory.param_bytes` at ``dp / ep`` instead of ``dp``, on ``1 / ep`` of them.
 
 Tokens reach their experts by all-to-all and come back the same way. Per MoE layer and microbatch,
 each rank sends (and receives) ``tokens * top_k * hidden * bytes * (ep - 1) / ep`` in each of four
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hfpipe.plan.sharding import ACT_BYTES, param_bytes
+from hfpipe.plan.memory import ACT_BYTES, param_bytes
 
 __all__ = ["EP_KEYS", "all_to_all_bytes", "check_ep", "describe_ep", "price_ranks", "routed_experts"]
 
@@ -41,7 +41,7 @@ def routed_experts(config) -> tuple[int, int]:
 def check_ep(config, ep: int, costs, dp: int) -> None:
     """Raise PlanError unless ``ep`` can shard this model's routed experts over ``dp`` ranks (one
     line, the fix). FinetuneConfig checks ep | dp for runs; plan_report is also called directly."""
-    from hfpipe.plan.split import PlanError
+    from hfpipe.errors import PlanError
 
     if ep < 1 or dp % ep:
         raise PlanError(f"--ep ({ep}) must divide --dp ({dp}): experts are sharded over ep ranks "

@@ -20,8 +20,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from hfpipe.errors import PlanError
 from hfpipe.plan.experts import routed_experts
-from hfpipe.plan.split import PlanError
 
 __all__ = ["RankFit", "Suggestion", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
            "report_for", "suggest"]
@@ -170,7 +170,7 @@ def _with_microbatches(cfg, pp: int) -> dict:
 
 def _lever(model_config, cfg, limit: int, ladder: list[dict]) -> Suggestion | None:
     """The first change on ``ladder`` whose plan fits, or None."""
-    from hfpipe.config.run import ConfigError
+    from hfpipe.config.names import ConfigError
 
     for changes in ladder:
         try:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfpipe.plan.sharding import ACT_BYTES, param_bytes
+from hfpipe.plan.memory import ACT_BYTES, param_bytes
 
 __all__ = ["QUANT_BYTES", "LayerQuant", "check_quant", "layer_quant", "price_ranks", "describe_quant"]
 
@@ -53,7 +53,7 @@ class LayerQuant:
 
 def check_quant(kind: str | None, lora_rank: int | None) -> None:
     """Raise PlanError unless ``--quantize-base kind`` can be priced (FinetuneConfig repeats it)."""
-    from hfpipe.plan.split import PlanError
+    from hfpipe.errors import PlanError
 
     if kind is not None and kind not in QUANT_BYTES:
         raise PlanError(f"--quantize-base must be one of {', '.join(QUANT_BYTES)}; got {kind!r}")

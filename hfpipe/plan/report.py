@@ -59,11 +59,11 @@ from hfpipe.pipeline.head_loss import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import layer_bytes_per_token
 from hfpipe.plan.experts import all_to_all_bytes, check_ep, describe_ep, price_ranks as price_ep
+from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
 from hfpipe.plan.model_config import load_model_config
 from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
-from hfpipe.plan.sharding import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, fsdp_bytes, param_bytes
 
-__all__ = ["BYTES_PER_PARAM", "PlanReport", "fsdp_bytes", "param_bytes", "RankReport", "StageReport", "format_report",
+__all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
 
 _AC_MODES = ("none", "selective", "full")
@@ -163,7 +163,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
             names the option to change).
     """
-    from hfpipe.models import get_adapter
+    from hfpipe.models.registry import get_adapter
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
     from hfpipe.plan.split import PlanError, bubble_fraction, idle_ranks, layer_costs, plan_pipeline
 
@@ -208,7 +208,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
     lora, notes = None, []
     if lora_rank is not None:
-        from hfpipe.lora.memory import describe_plan
+        from hfpipe.plan.lora import describe_plan
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
                                     total - costs.embed_params * tied, dp)
@@ -239,7 +239,7 @@ def _stage_params(stage, costs) -> int:
 
 def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...]) -> int:
     """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward."""
-    from hfpipe.models import get_adapter
+    from hfpipe.models.registry import get_adapter
 
     act = _ACT_BYTES[dtype]
     boundary = math.prod(get_adapter(config).hidden_shape(config, 1, 1)[2:]) * act  # a layer's input

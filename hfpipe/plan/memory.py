@@ -1,19 +1,17 @@
-"""Bytes per parameter on one rank: by dtype, and as FSDP2 shards them over a data-parallel group.
+"""Bytes per parameter on one rank: weights, gradients and AdamW state, alone or under FSDP2.
 
-The lowest piece of the plan's memory model, shared by the report (:mod:`hfpipe.plan.report`), the
-expert-parallel pricing (:mod:`hfpipe.plan.experts`), the quantized base (:mod:`hfpipe.plan.quant`)
-and LoRA's (:mod:`hfpipe.lora.memory`). See :mod:`hfpipe.plan.report` for why each number is what
-it is.
+The one place these formulas live, below the full-run report (:mod:`hfpipe.plan.report`), the
+LoRA pricing (:mod:`hfpipe.plan.lora`), expert parallelism's (:mod:`hfpipe.plan.experts`) and a
+quantized base's (:mod:`hfpipe.plan.quant`), which all price parameters with them.
 """
-
-from __future__ import annotations
 
 __all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "fsdp_bytes", "param_bytes"]
 
-#: dtype -> (weights, gradients, optimizer) bytes per parameter at dp 1.
+#: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
 #: dtype -> bytes per activation element (what runs the matmuls).
 ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
+
 #: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
 _FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}
 
@@ -24,10 +22,10 @@ def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
 
 
 def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter on one rank, sharded over ``dp`` ranks.
+    """(weights, gradients, optimizer) bytes per parameter on one rank at data-parallel ``dp``.
 
     ``dp == 1`` is :data:`BYTES_PER_PARAM`; above it, FSDP2's shards plus the whole compute-dtype
-    parameters and reduce-dtype gradients a pipeline step keeps (see :mod:`hfpipe.plan.report`).
+    parameters and reduce-dtype gradients a pipeline step keeps (see the module docstring).
     """
     if dp == 1:
         return BYTES_PER_PARAM[dtype]
