@@ -49,9 +49,11 @@ def check_ep(config, ep: int, costs, dp: int) -> None:
     if ep == 1:
         return
     count, _ = routed_experts(config)
-    if not any(costs.layer_routed_params) or not count:
+    # the runtime shards what transformers' expert-parallel plan names (hfpipe.parallel.expert):
+    # a MoE family without one cannot run --ep, so it is not priced either
+    if not any(costs.layer_routed_params) or not count or not getattr(config, "base_model_ep_plan", None):
         raise PlanError(f"--ep {ep}: {config.model_type} is a dense model (no routed experts to "
-                        "shard); leave out --ep")
+                        "shard) or has no expert-parallel plan in transformers; leave out --ep")
     if count % ep:
         fits = [d for d in range(2, count + 1) if count % d == 0 and d <= 64]
         raise PlanError(f"--ep {ep} must divide the {count} routed experts of each MoE layer; "
