@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from hfpipe.models import cohere, deepseek, gemma, granite, plain
 from hfpipe.models.adapter import Adapter, UnsupportedModelError
+from hfpipe.models.plain import _MOE
 
 __all__ = ["Adapter", "UnsupportedModelError", "get_adapter", "SUPPORTED_MODEL_TYPES", "REFUSED"]
 
@@ -76,7 +77,9 @@ def _proven(config) -> Adapter:
 
     key = config.to_json_string(use_diff=False)
     if key not in _PROVEN:
-        adapter = Adapter((config.model_type,), tested=False)
+        # The proof compares logits only: a router aux loss outside the table is refused.
+        adapter = Adapter((config.model_type,), tested=False, refuse_if=_MOE)
+        adapter.check(config)  # before the proof, which builds and runs a replica
         prove(config, adapter)
         _PROVEN[key] = adapter
     return _PROVEN[key]

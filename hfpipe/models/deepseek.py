@@ -18,7 +18,8 @@ from hfpipe.models.plain import _MOE
 __all__ = ["ADAPTERS"]
 
 ADAPTERS = (
-    Adapter(("deepseek_v2",), refuse_if=_MOE),
+    # output_router_logits only returns the router logits here: DeepSeek-V2's causal LM adds no aux loss.
+    Adapter(("deepseek_v2",)),
     Adapter(("deepseek_v3",), mtp_attr="num_nextn_predict_layers"),
     Adapter(("deepseek_v32",), mtp_attr="num_nextn_predict_layers", mask_kwargs={"allow_is_causal_skip": False}),
     Adapter(("deepseek_v4",), mtp_attr="num_nextn_predict_layers", embed=(ExpandStreams("hc_mult"),),
