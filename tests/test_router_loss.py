@@ -203,3 +203,34 @@ def test_router_aux_loss_one_microbatch_gpipe():
 def test_router_aux_loss_dp2_accumulation_and_checkpointing():
     check("mixtral", 2, "1f1b", 4, dp=2, options={"activation_checkpointing": "full"})
     check("gpt_oss", 2, "1f1b", 4, accum=2, options={"activation_checkpointing": "selective"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "looped-bfs", "interleaved-zb", "dualpipev"])
+def test_router_aux_loss_other_schedules(schedule):
+    check("qwen2_moe", 2, schedule, 4, options={"loss_chunk_tokens": 3})  # and the chunked head loss
+
+
+def _sums_dtype_worker(path: str) -> list:
+    from hfpipe.api import load_pipeline
+    from hfpipe.pipeline.router_loss import RouterSums
+
+    seen, start = [], RouterSums.start
+
+    def spy(self, sums, device):
+        seen.append(None if sums is None else str(sums.dtype))
+        return start(self, sums, device)
+
+    RouterSums.start = spy
+    pm = load_pipeline(path, pp=2, schedule="1f1b", microbatches=2, dtype="bf16-mixed")
+    batch = _batches(pm.source.config.vocab_size, 4)[0]
+    pm.pipe.train_step(batch, _tokens(batch))
+    return seen
+
+
+@pytest.mark.slow
+def test_bf16_mixed_keeps_the_router_sums_in_fp32():
+    """FSDP2's mixed precision casts a module's float inputs: the stage must receive fp32 sums."""
+    ranks = run_ranks(_sums_dtype_worker, 2, _checkpoint("mixtral"))
+    first, second = ranks[0], ranks[1]  # (torch's shape inference runs one more forward)
+    assert first and set(first) == {None} and second and set(second) == {"torch.float32"}, ranks
