@@ -32,8 +32,9 @@ KINDS = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v2")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv")
 
 
-def _checkpoint(kind: str) -> str:
-    return str(tiny_checkpoint(kind, num_hidden_layers=LAYERS, output_router_logits=True, router_aux_loss_coef=COEF))
+def _checkpoint(kind: str, **config) -> str:
+    config = {"num_hidden_layers": LAYERS, "output_router_logits": True, "router_aux_loss_coef": COEF, **config}
+    return str(tiny_checkpoint(kind, **config))
 
 
 def _batches(vocab: int, rows: int, steps: int = STEPS) -> list[dict]:
@@ -100,18 +101,23 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
-def worker(path: str, pp: int, dp: int, schedule: str, microbatches: int, accum: int = 1,
+def worker(paths: dict[str, str], pp: int, dp: int, schedule: str, microbatches: int, accum: int = 1,
            options: dict | None = None) -> dict:
-    """Logits, step-1 gradients, then ``STEPS`` trainer steps; this rank's view of each."""
-    from hfpipe.api import load_pipeline
+    """Per checkpoint: logits, step-1 gradients, then ``STEPS`` trainer steps (this rank's view)."""
     from hfpipe.parallel.mesh import init_distributed
 
     dist = init_distributed(pp, dp)
-    pm = load_pipeline(path, pp=pp, dp=dp, schedule=schedule, microbatches=microbatches // (dp * accum),
+    return {kind: _train(path, dist, schedule, microbatches, accum, options) for kind, path in paths.items()}
+
+
+def _train(path: str, dist, schedule: str, microbatches: int, accum: int, options: dict | None) -> dict:
+    from hfpipe.api import load_pipeline
+
+    dp = dist.dp
+    pm = load_pipeline(path, pp=dist.pp, dp=dp, schedule=schedule, microbatches=microbatches // (dp * accum),
                        dist=dist, **(options or {}))
-    vocab = pm.source.config.vocab_size
     rows = ROWS * microbatches
-    batches = _batches(vocab, rows)
+    batches = _batches(pm.source.config.vocab_size, rows)
     logits = pm.forward({k: v for k, v in batches[0].items() if k != "labels"})
     shard = rows // dp
     mine = [{k: v[dist.dp_rank * shard:(dist.dp_rank + 1) * shard] for k, v in b.items()} for b in batches]
@@ -137,15 +143,22 @@ def _close(got, want, what: str) -> None:
     assert diff <= TOL, f"{what} differs from transformers by {diff:.3g}"
 
 
-def check(kind: str, pp: int, schedule: str, microbatches: int, dp: int = 1, accum: int = 1,
-          options: dict | None = None) -> None:
+def check(kinds, pp: int, schedule: str, microbatches: int, dp: int = 1, accum: int = 1,
+          options: dict | None = None, config: dict | None = None) -> None:
+    """Run ``kinds`` (one launch) and compare each with its transformers oracle."""
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    paths = {kind: _checkpoint(kind, **(config or {})) for kind in kinds}
+    ranks = run_ranks(worker, pp * dp, paths, pp, dp, schedule, microbatches, accum, options)
+    for kind, path in paths.items():
+        _compare(path, {r: res[kind] for r, res in ranks.items()}, f"{kind} pp{pp} dp{dp} {schedule} x{microbatches}",
+                 microbatches, dp, accum)
+
+
+def _compare(path: str, ranks: dict, case: str, microbatches: int, dp: int, accum: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    path = _checkpoint(kind)
     ref = reference(path, microbatches)
     assert ref["moved"] > 100 * TOL, "training did not move the weights: agreement would be trivial"
-    ranks = run_ranks(worker, pp * dp, path, pp, dp, schedule, microbatches, accum, options)
-    case = f"{kind} pp{pp} dp{dp} {schedule} x{microbatches}"
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         batch = _batches(model.config.vocab_size, ROWS * microbatches)[0]
@@ -164,6 +177,104 @@ def check(kind: str, pp: int, schedule: str, microbatches: int, dp: int = 1, acc
             _close(w, ref["weights"][name], f"{case} weight {name} after {STEPS} steps")
     if accum == 1:
         assert seen == set(ref["grads"]), f"{case}: gradients not compared: {set(ref['grads']) ^ seen}"
+
+
+def _hf_model(kind: str, **config):
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.tiny import tiny_config
+
+    config = {"num_hidden_layers": 4, "output_router_logits": True, "router_aux_loss_coef": COEF, **config}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(kind, **config), dtype=torch.float32)
+
+
+def test_sums_reproduce_load_balancing_loss_func():
+    """Per-layer sums added stage by stage, finished once: transformers' function, masked or not."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from hfpipe.pipeline.router_loss import RouterLossSpec, finish_router_loss, layer_sums
+
+    g = torch.Generator().manual_seed(0)
+    spec = RouterLossSpec(torch.nn.Linear, 0, num_experts=6, top_k=2, coef=0.3, layers=5)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, -4:] = 0
+    mask[2, :2] = 0
+    for m in (mask, None):
+        logits = tuple(torch.randn(21, 6, generator=g) for _ in range(spec.layers))
+        sums = torch.zeros(spec.size)
+        for layer in logits:
+            sums = sums + layer_sums(layer, m, spec)
+        want = spec.coef * load_balancing_loss_func(logits, spec.num_experts, spec.top_k, m)
+        assert abs(float(finish_router_loss(sums, m, 21, spec)) - float(want)) <= 1e-7
+
+
+def test_a_microbatch_of_padding_only_adds_zero_with_finite_gradients():
+    from hfpipe.pipeline.router_loss import RouterLossSpec, finish_router_loss, layer_sums
+
+    spec = RouterLossSpec(torch.nn.Linear, 0, num_experts=4, top_k=2, coef=1.0, layers=1)
+    logits = torch.randn(6, 4, requires_grad=True)
+    mask = torch.zeros(2, 3, dtype=torch.long)
+    loss = finish_router_loss(layer_sums(logits, mask, spec), mask, 6, spec)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.isfinite(logits.grad).all() and not logits.grad.any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stage_chain_equals_transformers_loss_and_gradients(kind):
+    """Three stage modules run in one process (no schedule): HF's loss and every gradient, exactly."""
+    from hfpipe.pipeline.schedule import TokenLoss
+    from hfpipe.pipeline.stage import PipelineStageModule
+    from hfpipe.plan.split import StageSpec
+
+    model = _hf_model(kind)
+    batch = _batches(model.config.vocab_size, 3)[0]
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    specs = [StageSpec(0, (0,), True, False), StageSpec(1, (1, 2), False, False), StageSpec(2, (3,), False, True)]
+    stages = [PipelineStageModule(s, model.config, model) for s in specs]
+    stages[-1].lm_head.weight = model.lm_head.weight  # keep the model's own (tied or not)
+    x = (batch["input_ids"],)
+    for stage in stages:
+        stage.carry_router_sums = True
+        x = stage(*x, attention_mask=batch["attention_mask"])
+        x = x if isinstance(x, tuple) else (x,)
+    assert len(x) == (1 if kind == "deepseek_v2" else 2)  # DeepSeek-V2 adds no aux loss, as in HF
+    loss_fn = TokenLoss()
+    loss_fn.denominator = float(_tokens(batch))
+    loss = loss_fn(x if len(x) == 2 else x[0], batch["labels"])
+    loss.backward()
+    assert abs(float(loss.detach()) - float(out.loss.detach())) <= TOL
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    for name, g in got.items():
+        _close(g, want[name], f"{kind} gradient of {name}")
+    routers = [n for n in got if n.endswith(("router.weight", "gate.weight"))]
+    assert routers and all(got[n].abs().max() > 0 for n in routers), "every router gets a gradient"
+
+
+def test_refusals_stay_one_line_for_families_not_carried():
+    from hfpipe.models import UnsupportedModelError, get_adapter
+    from hfpipe.tiny import tiny_config
+
+    for kind in ("granitemoe", "deepseek_v4"):
+        with pytest.raises(UnsupportedModelError, match="output_router_logits=false") as err:
+            get_adapter(tiny_config(kind, output_router_logits=True))
+        assert "\n" not in str(err.value)
+    for kind in KINDS:
+        get_adapter(tiny_config(kind, output_router_logits=True))
+
+
+def test_a_family_proven_at_load_is_refused_before_its_proof():
+    from transformers import OlmoeConfig
+
+    from hfpipe.models import UnsupportedModelError, get_adapter
+
+    with pytest.raises(UnsupportedModelError, match="output_router_logits=false"):
+        get_adapter(OlmoeConfig(output_router_logits=True, num_hidden_layers=1, hidden_size=16,
+                                intermediate_size=16, num_attention_heads=2, num_experts=4))
 
 
 def test_one_microbatch_is_transformers_own_loss_on_the_whole_batch():
@@ -189,9 +300,8 @@ def test_router_aux_loss_matches_transformers_pp2_1f1b():
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("pp", [2, 3])
-@pytest.mark.parametrize("kind", KINDS)
-def test_router_aux_loss_matrix(kind, pp, schedule):
-    check(kind, pp, schedule, 6)
+def test_router_aux_loss_matrix(pp, schedule):
+    check(KINDS, pp, schedule, 6)
 
 
 @pytest.mark.slow
@@ -234,3 +344,9 @@ def test_bf16_mixed_keeps_the_router_sums_in_fp32():
     ranks = run_ranks(_sums_dtype_worker, 2, _checkpoint("mixtral"))
     first, second = ranks[0], ranks[1]  # (torch's shape inference runs one more forward)
     assert first and set(first) == {None} and second and set(second) == {"torch.float32"}, ranks
+
+
+@pytest.mark.slow
+def test_stages_without_routers_and_empty_stages_pass_the_sums_on():
+    """Qwen2-MoE's dense layers (mlp_only_layers) fill the first stage; an empty stage in the middle."""
+    check("qwen2_moe", 3, "1f1b", 6, config={"mlp_only_layers": [0, 1]}, options={"layout": "Ett||ttttL"})
