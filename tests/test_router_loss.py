@@ -7,8 +7,8 @@ aux loss per microbatch, so the oracle runs transformers microbatch by microbatc
 microbatches of the step); with one microbatch that is ``model(**batch).loss`` itself. Logits,
 step-1 gradients, and losses, grad norms and weights over 3 AdamW steps must agree within 1e-5.
 Batches hold left and right padding (excluded from the aux loss as transformers excludes it) and
-prompt masking. DeepSeek-V2's causal LM returns router logits but adds no aux loss: its row checks
-that the pipeline adds none either.
+prompt masking. Families: Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS, GraniteMoE, DeepSeek-V4, and
+DeepSeek-V2, whose causal LM returns router logits but adds no aux loss (the pipeline adds none).
 
 The default suite runs one case; ``pytest -m slow`` runs every family at pp 2 and 3 under 1F1B,
 interleaved 1F1B and ZBV, plus dp 2, gradient accumulation and activation checkpointing.
@@ -28,7 +28,7 @@ STEPS = 3
 LAYERS = 6
 ROWS, SEQ = 2, 12  # rows per microbatch
 COEF = 0.5  # large, so that the aux term moves routers and weights far beyond the tolerance
-KINDS = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v2")
+KINDS = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "granitemoe", "deepseek_v4", "deepseek_v2")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv")
 
 
@@ -239,7 +239,7 @@ def test_stage_chain_equals_transformers_loss_and_gradients(kind):
     x = (batch["input_ids"],)
     for stage in stages:
         stage.carry_router_sums = True
-        x = stage(*x, attention_mask=batch["attention_mask"])
+        x = stage(*x, attention_mask=batch["attention_mask"], input_ids=batch["input_ids"])  # V4's layers read ids
         x = x if isinstance(x, tuple) else (x,)
     assert len(x) == (1 if kind == "deepseek_v2" else 2)  # DeepSeek-V2 adds no aux loss, as in HF
     loss_fn = TokenLoss()
@@ -255,26 +255,19 @@ def test_stage_chain_equals_transformers_loss_and_gradients(kind):
     assert routers and all(got[n].abs().max() > 0 for n in routers), "every router gets a gradient"
 
 
-def test_refusals_stay_one_line_for_families_not_carried():
-    from hfpipe.models import UnsupportedModelError, get_adapter
-    from hfpipe.tiny import tiny_config
-
-    for kind in ("granitemoe", "deepseek_v4"):
-        with pytest.raises(UnsupportedModelError, match="output_router_logits=false") as err:
-            get_adapter(tiny_config(kind, output_router_logits=True))
-        assert "\n" not in str(err.value)
-    for kind in KINDS:
-        get_adapter(tiny_config(kind, output_router_logits=True))
-
-
-def test_a_family_proven_at_load_is_refused_before_its_proof():
+def test_the_table_families_are_accepted_and_others_refused_in_one_line_before_their_proof():
+    """A family outside the table is proven at load on its logits only: its aux loss is refused."""
     from transformers import OlmoeConfig
 
     from hfpipe.models import UnsupportedModelError, get_adapter
+    from hfpipe.tiny import tiny_config
 
-    with pytest.raises(UnsupportedModelError, match="output_router_logits=false"):
+    for kind in KINDS:
+        get_adapter(tiny_config(kind, output_router_logits=True))
+    with pytest.raises(UnsupportedModelError, match="set output_router_logits=false in config.json$") as err:
         get_adapter(OlmoeConfig(output_router_logits=True, num_hidden_layers=1, hidden_size=16,
                                 intermediate_size=16, num_attention_heads=2, num_experts=4))
+    assert "\n" not in str(err.value)
 
 
 def test_one_microbatch_is_transformers_own_loss_on_the_whole_batch():

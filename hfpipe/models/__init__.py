@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from hfpipe.models import cohere, deepseek, gemma, granite, plain
 from hfpipe.models.adapter import Adapter, UnsupportedModelError
-from hfpipe.models.plain import _MOE
 
 __all__ = ["Adapter", "UnsupportedModelError", "get_adapter", "SUPPORTED_MODEL_TYPES", "REFUSED"]
 
@@ -26,6 +25,11 @@ REFUSED = {
               "checkpoint (model_type gemma3_text)",
     "falcon_h1": "its Mamba layers take a separate mask built by the base model",
 }
+
+# The MoE router aux loss is carried through the pipeline for the tested families
+# (hfpipe.pipeline.router_loss); the proof at load compares logits only, so it says nothing of it.
+_AUX_UNTESTED = {"output_router_logits": "hfpipe carries the router aux loss only for the families of its "
+                 "tested table; set output_router_logits=false in config.json"}
 
 _BY_TYPE = {t: a for a in _ADAPTERS for t in a.model_types}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_BY_TYPE))
@@ -77,8 +81,7 @@ def _proven(config) -> Adapter:
 
     key = config.to_json_string(use_diff=False)
     if key not in _PROVEN:
-        # The proof compares logits only: a router aux loss outside the table is refused.
-        adapter = Adapter((config.model_type,), tested=False, refuse_if=_MOE)
+        adapter = Adapter((config.model_type,), tested=False, refuse_if=_AUX_UNTESTED)
         adapter.check(config)  # before the proof, which builds and runs a replica
         prove(config, adapter)
         _PROVEN[key] = adapter

@@ -13,16 +13,15 @@
 from __future__ import annotations
 
 from hfpipe.models.adapter import Adapter, ExpandStreams
-from hfpipe.models.plain import _MOE
 
 __all__ = ["ADAPTERS"]
 
 ADAPTERS = (
-    # output_router_logits only returns the router logits here: DeepSeek-V2's causal LM adds no aux loss.
+    # output_router_logits only returns the router logits: DeepSeek-V2's causal LM adds no aux loss.
     Adapter(("deepseek_v2",)),
     Adapter(("deepseek_v3",), mtp_attr="num_nextn_predict_layers"),
     Adapter(("deepseek_v32",), mtp_attr="num_nextn_predict_layers", mask_kwargs={"allow_is_causal_skip": False}),
     Adapter(("deepseek_v4",), mtp_attr="num_nextn_predict_layers", embed=(ExpandStreams("hc_mult"),),
             streams_attr="hc_mult", rope_table=("main", "compress"), mask_kind="sliding_attention",
-            layer_inputs=("input_ids",), head_modules=("hc_head",), refuse_if=_MOE),
+            layer_inputs=("input_ids",), head_modules=("hc_head",)),
 )

@@ -4,7 +4,6 @@ the logits divided by ``logits_scaling`` (causal LM). The residual multiplier is
 from __future__ import annotations
 
 from hfpipe.models.adapter import Adapter, ConfigFactor
-from hfpipe.models.plain import _MOE
 
 __all__ = ["ADAPTERS"]
 
@@ -12,5 +11,5 @@ _PIECES = dict(embed=(ConfigFactor("embedding_multiplier"),), logits=(ConfigFact
 
 ADAPTERS = (
     Adapter(("granite",), **_PIECES),
-    Adapter(("granitemoe",), **_PIECES, refuse_if=_MOE),
+    Adapter(("granitemoe",), **_PIECES),
 )

@@ -11,11 +11,6 @@ from hfpipe.models.adapter import Adapter
 
 __all__ = ["ADAPTERS"]
 
-# Families whose router aux loss hfpipe does not carry yet (the others: hfpipe.pipeline.router_loss).
-_MOE_AUX = ("hfpipe does not carry this family's router aux loss through the pipeline yet; "
-            "set output_router_logits=false in config.json")
-_MOE = {"output_router_logits": _MOE_AUX}
-
 ADAPTERS = (
     Adapter(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "starcoder2",
              "glm", "glm4", "ernie4_5", "helium", "arcee", "apertus", "ministral", "seed_oss", "exaone4")),
