@@ -1,7 +1,8 @@
 """The router load-balancing (auxiliary) loss of MoE models, carried through the pipeline.
 
 transformers adds ``router_aux_loss_coef * load_balancing_loss_func(router_logits, ...)`` to the
-loss of Mixtral, Qwen2/3-MoE and GPT-OSS when ``output_router_logits`` is set. That function
+loss of Mixtral, Qwen2/3-MoE, GPT-OSS, GraniteMoE and DeepSeek-V4 when ``output_router_logits``
+is set (DeepSeek-V2/V3 return the router logits but add nothing). That function
 collects every layer's router logits and reduces them to two per-expert sums over layers and
 (unpadded) tokens before its only nonlinear step::
 
@@ -17,13 +18,18 @@ the ``probs`` half, as in the one-process model.
 What "the same run" means across microbatches. ``aux`` is a product of two batch-wide sums, and
 the counts (which set the gradient of ``probs``) are only known once every microbatch has run
 forward, while torch's 1F1B, interleaved and V schedules start backward before the last forward.
-So, as Megatron and DeepSpeed do, the loss is computed *per microbatch*: each microbatch's ``aux`` is
-exactly transformers' ``load_balancing_loss_func`` on that microbatch's rows, and the step's router
-term is their mean over every microbatch of the step (all accumulation batches and dp ranks):
+So, as Megatron and DeepSpeed do, the loss is computed *per microbatch*: each microbatch's ``aux``
+is exactly transformers' ``load_balancing_loss_func`` on that microbatch's rows, and the step's
+router term is their mean over every microbatch of the step (all accumulation batches and dp ranks):
 ``loss = sum(CE) / tokens + coef * mean_m aux_m``. With one microbatch (and dp 1) that is
 transformers' own loss on the whole batch; otherwise it equals transformers run microbatch by
-microbatch with that mean (the tests' oracle). The language-model part stays exact over the whole
-batch as before. Evaluation losses are the language-model loss only (``eval_ppl`` = exp of it).
+microbatch with that mean (the oracle of tests/test_router_loss.py). Exact over the whole batch
+would need every microbatch's counts before the first backward: a second forward pass per step.
+The language-model part stays exact over the whole batch as before. Evaluation losses are the
+language-model loss only (``eval_ppl`` = exp of it).
+
+The hook sits on the router's output (the module transformers records as ``router_logits``), not
+in the experts, so expert parallelism, which moves the experts' tokens, leaves it unchanged.
 """
 
 from __future__ import annotations
@@ -87,15 +93,17 @@ def router_loss_spec(model: nn.Module) -> RouterLossSpec | None:
 class RouterSums:
     """Collects one stage forward's router logits and adds their sums to the incoming ones.
 
-    A forward hook on each router of the stage keeps the logits while :meth:`collect` is active;
-    they are reduced after each layer call, outside any activation checkpoint, so the recompute
-    of a checkpointed layer in backward (hook inactive then) adds nothing twice.
+    A forward hook on each router of the stage keeps the logits between :meth:`start` and
+    :meth:`stop`; they are reduced after each layer call, outside any activation checkpoint, so the
+    recompute of a checkpointed layer in backward (hook inactive then) adds nothing twice.
     """
 
     def __init__(self, spec: RouterLossSpec, layers: nn.Module) -> None:
         self.spec = spec
         self._active: list | None = None
-        self._handles = [m.register_forward_hook(self._keep) for m in layers.modules() if isinstance(m, spec.router)]
+        for module in layers.modules():
+            if isinstance(module, spec.router):
+                module.register_forward_hook(self._keep)
 
     def _keep(self, module, args, output) -> None:
         if self._active is not None:
