@@ -68,10 +68,21 @@ def reference(path: str, microbatches: int, steps: int = STEPS, rows: int | None
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
-    model.train()
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    coef = getattr(model, "router_aux_loss_coef", 0.0)
-    opt, sched = _optimizer(list(model.named_parameters()), lr_total_steps=steps)
+    run = train_microbatches(model, list(model.named_parameters()), microbatches, steps, rows)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    moved = max((weights[k] - start[k]).abs().max().item() for k in weights)
+    return {**run, "weights": weights, "moved": moved}
+
+
+def train_microbatches(model, named, microbatches: int, steps: int = STEPS, rows: int | None = None) -> dict:
+    """The oracle's loop: per step, HF's loss per microbatch (``num_items_in_batch`` = the step's
+    tokens) with its ``coef * aux_loss`` replaced by ``coef * aux_loss / microbatches``; AdamW."""
+    model.train()
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
+    coef = getattr(hf, "router_aux_loss_coef", 0.0)
+    opt, sched = _optimizer(named, lr_total_steps=steps)
+    params = [p for _, p in named]
     losses, norms, grads = [], [], None
     for batch in _batches(model.config.vocab_size, rows or ROWS * microbatches, steps):
         loss = 0.0
@@ -81,15 +92,13 @@ def reference(path: str, microbatches: int, steps: int = STEPS, rows: int | None
             loss = loss + out.loss + coef * aux * (1 / microbatches - 1)  # HF adds coef * aux per call
         loss.backward()
         if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), HP["max_grad_norm"])))
+            grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, HP["max_grad_norm"])))
         losses.append(float(loss.detach()))
         opt.step()
         sched.step()
         opt.zero_grad()
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    moved = max((weights[k] - start[k]).abs().max().item() for k in weights)
-    return {"loss": losses, "norm": norms, "grads": grads, "weights": weights, "moved": moved}
+    return {"loss": losses, "norm": norms, "grads": grads}
 
 
 def _split(batch: dict, n: int) -> list[dict]:
@@ -343,3 +352,48 @@ def test_bf16_mixed_keeps_the_router_sums_in_fp32():
 def test_stages_without_routers_and_empty_stages_pass_the_sums_on():
     """Qwen2-MoE's dense layers (mlp_only_layers) fill the first stage; an empty stage in the middle."""
     check("qwen2_moe", 3, "1f1b", 6, config={"mlp_only_layers": [0, 1]}, options={"layout": "Ett||ttttL"})
+
+
+ATTENTION_LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def _lora_worker(path: str, schedule: str, microbatches: int) -> dict:
+    from hfpipe.api import load_pipeline
+    from test_lora_equivalence import lora_config, start_adapters
+
+    pm = load_pipeline(path, pp=2, schedule=schedule, microbatches=microbatches, lora=lora_config(ATTENTION_LORA))
+    start = start_adapters(pm)
+    opt, sched = _optimizer(pm.named_parameters(), lr_total_steps=STEPS)
+    trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
+    steps = [trainer.step(b) for b in _batches(pm.source.config.vocab_size, ROWS * microbatches)]
+    return {"loss": [s.loss for s in steps], "norm": [s.grad_norm for s in steps], "start": start,
+            "final": {n: _full(p) for n, p in pm.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_lora_with_the_router_aux_loss_matches_peft():
+    """LoRA on attention (the routers and fused experts stay frozen): the aux loss trains the adapters."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from test_lora_equivalence import lora_config
+
+    path = _checkpoint("mixtral")
+    ranks = run_ranks(_lora_worker, 2, path, "1f1b", 4)
+    start, final = {}, {}
+    for r in ranks.values():
+        start.update(r["start"])
+        final.update(r["final"])
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), lora_config(ATTENTION_LORA))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert sorted(n.removeprefix("base_model.model.") for n, _ in named) == sorted(start)
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(start[n.removeprefix("base_model.model.")])
+    ref = train_microbatches(model, named, 4)
+    assert max((final[k] - start[k]).abs().max().item() for k in start) > 100 * TOL, "the adapters must move"
+    for r in ranks.values():
+        _close(r["loss"], ref["loss"], "LoRA loss")
+        _close(r["norm"], ref["norm"], "LoRA grad norm")
+    for n, p in named:
+        _close(final[n.removeprefix("base_model.model.")], p.detach(), f"LoRA adapter {n}")
