@@ -16,6 +16,8 @@ interleaved 1F1B and ZBV, plus dp 2, gradient accumulation and activation checkp
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -397,3 +399,10 @@ def test_lora_with_the_router_aux_loss_matches_peft():
         _close(r["norm"], ref["norm"], "LoRA grad norm")
     for n, p in named:
         _close(final[n.removeprefix("base_model.model.")], p.detach(), f"LoRA adapter {n}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("hfpipe.parallel.expert") is None, reason="expert parallelism not merged")
+def test_router_aux_loss_with_expert_parallelism():
+    """The hook reads the router's output, before the experts' all-to-all: ep 2 changes nothing."""
+    check(("mixtral", "qwen3_moe"), 2, "1f1b", 4, dp=2, options={"ep": 2})
