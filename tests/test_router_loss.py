@@ -10,8 +10,12 @@ Batches hold left and right padding (excluded from the aux loss as transformers 
 prompt masking. Families: Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS, GraniteMoE, DeepSeek-V4, and
 DeepSeek-V2, whose causal LM returns router logits but adds no aux loss (the pipeline adds none).
 
-The default suite runs one case; ``pytest -m slow`` runs every family at pp 2 and 3 under 1F1B,
-interleaved 1F1B and ZBV, plus dp 2, gradient accumulation and activation checkpointing.
+The default suite checks the sums against ``load_balancing_loss_func``, a 3-stage chain of every
+family in one process (HF's loss and every gradient), and one pipelined case (Qwen3-MoE, pp 2,
+1F1B). ``pytest -m slow`` runs every family at pp 2 and 3 under 1F1B, interleaved 1F1B and ZBV;
+the other schedules with the chunked head loss; one microbatch under GPipe (transformers' own
+whole-batch loss); dp 2 and gradient accumulation with activation checkpointing; dense-only and
+empty stages; fp32 sums under bf16-mixed; LoRA against PEFT; and ep 2 once it is merged.
 """
 
 from __future__ import annotations
