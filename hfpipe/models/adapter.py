@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "Softcap", "UnsupportedModelError"]
+__all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "MOE_REFUSALS", "Softcap", "UnsupportedModelError"]
+
+# The MoE router aux loss is carried through the pipeline for the families of the tested table
+# (hfpipe.pipeline.router_loss); a family proven at load was compared on its logits only, so it
+# refuses the aux loss, with the reason and the fix.
+_MOE_AUX = (
+    "hfpipe carries the router aux loss only for the families of its tested table; "
+    "set output_router_logits=false in config.json"
+)
+MOE_REFUSALS = {"output_router_logits": _MOE_AUX}
 
 
 class UnsupportedModelError(ValueError):
