@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FP8", "FP8Linear", "quantize_blocks", "dequantize_blocks", "is_fp8"]
+__all__ = ["FP8", "FP8_DEFAULT_BLOCK", "FP8Linear", "quantize_blocks", "dequantize_blocks", "is_fp8"]
+
+FP8_DEFAULT_BLOCK = 128  # DeepSeek-V3's weight_block_size
 
 #: The storage dtype of the checkpoint's FP8 weights (DeepSeek ``"fmt": "e4m3"``).
 FP8 = torch.float8_e4m3fn

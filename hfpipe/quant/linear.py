@@ -21,15 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hfpipe.quant.fp8 import FP8Linear, is_fp8, quantize_blocks
+from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
+from hfpipe.quant.targets import quantized_linears
 
 __all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "check_shardable", "quantized_linears",
            "source_fp8_block"]
 
 KINDS = ("nf4", "fp8")
-FP8_DEFAULT_BLOCK = 128  # DeepSeek-V3's weight_block_size
-_SKIP = ("mlp.gate", "router")
 
 
 @dataclass(frozen=True)
@@ -62,15 +61,6 @@ def source_fp8_block(config) -> int | None:
     if len(set(block)) != 1:
         raise QuantError(f"weight_block_size {list(block)}: --quantize-base fp8 keeps square tiles only")
     return int(block[0])
-
-
-def quantized_linears(module: nn.Module) -> dict[str, nn.Linear]:
-    """Full-model name -> each ``nn.Linear`` of ``module``'s decoder layers that gets quantized."""
-    out = {}
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.Linear) and ".layers." in f".{name}" and not name.endswith(_SKIP):
-            out[name] = sub
-    return out
 
 
 class Quantizer:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from hfpipe.quant.fp8 import dequantize_blocks, is_fp8, quantize_blocks
-from hfpipe.quant.linear import FP8_DEFAULT_BLOCK, QuantError, quantized_linears
-from hfpipe.quant.nf4 import DEFAULT_BLOCK, quantize_nf4
+from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, dequantize_blocks, is_fp8, quantize_blocks
+from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, quantize_nf4
+from hfpipe.quant.targets import quantized_linears
 
 __all__ = ["MergedBase", "MERGE_DTYPES"]
 

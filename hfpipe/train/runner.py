@@ -67,7 +67,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
 def _check_output(cfg: FinetuneConfig, source) -> None:
     """The output folder can take this run, and what --resume names is this run's checkpoint."""
     from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
-    from hfpipe.lora.adapters import preflight as lora_preflight
+    from hfpipe.lora.preflight import preflight as lora_preflight
     from hfpipe.train.resume_check import check_resume
 
     out = Path(cfg.output_dir)
