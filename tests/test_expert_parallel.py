@@ -225,3 +225,61 @@ def test_ep_that_cannot_run_is_refused_naming_the_flag(kind, ep, dp, says):
     with pytest.raises(ExpertParallelError, match=says) as e:
         check_expert_parallel(tiny_config(kind), ep, dp)
     assert "--ep" in str(e.value) and "\n" not in str(e.value)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+def _resume_worker(path: str, mesh: tuple, root: str, save: bool) -> dict:
+    """``save``: train steps 1-2, checkpoint, train step 3. Else: resume the checkpoint, train step 3."""
+    from hfpipe.api import load_pipeline
+    from hfpipe.checkpoint.dcp import latest_checkpoint, load_checkpoint
+    from hfpipe.parallel.mesh import init_distributed
+
+    pp, dp, ep, schedule, micro, layout = mesh
+    dist = init_distributed(pp, dp)
+    pm = load_pipeline(path, pp=pp, dp=dp, ep=ep, schedule=schedule, microbatches=micro, layout=layout,
+                       method="even", dist=dist)
+    opt, sched = _optimizer(pm.named_parameters(), lr_total_steps=STEPS)
+    trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
+    batches = [b for (b,) in make_batches(pm.source.config.vocab_size, steps=STEPS)]
+    if save:
+        for batch in batches[:2]:
+            trainer.step(_rows(batch, dp, dist.dp_rank))
+        pm.save_checkpoint(root, 2, opt)
+    else:
+        load_checkpoint(latest_checkpoint(root), pm.view(), opt)
+        for _ in range(2):
+            sched.step()  # a LambdaLR: its state is the step count
+    step = trainer.step(_rows(batches[2], dp, dist.dp_rank))
+    weights = {k: _full(v) for k, v in pm.model_state_dict().items()}
+    return {"loss": [step.loss], "norm": [step.grad_norm], "weights": weights}
+
+
+RESUME_AT = {"pp1-dp4-ep4": (1, 4, 4, "1f1b", 2, None), "pp2-dp1-ep1": (2, 1, 1, "1f1b", 2, None),
+             "pp3-dp2-ep2": MESHES["pp3-dp2-ep2"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_an_ep2_checkpoint_resumes_exactly_at_another_ep_dp_and_pp(kind, tmp_path):
+    """Saved at pp 2 x dp 2 x ep 2 after 2 steps; step 3 after resuming at ep 4 (pp 1, dp 4), at
+    ep 1 (pp 2, dp 1) and at pp 3 equals step 3 of the run that never stopped."""
+    path = str(tiny_checkpoint(kind, num_hidden_layers=LAYERS))
+    root = str(tmp_path / "ckpt")
+    mesh = MESHES["pp2-dp2-ep2"]
+    ranks = run_ranks(_resume_worker, 4, path, mesh, root, True)
+    meta = json.loads(next(Path(root).glob("step-*/hfpipe.json")).read_text())
+    assert meta["world"]["ep"] == 2
+    want = _merged(ranks)
+    for name, other in RESUME_AT.items():
+        got = run_ranks(_resume_worker, other[0] * other[1], path, other, root, False)
+        check_equal(want, {r: {name: res} for r, res in got.items()}, (name,))
+
+
+def _merged(ranks: dict) -> dict:
+    """One run's loss, norm and whole weights from its ranks' parts."""
+    first = next(iter(ranks.values()))
+    weights = {}
+    for res in ranks.values():
+        weights.update(res["weights"])
+    return {"loss": first["loss"], "norm": first["norm"], "weights": weights}
