@@ -283,3 +283,91 @@ def _merged(ranks: dict) -> dict:
     for res in ranks.values():
         weights.update(res["weights"])
     return {"loss": first["loss"], "norm": first["norm"], "weights": weights}
+
+
+# --- loading ----------------------------------------------------------------------------------------
+
+def _load_worker(path: str, ep: int) -> dict:
+    """Load every layer at pp 1, dp = ep: this rank's tensors (experts: its rows) and what it read."""
+    from hfpipe.parallel.expert import init_expert_mesh
+    from hfpipe.parallel.mesh import init_distributed
+    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
+
+    dist = init_distributed(1, ep)
+    source = ModelSource.open(path)
+    (stage,), stats = load_rank_stages(source, plan_pipeline(source.config, 1), 0, dist.device,
+                                       expert_mesh=init_expert_mesh(dist, ep))
+    tensors = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in stage.state_dict().items()}
+    return {"tensors": tensors, "bytes": stats.bytes_read, "keys": stats.keys_read}
+
+
+def fused_checkpoint(kind: str) -> Path:
+    """``kind`` saved with transformers' in-memory keys: fused 3-D experts, as some hub models ship."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_checkpoint(kind, num_hidden_layers=LAYERS)
+    out = src.parent / f"{src.name}-fused"
+    if not out.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(src)
+        model.save_pretrained(out, max_shard_size="150KB", save_original_format=False)
+    return out
+
+
+def _share(path: Path, tensors: dict) -> int:
+    """Bytes of this rank's tensors as the checkpoint stores them (its dtype)."""
+    itemsize = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+    dtypes = {v[0] for v in _source_specs(path).values()}
+    assert len(dtypes) == 1, dtypes
+    return sum(t.numel() for t in tensors.values()) * itemsize[dtypes.pop()]
+
+
+@pytest.mark.parametrize("layout", ["per-expert", pytest.param("fused", marks=pytest.mark.slow)])
+def test_a_rank_reads_only_its_experts_in_either_key_layout(layout):
+    """At ep 2 each rank's tensors equal the one-process load's, experts cut to its rows, and the
+    bytes it read are exactly its share (per-expert keys of the other rank's experts never read)."""
+    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
+
+    path = tiny_checkpoint("mixtral", num_hidden_layers=LAYERS)
+    path = fused_checkpoint("mixtral") if layout == "fused" else path
+    keys = set(_source_specs(path))
+    assert any(".experts.gate_up_proj" in k for k in keys) == (layout == "fused")
+    source = ModelSource.open(str(path))
+    (whole,), _ = load_rank_stages(source, plan_pipeline(source.config, 1), 0, torch.device("cpu"))
+    ranks = run_ranks(_load_worker, 2, str(path), 2)
+    for r, got in ranks.items():
+        assert got["bytes"] == _share(path, got["tensors"])  # tied/MTP-free fp32: every byte read is kept
+        assert not any(f".experts.{2 * (1 - r) + i}." in k for k in got["keys"] for i in range(2))
+        for name, t in whole.state_dict().items():
+            want = t[2 * r:2 * (r + 1)] if ".experts." in name else t
+            torch.testing.assert_close(got["tensors"][name], want, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_fp8_block_scaled_experts_load_sharded(tmp_path):
+    """A DeepSeek-V3 block-FP8 checkpoint at ep 2: each rank's dequantised experts are the one-process
+    load's rows, and the other rank's FP8 experts and scales are never read."""
+    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
+    from hfpipe.tiny import make_fp8_checkpoint
+
+    path = make_fp8_checkpoint(tiny_checkpoint("deepseek_v3", num_hidden_layers=LAYERS), tmp_path / "fp8", block=16)
+    source = ModelSource.open(str(path))
+    (whole,), _ = load_rank_stages(source, plan_pipeline(source.config, 1), 0, torch.device("cpu"))
+    ranks = run_ranks(_load_worker, 2, str(path), 2)
+    for r, got in ranks.items():
+        others = range(4 * (1 - r), 4 * (1 - r) + 4)
+        assert not any(f".experts.{i}." in k for k in got["keys"] for i in others)
+        assert any(k.endswith("_scale_inv") and ".experts." in k for k in got["keys"])
+        for name, t in whole.state_dict().items():
+            want = t[4 * r:4 * (r + 1)] if ".mlp.experts." in name else t
+            torch.testing.assert_close(got["tensors"][name], want, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_a_fused_layout_source_trains_and_exports_in_its_own_layout(tmp_path):
+    run_case(fused_checkpoint("mixtral"), "pp2-dp2-ep2", tmp_path, "mixtral")
