@@ -210,7 +210,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
-    check_expert_parallel(source.config, ep, dp)
+    check_expert_parallel(source.config, ep, dp, schedule)
     if ep > 1 and lora is not None:
         raise PipelineError("--ep with LoRA (--lora-rank) is not supported yet; use --ep 1 for LoRA runs")
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)

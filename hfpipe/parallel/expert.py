@@ -51,10 +51,20 @@ def count_experts(config) -> int | None:
     return None
 
 
-def check_expert_parallel(config, ep: int, dp: int) -> None:
+# Schedules that split backward into input and weight passes (zero bubble). Under FSDP (dp > 1, which ep
+# needs) torch 2.13 leaves the sharded gradients empty with them: measured, a dense Llama at pp 2 x dp 2
+# with zbv or dualpipev reports grad norm 0.0 and does not train, with or without ep.
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
+
+
+def check_expert_parallel(config, ep: int, dp: int, schedule: str | None = None) -> None:
     """Raise :class:`ExpertParallelError` unless ``--ep ep`` can run on this model at ``--dp dp``."""
     if ep == 1:
         return
+    if schedule in SPLIT_BACKWARD:
+        raise ExpertParallelError(f"--ep {ep} with --schedule {schedule}: zero-bubble schedules leave FSDP's "
+                                  "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b "
+                                  "or looped-bfs")
     if ep < 1:
         raise ExpertParallelError(f"--ep must be at least 1, got {ep}")
     if dp % ep:
@@ -153,15 +163,16 @@ def shard_moe_layer(layer: nn.Module, dp_mesh, emesh: ExpertMesh, mp) -> None:
 
     The experts are a unit over edp. Attention and the MoE block are units of their own over dp: then the
     layer's reduce-scatters never fire between the MoE block's two backward all-to-alls, which
-    deadlocks when ranks of one ep group wait in different collectives. The experts shard on dim 1:
-    dim 0 is already split over ep, and a second split of it would need a strided placement.
+    deadlocks when ranks of one ep group wait in different collectives. The experts shard on dim 1 (or
+    the first later dim edp divides): dim 0 is already split over ep, and a second split of it would need
+    a strided placement.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
     for experts in experts_of(layer):
         fully_shard(experts, mesh=emesh.edp_mesh, mp_policy=mp, reshard_after_forward=False,
-                    shard_placement_fn=lambda p: Shard(1))
+                    shard_placement_fn=lambda p: Shard(_fsdp_dim(p, emesh.edp)))
         # Summed over edp, divided by dp: the experts' share of the dp-averaged gradient. gloo has no
         # pre-multiplied sum, so with edp > 1 FSDP must sum and divide after. Not with edp == 1: torch
         # 2.13 then divides twice (once copying the unreduced gradient, once after), and without
@@ -172,6 +183,11 @@ def shard_moe_layer(layer: nn.Module, dp_mesh, emesh: ExpertMesh, mp) -> None:
     for name, child in layer.named_children():
         if experts_of(child) or ("attn" in name and _has_params(child)):
             fully_shard(child, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def _fsdp_dim(param, edp: int) -> int:
+    """The dim FSDP shards an expert parameter on: FSDP2 shards dims other than 0 only evenly."""
+    return next((d for d in range(1, param.dim()) if param.shape[d] % edp == 0), 0)
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -45,7 +45,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
         raise ConfigError("--quantize-base is not available in this build yet")
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
-    check_expert_parallel(source.config, cfg.ep, cfg.dp)
+    check_expert_parallel(source.config, cfg.ep, cfg.dp, cfg.schedule)
     if cfg.ep > 1 and cfg.lora_rank:
         from hfpipe.config.names import ConfigError
 
