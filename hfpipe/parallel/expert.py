@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["ExpertMesh", "ExpertParallelError", "check_expert_parallel", "count_experts", "init_expert_mesh",
            "shard_experts", "shard_moe_layer", "experts_of", "local_rows"]
 
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 _EXPERT_ATTRS = ("n_routed_experts", "num_local_experts", "num_experts")
 
 
-class ExpertParallelError(ValueError):
+class ExpertParallelError(HfpipeError):
     """``--ep`` cannot run with this model or mesh (the message names the flag and the fix)."""
 
 
