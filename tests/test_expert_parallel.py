@@ -12,7 +12,8 @@ receives no tokens, most experts none); which bytes a rank reads for both checkp
 resuming an ep checkpoint at another ep, dp and pp; and the inputs ``--ep`` refuses.
 
 The default suite runs DeepSeek-V3 at pp 2 x dp 2 x ep 2; ``pytest -m slow`` runs the table (8
-families x 5 meshes, with an interleaved schedule, ep 4 and a starved router). The V schedules (zbv,
+families x 6 meshes: ep 2 and 4 at pp 2 and 3, two replicas per expert shard, an interleaved
+schedule; and a starved router). The V schedules (zbv,
 dualpipev) are zero-bubble ones, which torch 2.13 cannot run under FSDP (dp > 1): ep refuses them.
 """
 
@@ -35,8 +36,9 @@ MESHES = {
     "pp2-dp2-ep2": (2, 2, 2, "1f1b", 2, None),
     "pp3-dp2-ep2": (3, 2, 2, "gpipe", 2, "Et|t|ttL"),
     "pp2-dp4-ep4": (2, 4, 4, "1f1b", 2, None),
+    "pp3-dp4-ep4": (3, 4, 4, "1f1b", 3, None),
+    "pp2-dp4-ep2": (2, 4, 2, "1f1b", 2, None),  # two replicas of each expert shard (edp 2)
     "pp2-dp2-ep2-interleaved": (2, 2, 2, "interleaved-1f1b", 2, None),
-    "pp3-dp4-ep2": (3, 4, 2, "1f1b", 3, None),
 }
 
 
