@@ -35,9 +35,10 @@ FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "qwen3_
 MESHES = {
     "pp2-dp2-ep2": (2, 2, 2, "1f1b", 2, None),
     "pp3-dp2-ep2": (3, 2, 2, "gpipe", 2, "Et|t|ttL"),
-    "pp2-dp4-ep4": (2, 4, 4, "1f1b", 2, None),
-    "pp3-dp4-ep4": (3, 4, 4, "1f1b", 3, None),
-    "pp2-dp4-ep2": (2, 4, 2, "1f1b", 2, None),  # two replicas of each expert shard (edp 2)
+    # dp 4: the 4-row logit batches leave one row per rank, so one microbatch (GPipe allows it)
+    "pp2-dp4-ep4": (2, 4, 4, "gpipe", 1, None),
+    "pp3-dp4-ep4": (3, 4, 4, "gpipe", 1, None),
+    "pp2-dp4-ep2": (2, 4, 2, "gpipe", 1, None),  # two replicas of each expert shard (edp 2)
     "pp2-dp2-ep2-interleaved": (2, 2, 2, "interleaved-1f1b", 2, None),
 }
 
