@@ -22,7 +22,7 @@ import torch
 from hfpipe.parallel.expert import check_expert_parallel, experts_of, init_expert_mesh, shard_moe_layer
 from hfpipe.parallel.mesh import Dist, init_distributed
 from hfpipe.pipeline.load import load_rank_stages
-from hfpipe.models.registry import get_adapter
+from hfpipe.models.support import get_adapter
 from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_microbatches, schedule_style
 from hfpipe.plan.split import Plan, plan_pipeline
 from hfpipe.source.folder import ModelSource

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hfpipe.models.conversion import model_key_mapper
-from hfpipe.models.registry import get_adapter
+from hfpipe.models.registry import adapter_for
 from hfpipe.source.safetensors_io import SafetensorsError, read_tensors
 from hfpipe.source.folder import ModelSource, SourceError
 
@@ -144,7 +144,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     Raises:
         LoadError: a tensor is missing, unexpected or has the wrong shape.
     """
-    adapter = get_adapter(source.config)
+    adapter = adapter_for(source.config)
     targets = _stage_targets(stages)
     full_keys = set(_full_model_keys(stages[0]))
     mapper = model_key_mapper(stages[0]._hf_model)
@@ -313,11 +313,12 @@ def load_rank_stages(source: ModelSource, plan, pp_rank: int, device: torch.devi
         ``expert_mesh`` (a :class:`hfpipe.parallel.expert.ExpertMesh`) the routed experts are sharded
         over ep first, and only this rank's experts are read.
     """
-    from hfpipe.pipeline.stage import build_stage_modules, model_config
+    from hfpipe.models.meta import model_config
+    from hfpipe.pipeline.stage import build_stage_modules
 
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32,
-                                  adapter=get_adapter(config))
+                                  adapter=adapter_for(config))
     if expert_mesh is not None:
         from hfpipe.parallel.expert import shard_experts
 
