@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hfpipe.parallel.expert import check_expert_parallel, experts_of, init_expert_mesh, shard_moe_layer
 from hfpipe.parallel.mesh import Dist, init_distributed
 from hfpipe.pipeline.load import load_rank_stages
 from hfpipe.models.support import get_adapter
@@ -62,6 +63,7 @@ class PipelineModel:
     tied_group: object = None
     lora: object = None  # the resolved peft.LoraConfig of a LoRA run (base frozen), or None
     quantize: object = None  # the hfpipe.quant.linear.QuantSpec of a quantized base, or None
+    ep: int = 1  # ranks each MoE layer's routed experts are sharded over
 
     @property
     def loss_rank(self) -> int:
@@ -128,8 +130,8 @@ class PipelineModel:
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
         meta = {"format": 1, "source": str(self.source.folder), "tied": self.tied,
                 "source_dtype": str(dtype).replace("torch.", ""),
-                "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp},
-                "world": {"pp": self.dist.pp, "dp": self.dist.dp}, "train": {}, **(extra or {})}
+                "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp, "ep": self.ep},
+                "world": {"pp": self.dist.pp, "dp": self.dist.dp, "ep": self.ep}, "train": {}, **(extra or {})}
         if self.lora is not None:
             from hfpipe.lora.adapters import config_to_dict
 
@@ -205,8 +207,6 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the
             checkpoint's own tiles, else 128).
     """
-    if ep != 1:  # the axis lands in parallel/
-        raise PipelineError("--ep is not available in this build yet")
     quantize = _quant_spec(quantize_base, quantize_block_size, lora)
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
@@ -216,12 +216,17 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
+    check_expert_parallel(source.config, ep, dp, schedule)
+    if ep > 1 and lora is not None:
+        raise PipelineError("--ep with LoRA (--lora-rank) is not supported yet; use --ep 1 for LoRA runs")
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
     dist = dist or init_distributed(pp, dp)
     param_dtype, compute_dtype = DTYPES[dtype]
     if quantize is not None:
         quantize = dataclasses.replace(quantize, dtype=str(param_dtype).removeprefix("torch."))
-    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype, quantize)
+    emesh = init_expert_mesh(dist, ep) if ep > 1 else None
+    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype, quantize,
+                                     expert_mesh=emesh)
     log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
              stats.bytes_read / 1e6, len(stats.files_opened))
     for m in modules:
@@ -237,12 +242,12 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
 
         check_shardable(modules, dp)
     if dp > 1 or compute_dtype != param_dtype:
-        _shard(modules, dist, compute_dtype)
+        _shard(modules, dist, compute_dtype, emesh)
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     group = tied_groups(plan, dist, tied)
     pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=loss_chunk_tokens)
-    return PipelineModel(source, plan, dist, modules, pipe, group, lora, quantize)
+    return PipelineModel(source, plan, dist, modules, pipe, group, lora, quantize, ep)
 
 
 def _quant_spec(kind: str | None, block: int | None, lora):
@@ -258,8 +263,11 @@ def _quant_spec(kind: str | None, block: int | None, lora):
     return QuantSpec(kind, block)
 
 
-def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:
+def _shard(modules, dist: Dist, compute_dtype: torch.dtype, emesh=None) -> None:
     """FSDP2 over the dp mesh dimension: each decoder layer, then the stage.
+
+    With sharded experts (``emesh``), a MoE layer's experts, attention and MoE block are units of their
+    own first (:func:`hfpipe.parallel.expert.shard_moe_layer`).
 
     Also how bf16-mixed works: FSDP2 keeps fp32 sharded masters (and so fp32 optimizer state)
     and casts to bf16 for compute, reducing gradients in fp32. No reshard after forward:
@@ -275,5 +283,7 @@ def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:
     stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for m in modules:
         for layer in m.model.layers.values():
+            if emesh is not None and experts_of(layer):
+                shard_moe_layer(layer, mesh, emesh, mp)
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
         fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=False)

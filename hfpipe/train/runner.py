@@ -34,18 +34,20 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.data.batches import batches_per_epoch
     from hfpipe.data.config import check_seq_len
     from hfpipe.models.support import get_adapter
+    from hfpipe.parallel.expert import check_expert_parallel
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
     from hfpipe.train.logs import check_sinks
 
     check_sinks(cfg.report_to)
-    if cfg.ep != 1:  # the axis lands in parallel/
-        from hfpipe.config.names import ConfigError
-
-        raise ConfigError("--ep is not available in this build yet")
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
+    check_expert_parallel(source.config, cfg.ep, cfg.dp, cfg.schedule)
+    if cfg.ep > 1 and cfg.lora_rank:
+        from hfpipe.config.names import ConfigError
+
+        raise ConfigError("--ep with --lora-rank is not supported yet; use --ep 1 for LoRA runs")
     check_microbatches(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches, cfg.batch_size)
     plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
