@@ -132,14 +132,16 @@ def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, met
     own = process_group is None
     group = dist.new_group(backend="gloo") if own else process_group
     future = dcp.async_save(state, checkpoint_id=tmp, process_group=group)  # copies the tensors first
-    return PendingSave(future, lambda: _finalise(root, step, text, keep), group if own else None)
+    return PendingSave(future, lambda: _finalise(root, step, text, keep), group if own else None,
+                       lambda e: _raise_if_disk_full(e, tmp, root / f"step-{step:08d}", state))
 
 
 class PendingSave:
     """A checkpoint being written in the background (from ``save_checkpoint(async_save=True)``)."""
 
-    def __init__(self, future, finalise, group=None) -> None:
+    def __init__(self, future, finalise, group=None, on_error=None) -> None:
         self._future, self._finalise, self._group = future, finalise, group
+        self._on_error = on_error  # says a full disk in one line, as a synchronous save does
         self._path: Path | None = None
 
     def done(self) -> bool:
@@ -153,7 +155,12 @@ class PendingSave:
         ``.tmp-step-...`` folder behind (never picked up by :func:`latest_checkpoint`).
         """
         if self._path is None:
-            self._future.result()
+            try:
+                self._future.result()
+            except (Exception, DcpCheckpointException) as e:
+                if self._on_error is not None:
+                    self._on_error(e)
+                raise
             self._path = self._finalise()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
