@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hfpipe.data.config import BUILTIN_DATASETS, DataError
-from hfpipe.data.text_check import DuplicateKey, check_json_lines, check_text, parse
+from hfpipe.data.text_check import DuplicateKey, check_json_lines, check_text, parse, sniff_binary
 from hfpipe.files import check_folder, check_regular
 
 if TYPE_CHECKING:
@@ -50,6 +50,8 @@ def load_raw(name: str, dataset_config: str | None, split: str) -> datasets.Data
         if builder is None:
             raise DataError(f"--dataset {name}: unknown file type {path.suffix!r}; use .jsonl, "
                             ".json, .parquet, .txt, .arrow, .csv or a save_to_disk folder")
+        if builder in ("json", "text", "csv"):
+            sniff_binary(path)  # datasets reads a NUL-laden file as text, silently
         if path.suffix.lower() == ".json":  # one document: datasets reads it with Python's json,
             _check_json(path)                # which keeps the last of a doubled key, silently
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 from hfpipe.data.config import DataError
 from hfpipe.files import open_regular
 
-__all__ = ["DuplicateKey", "check_text", "check_json_lines", "parse"]
+__all__ = ["DuplicateKey", "check_text", "check_json_lines", "parse", "sniff_binary"]
 
 _CHUNK = 1 << 20
 
@@ -43,6 +43,20 @@ def check_text(path: Path) -> None:
         except UnicodeDecodeError:
             raise DataError(f"{path} line {line}: not UTF-8 text (cut inside a character at the end); "
                             "re-save the file as UTF-8") from None
+
+
+_SNIFF = 1 << 16
+
+
+def sniff_binary(path: Path) -> None:
+    """Refuse a file whose first 64 KiB hold a NUL byte (as git and grep tell binary from text)."""
+    with open_regular(path) as f:
+        head = f.read(_SNIFF)
+    nul = head.find(b"\0")
+    if nul >= 0:
+        line = 1 + head.count(b"\n", 0, nul)
+        raise DataError(f"{path} line {line}: binary data (a NUL byte), not a text file; give JSON "
+                        "lines, JSON, CSV, text or parquet")
 
 
 class DuplicateKey(ValueError):
