@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["GenerateError", "Generator", "load_generator"]
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class GenerateError(ValueError):
+class GenerateError(HfpipeError):
     """The model or the request cannot be used (one line: what and the fix)."""
 
 

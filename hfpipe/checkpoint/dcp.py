@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hfpipe.errors import HfpipeError
 from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
 
 __all__ = ["CheckpointError", "PendingSave", "rank_view", "save_checkpoint", "load_checkpoint",
@@ -47,7 +48,7 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(HfpipeError):
     """A checkpoint is missing, incomplete or does not fit the model (one line, names what)."""
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["BUILTIN_DATASETS", "COLUMNS", "FORMATS", "IGNORE_INDEX", "ROLES", "DataConfig",
            "DataError", "check_seq_len", "context_limit", "parse_mapping"]
 
@@ -21,7 +23,7 @@ _ASSETS = Path(__file__).resolve().parent.parent / "assets" / "data"
 BUILTIN_DATASETS = {n: _ASSETS / f"{n.replace('-', '_')}.jsonl" for n in ("tiny-chat", "tiny-text")}
 
 
-class DataError(ValueError):
+class DataError(HfpipeError):
     """Bad data input; the message names the option (or file/line) and the fix."""
 
 

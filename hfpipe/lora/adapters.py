@@ -28,6 +28,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["LoraError", "ADAPTER", "PEFT_PREFIX", "lora_config", "resolve_config", "add_adapters",
            "adapter_view", "peft_key", "config_to_dict", "config_from_dict", "from_finetune_config",
            "preflight"]
@@ -38,7 +40,7 @@ ADAPTER = "default"
 PEFT_PREFIX = "base_model.model."
 
 
-class LoraError(ValueError):
+class LoraError(HfpipeError):
     """A LoRA setting that cannot work (one line, names the option)."""
 
 

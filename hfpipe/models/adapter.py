@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "MOE_REFUSALS", "Softcap", "UnsupportedModelError"]
 
 # Shared by the MoE families' adapters: what they refuse, with the reason and the fix.
@@ -23,7 +25,7 @@ _MOE_AUX = (
 MOE_REFUSALS = {"output_router_logits": _MOE_AUX}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(HfpipeError):
     """The architecture cannot be pipelined exactly by hfpipe."""
 
 

@@ -21,12 +21,13 @@ import signal
 import time
 from pathlib import Path
 
+from hfpipe.errors import HfpipeError
 from hfpipe.parallel.signals import Interrupted, read_stop
 
 __all__ = ["WorkerError", "WorkerFailed", "record_failure", "record_interrupt", "raise_from_failures", "debug"]
 
 
-class WorkerError(ValueError):
+class WorkerError(HfpipeError):
     """A user error found inside a worker (one line; the same as a preflight error)."""
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hfpipe.errors import HfpipeError
 from hfpipe.files import check_folder
 
 __all__ = ["SourceError", "check_config_values", "load_config", "load_tokenizer"]
 
 
-class SourceError(ValueError):
+class SourceError(HfpipeError):
     """The model folder or hub id cannot be used (one line: what is wrong and what to do)."""
 
 

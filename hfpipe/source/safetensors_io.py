@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hfpipe.errors import HfpipeError
 from hfpipe.files import open_regular
 
 __all__ = ["SafetensorsError", "read_header", "check_header", "read_tensors", "DTYPES"]
@@ -42,7 +43,7 @@ DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own bound
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(HfpipeError):
     """A safetensors file is missing, truncated or malformed."""
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["ResumeMismatch", "check_resume", "apply_schedule_changes", "MUST_MATCH", "MAY_CHANGE", "FREE",
            "template_digest"]
 
@@ -37,7 +39,7 @@ FREE = ("output_dir", "pp", "ep", "vpp", "schedule", "layout", "plan_method", "d
 _OPTIMIZER = ("weight_decay", "betas", "eps")
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(HfpipeError):
     """The checkpoint was written by a run with other settings (one line: every difference)."""
 
 
