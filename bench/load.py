@@ -96,7 +96,7 @@ def _rank(folder: Path, pp: int, rank: int, dtype: str) -> dict:
     from hfpipe.pipeline.load import load_rank_stages
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
-    from hfpipe.pipeline.stage import build_meta_model
+    from hfpipe.models.meta import build_meta_model
 
     src = ModelSource.open(folder)
     plan = plan_pipeline(src.config, pp)
@@ -146,7 +146,7 @@ def _ready(folder: Path, pp: int) -> dict:
     sys.path.insert(0, str(REPO))
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
-    from hfpipe.pipeline.stage import build_meta_model
+    from hfpipe.models.meta import build_meta_model
 
     src = ModelSource.open(folder)
     plan_pipeline(src.config, pp)

@@ -21,7 +21,7 @@ import torch
 
 from hfpipe.parallel.mesh import Dist, init_distributed
 from hfpipe.pipeline.load import load_rank_stages
-from hfpipe.models.registry import get_adapter
+from hfpipe.models.support import get_adapter
 from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_microbatches, schedule_style
 from hfpipe.plan.split import Plan, plan_pipeline
 from hfpipe.source.folder import ModelSource
@@ -279,7 +279,11 @@ def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:
 
     mesh = dist.mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # A stage's float inputs are hidden states, already in the compute dtype, and the fp32 router
+    # sums of MoE aux losses (hfpipe.pipeline.router_loss), which must stay fp32: bf16 counts
+    # tokens exactly only up to 256.
+    stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for m in modules:
         for layer in m.model.layers.values():
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=False)

@@ -240,7 +240,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
 
     config = from_finetune_config(cfg)
     if config is not None:
-        from hfpipe.pipeline.stage import build_meta_model, model_config as hf_config
+        from hfpipe.models.meta import build_meta_model, model_config as hf_config
 
         resolve_config(config, build_meta_model(hf_config(model_config)))
     if resume is None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hfpipe.models.conversion import model_key_mapper
-from hfpipe.models.registry import get_adapter
+from hfpipe.models.registry import adapter_for
 from hfpipe.source.safetensors_io import SafetensorsError, read_tensors
 from hfpipe.source.folder import ModelSource, SourceError
 
@@ -123,7 +123,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     Raises:
         LoadError: a tensor is missing, unexpected or has the wrong shape.
     """
-    adapter = get_adapter(source.config)
+    adapter = adapter_for(source.config)
     targets = _stage_targets(stages)
     full_keys = set(_full_model_keys(stages[0]))
     mapper = model_key_mapper(stages[0]._hf_model)
@@ -267,10 +267,11 @@ def load_rank_stages(source: ModelSource, plan, pp_rank: int, device: torch.devi
         ``(modules, stats)``: the rank's :class:`hfpipe.pipeline.stage.PipelineStageModule` list in
         increasing stage index, on ``device``, and the :class:`LoadStats` of the read.
     """
-    from hfpipe.pipeline.stage import build_stage_modules, model_config
+    from hfpipe.models.meta import model_config
+    from hfpipe.pipeline.stage import build_stage_modules
 
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32,
-                                  adapter=get_adapter(config))
+                                  adapter=adapter_for(config))
     stats = load_stage_weights(modules, source, device, dtype)
     return modules, stats

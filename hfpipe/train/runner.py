@@ -33,7 +33,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     """
     from hfpipe.data.batches import batches_per_epoch
     from hfpipe.data.config import check_seq_len
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.support import get_adapter
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
