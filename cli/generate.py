@@ -5,6 +5,8 @@ Answers stream to stdout as they are produced; loading messages go to the log (s
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -42,8 +44,9 @@ def generate(
 ) -> None:
     """Answer one prompt with a model folder or a training checkpoint (greedy by default), in one
     process with transformers' generate; the answer streams to stdout."""
-    from hfpipe.generate import load_generator
+    from hfpipe.generate import check_options, load_generator
 
+    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     gen = load_generator(model, dtype=dtype, source=source, trust_remote_code=trust_remote_code)
     ids = gen.encode(prompt, chat_template=chat_template)
     gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -52,6 +55,7 @@ def generate(
 
 
 def chat(
+    ctx: typer.Context,
     model: Annotated[str, _MODEL],
     system: Annotated[Optional[str], typer.Option(help="A system message opening the conversation.",
                                                   show_default=False)] = None,
@@ -65,12 +69,24 @@ def chat(
 ) -> None:
     """Talk with a model folder or a training checkpoint through its chat template: type a turn,
     the answer streams back. /reset forgets the conversation; /exit or Ctrl-D ends it."""
-    from hfpipe.generate import load_generator
+    from hfpipe.generate import check_options, load_generator
 
+    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     gen = load_generator(model, dtype=dtype, source=source, trust_remote_code=trust_remote_code)
+    _take_back_stdin((ctx.obj or {}).get("stdin"))
     typer.echo("chatting with " + str(model) + " (/reset forgets, /exit or Ctrl-D ends)", err=True)
     gen.chat(_read, _write, system=system, max_new_tokens=max_new_tokens, temperature=temperature,
              top_p=top_p, seed=seed)
+
+
+def _take_back_stdin(saved: int | None) -> None:
+    """Give chat the stdin the CLI set aside (it reads /dev/null while the model loads, so no
+    library can prompt on it): a terminal or a pipe of turns, whichever it was started with."""
+    if saved is None:  # in-process runs (tests) keep the stdin they were given
+        return
+    os.dup2(saved, 0)
+    os.close(saved)
+    sys.stdin = sys.__stdin__
 
 
 def _read(prompt: str) -> str:

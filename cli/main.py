@@ -11,6 +11,7 @@ else exits with 1 and a one-line summary. ``--debug`` adds the traceback to both
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -27,7 +28,7 @@ from hfpipe.cli.finetune import finetune, resume_command
 from hfpipe.cli.generate import chat, generate
 from hfpipe.cli.plan import plan
 from hfpipe.cli.recipes import recipes
-from hfpipe.parallel.signals import Interrupted
+from hfpipe.parallel.signals import Interrupted, StartupInterrupted, stop_at_once
 
 try:  # typer >= 0.24 ships its own copy of click
     from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -52,12 +53,15 @@ class _OneLineErrors(TyperGroup):
         if "--debug" in args:  # accepted after the subcommand too: it is a global option
             args = ["--debug"] + [a for a in args if a != "--debug"]
             os.environ["HFPIPE_DEBUG"] = "1"  # workers' failures then keep torch's full report
-        if console:
-            _no_stdin()
-        extra.setdefault("obj", {"console": console})
+        stdin = _no_stdin() if console else None
+        extra.setdefault("obj", {"console": console, "stdin": stdin})
         try:
-            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                                standalone_mode=False, **extra)
+            # A console's SIGTERM/SIGHUP (and Ctrl-C) stop a command at once, in one line, after its
+            # ``finally`` blocks removed what it had half-written; a run's launcher and its workers
+            # take the signals over while training (hfpipe.parallel.signals).
+            with stop_at_once() if console else contextlib.nullcontext():
+                code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                    standalone_mode=False, **extra)
         except NoArgsIsHelpError as e:
             typer.echo(e.ctx.get_help())
             code = USAGE_EXIT
@@ -67,8 +71,12 @@ class _OneLineErrors(TyperGroup):
         except KeyboardInterrupt:  # Ctrl-C before any worker ran: nothing to save
             typer.echo("error: interrupted (Ctrl-C) before training started; nothing was written", err=True)
             code = 130
+        except StartupInterrupted as e:
+            typer.echo(f"error: stopped by {e}; nothing was written", err=True)
+            code = e.code
         except Interrupted as e:
-            typer.echo(f"interrupted: {e}: {resume_command(args)}", err=True)
+            then = f": {resume_command(args)}" if e.step is not None else ""
+            typer.echo(f"interrupted: {e}{then}", err=True)
             code = e.code
         except Exception as e:  # noqa: BLE001 - this is the one place errors are reported
             code = _report(e, debug="--debug" in args)
@@ -77,13 +85,22 @@ class _OneLineErrors(TyperGroup):
         sys.exit(code or 0)
 
 
-def _no_stdin() -> None:
-    """No hfpipe command reads stdin: a library that would prompt (transformers' "run custom
-    code? [y/N]") gets end-of-file and refuses instead of waiting for, or obeying, a keystroke."""
+def _no_stdin() -> int | None:
+    """Point stdin at /dev/null: a library that would prompt (transformers' "run custom code?
+    [y/N]") gets end-of-file and refuses instead of waiting for, or obeying, a keystroke.
+
+    Returns a copy of the real stdin's descriptor (None if there was none), which only
+    ``hfpipe chat`` takes back, once its model is loaded: its turns are what stdin is for.
+    """
+    try:
+        saved = os.dup(0)
+    except OSError:  # started with stdin closed
+        saved = None
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
     sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
+    return saved
 
 
 def _report(e: Exception, debug: bool) -> int:
@@ -203,7 +220,9 @@ def verify(
     pp: Annotated[int, typer.Option(help="Pipeline ranks: processes started on this machine.")] = 2,
     schedule: Annotated[str, typer.Option(help=_SCHEDULE_HELP)] = "1f1b",
     tolerance: Annotated[float, typer.Option(help="Largest allowed absolute logit difference.")] = 1e-5,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sample sequence.")] = 32,
+    seq_len: Annotated[Optional[int], typer.Option(
+        help="Tokens per sample sequence; default 32, or the model's max_position_embeddings if smaller.",
+        show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option(
         help="Sample sequences; default one per stage (at least 2).")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help=_HELP["trust_remote_code"])] = False,

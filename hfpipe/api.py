@@ -91,10 +91,20 @@ class PipelineModel:
         """A :class:`PipelineTrainer` whose ``step(batch)`` returns loss and grad norm on every rank."""
         return PipelineTrainer(self.pipe, self.dist, optimizer, scheduler=scheduler,
                                max_grad_norm=max_grad_norm, tied_group=self.tied_group,
-                               loss_rank=self.loss_rank)
+                               loss_rank=self.loss_rank, vocab_size=self.vocab_size)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids a batch may hold: 0 .. vocab_size - 1."""
+        config = self.source.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(text, "vocab_size", None)
 
     def forward(self, batch: dict) -> torch.Tensor | None:
         """Logits on the loss rank, ``None`` elsewhere (no gradients)."""
+        from hfpipe.train.step import check_batches
+
+        check_batches([batch], self.vocab_size, "forward", labels=False)
         return self.pipe.forward(batch)
 
     @property
@@ -124,8 +134,13 @@ class PipelineModel:
         """
         from pathlib import Path
 
-        from hfpipe.checkpoint.dcp import save_checkpoint
+        from hfpipe.checkpoint.dcp import CheckpointError, save_checkpoint
 
+        if Path(root).exists() and not Path(root).is_dir():
+            raise CheckpointError(f"save_checkpoint(root={str(root)!r}): it is a file; give a folder "
+                                  "(checkpoints go to root/step-XXXXXXXX)")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"save_checkpoint(step={step!r}): step must be an integer >= 0")
         config = self.source.config
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
         meta = {"format": 1, "source": str(self.source.folder), "tied": self.tied,
@@ -176,6 +191,26 @@ def _default_pp(dp: int) -> int:
     return max(1, world // dp)
 
 
+_CHECKPOINTING = ("none", "full", "selective")
+#: load_pipeline's counts: (lowest value, whether None means "the default").
+_COUNTS = {"pp": (1, True), "dp": (1, False), "vpp": (1, True), "microbatches": (1, True), "seed": (0, False),
+           "loss_chunk_tokens": (0, True)}
+
+
+def _check_arguments(*, activation_checkpointing: str, **counts) -> None:
+    """Refuse load_pipeline's arguments by their names (the CLI checked its flags already)."""
+    for name, value in counts.items():
+        low, optional = _COUNTS[name]
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise PipelineError(f"load_pipeline({name}={value!r}): {name} must be an integer >= {low}"
+                                + (" (or None for the default)" if optional else ""))
+    if activation_checkpointing not in _CHECKPOINTING:
+        raise PipelineError(f"load_pipeline(activation_checkpointing={activation_checkpointing!r}): "
+                            f"choose one of {', '.join(_CHECKPOINTING)}")
+
+
 def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, vpp: int | None = None,
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
@@ -207,6 +242,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the
             checkpoint's own tiles, else 128).
     """
+    _check_arguments(pp=pp, dp=dp, vpp=vpp, microbatches=microbatches, seed=seed,
+                     loss_chunk_tokens=loss_chunk_tokens, activation_checkpointing=activation_checkpointing)
     quantize = _quant_spec(quantize_base, quantize_block_size, lora)
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)

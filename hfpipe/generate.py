@@ -10,11 +10,14 @@ Nothing is written to disk.
 from __future__ import annotations
 
 import copy
+import math
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from hfpipe.errors import HfpipeError
 
 __all__ = ["GenerateError", "Generator", "load_generator"]
 
@@ -23,7 +26,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class GenerateError(ValueError):
+class GenerateError(HfpipeError):
     """The model or the request cannot be used (one line: what and the fix)."""
 
 
@@ -77,6 +80,10 @@ def _from_folder(name: str, dtype: str, trust_remote_code: bool):
 
     if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
         raise GenerateError(f"MODEL {name}: no such folder; pass a model folder, hub id or checkpoint")
+    if Path(name).expanduser().is_dir():
+        from hfpipe.files import check_folder
+
+        check_folder(Path(name).expanduser())
     try:
         return AutoModelForCausalLM.from_pretrained(name, dtype=_DTYPES[dtype],
                                                     trust_remote_code=trust_remote_code)
@@ -174,17 +181,27 @@ class Generator:
 
         Greedy when ``temperature`` is 0, else sampled (seeded by ``seed``).
         """
-        if max_new_tokens < 1:
-            raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise GenerateError(f"--temperature must be >= 0 and --top-p in (0, 1]; got "
-                                f"{temperature}, {top_p}")
+        check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        self._check_context(input_ids.shape[-1], max_new_tokens)
         torch.manual_seed(seed)
         out = self.model.generate(
             input_ids.to(self.model.device), attention_mask=torch.ones_like(input_ids),
             generation_config=self._config(max_new_tokens, temperature, top_p),
             streamer=_streamer(self.tokenizer, stream) if stream else None)
         return out[0, input_ids.shape[1]:].cpu()
+
+    def _check_context(self, prompt: int, max_new_tokens: int) -> None:
+        """The prompt and its answer must fit the model's positions (beyond, the output is noise)."""
+        from hfpipe.data.config import context_limit
+
+        limit = context_limit(self.model.config)
+        if limit is not None and prompt >= limit:
+            raise GenerateError(f"the prompt has {prompt} tokens, the model's context "
+                                f"(max_position_embeddings) is {limit}; shorten the prompt")
+        if limit is not None and prompt + max_new_tokens > limit:
+            raise GenerateError(f"the prompt ({prompt} tokens) and --max-new-tokens {max_new_tokens} exceed "
+                                f"the model's context of {limit} tokens; use --max-new-tokens {limit - prompt} "
+                                "or less")
 
     def chat(self, read: Callable[[str], str], write: Callable[[str], None], *, system: str | None = None,
              **options) -> list[dict]:
@@ -232,6 +249,18 @@ class Generator:
         if cfg.eos_token_id is None:
             cfg.eos_token_id = self.tokenizer.eos_token_id
         return cfg
+
+
+def check_options(*, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
+    """Refuse decoding options before any model loads (nan passes every ``<`` test: say it)."""
+    if max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise GenerateError(f"--temperature must be a finite number >= 0, got {temperature}")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise GenerateError(f"--top-p must be in (0, 1], got {top_p}")
+    if not 0 <= seed < 2**63:
+        raise GenerateError(f"--seed must be in [0, 2**63), got {seed}")
 
 
 def _streamer(tokenizer, write: Callable[[str], None]):

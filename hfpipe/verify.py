@@ -50,8 +50,11 @@ class VerifyResult:
                 f"{self.tokens} tokens, pp {self.pp}, {self.schedule}")
 
 
+_SEQ_LEN = 32  # the default sample's length
+
+
 def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: float = 1e-5,
-           seq_len: int = 32, batch: int | None = None, *,
+           seq_len: int | None = None, batch: int | None = None, *,
            trust_remote_code: bool = False) -> VerifyResult:
     """Run ``hf_dir`` through a ``pp``-rank pipeline and compare its logits with transformers'.
 
@@ -61,7 +64,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
         pp: Pipeline ranks (processes started on this machine).
         schedule: Pipeline schedule; interleaved and V schedules put two stages on each rank.
         tolerance: Largest allowed absolute logit difference.
-        seq_len: Tokens per sample sequence.
+        seq_len: Tokens per sample sequence; default 32, or the model's context if shorter.
         batch: Sample sequences; default the number of stages (at least 2), one per microbatch.
         trust_remote_code: Allow transformers to run code from the folder.
 
@@ -78,19 +81,22 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
 
-    from hfpipe.data.config import check_seq_len
+    from hfpipe.data.config import check_seq_len, context_limit
     from hfpipe.lora.folder import read_adapter_folder
     from hfpipe.config.options import require_positive, require_tolerance
 
-    for flag, value in (("--seq-len", seq_len), ("--batch-size", 1 if batch is None else batch)):
-        if value < 1:
-            raise PipelineError(f"{flag} must be >= 1, got {value}")
+    if seq_len is not None and seq_len < 2:  # one token has no next-token logits to compare over
+        raise PipelineError(f"--seq-len must be >= 2, got {seq_len}")
+    if batch is not None and batch < 1:
+        raise PipelineError(f"--batch-size must be >= 1, got {batch}")
     require_positive(pp=pp)
     require_tolerance(tolerance)
     adapter = read_adapter_folder(hf_dir)  # a PEFT LoRA folder: its base, with the adapters on top
     adapter_dir = str(hf_dir) if adapter else None
     source = ModelSource.open(adapter[0] if adapter else hf_dir, trust_remote_code=trust_remote_code)
     get_adapter(source.config)
+    if seq_len is None:  # a small model's context may be shorter than the default sample
+        seq_len = min(_SEQ_LEN, context_limit(source.config) or _SEQ_LEN)
     check_seq_len(seq_len, source.config)
     vpp = 2 if schedule in _MULTI_STAGE else 1
     microbatches = pp * vpp

@@ -287,7 +287,7 @@ CASES = [
     ("plan: config not JSON", "plan {m:config-not-json} --pp 2", "not valid JSON"),
     # verify
     *[(f"verify: {args}", f"verify {{tiny}} {args}", message) for args, message in [
-        ("--pp 0", "--pp"), ("--pp 9", "reduce --pp"), ("--seq-len 0", "--seq-len must be >= 1"),
+        ("--pp 0", "--pp"), ("--pp 9", "reduce --pp"), ("--seq-len 0", "--seq-len must be >= 2"),
         ("--seq-len 4096", "exceeds the model's max_position_embeddings 256"),
         ("--batch-size 0", "--batch-size"), ("--tolerance nan", "--tolerance"), ("--tolerance -1", "--tolerance"),
     ]],

@@ -89,7 +89,9 @@ def test_sigterm_during_an_export_removes_its_temporary_folder(model, tmp_path, 
     monkeypatch.setattr(export, "_write_config", terminated_midway)
     work = tmp_path / "work"
     work.mkdir()
-    with pytest.raises(SystemExit) as stopped:
+    from hfpipe.parallel.signals import StartupInterrupted
+
+    with pytest.raises(StartupInterrupted) as stopped:  # the CLI says it in one line, exit 143
         export.export_checkpoint(ckpt, work / "hf", progress=False)
     assert stopped.value.code == 143
     assert list(work.iterdir()) == []  # no hf, no .hf.tmp-*, no lock

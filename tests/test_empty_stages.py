@@ -3,7 +3,8 @@
 A layout such as ``E||t*8|L`` leaves a stage with no layer at all; under one stage per rank a whole
 rank then holds no parameter. Such pipelines must evaluate (logits, eval loss), train with the
 user's own ``torch.optim.AdamW(pm.parameters())`` and export exactly like transformers in one
-process, under loop and V schedules.
+process, under loop and V schedules, with gradient clipping off or engaged (a rank without
+gradients takes part in the global norm and has nothing to scale), tied and untied.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ def _batches(vocab: int) -> list[dict]:
     return out
 
 
-def _reference(path: str) -> dict:
+CLIP = 1e-3  # below the tiny model's gradient norm (~5e-3): clipping engages at every step
+
+
+def _reference(path: str, clip: float | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -46,6 +50,9 @@ def _reference(path: str) -> dict:
         loss = model(**b, use_cache=False).loss
         loss.backward()
         losses.append(float(loss.detach()))
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            assert norm > 2 * clip  # the case under test: clipping scales the gradients down
         opt.step()
         opt.zero_grad()
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -54,7 +61,7 @@ def _reference(path: str) -> dict:
     return {"logits": first.logits, "eval": float(first.loss), "loss": losses, "weights": weights}
 
 
-def _worker(path: str, pp: int, cases: list, out_root: str) -> dict:
+def _worker(path: str, pp: int, cases: list, out_root: str, clip: float | None = None) -> dict:
     from hfpipe.api import load_pipeline
     from hfpipe.parallel.mesh import init_distributed
 
@@ -64,7 +71,7 @@ def _worker(path: str, pp: int, cases: list, out_root: str) -> dict:
         pm = load_pipeline(path, pp=pp, schedule=schedule, layout=layout, microbatches=4, dist=dist)
         batches = _batches(pm.source.config.vocab_size)
         optimizer = torch.optim.AdamW(pm.parameters(), lr=LR, foreach=True)  # the README's own optimizer
-        trainer = pm.trainer(optimizer, max_grad_norm=None)
+        trainer = pm.trainer(optimizer, max_grad_norm=clip)
         logits = pm.forward(batches[0])
         eval_loss = trainer.eval_loss(batches[0])
         losses = [trainer.step(b).loss for b in batches]
@@ -75,12 +82,12 @@ def _worker(path: str, pp: int, cases: list, out_root: str) -> dict:
     return results
 
 
-def _check(tmp_path, pp: int, cases: list) -> None:
+def _check(tmp_path, pp: int, cases: list, *, kind: str = "llama_tied", clip: float | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
-    path = str(tiny_checkpoint("llama_tied", num_hidden_layers=LAYERS))
-    ref = _reference(path)
-    ranks = run_ranks(_worker, pp, path, pp, cases, str(tmp_path))
+    path = str(tiny_checkpoint(kind, num_hidden_layers=LAYERS))
+    ref = _reference(path, clip)
+    ranks = run_ranks(_worker, pp, path, pp, cases, str(tmp_path), clip)
     for case in cases:
         per_rank = [r[case] for r in ranks.values()]
         logits = [r["logits"] for r in per_rank if r["logits"] is not None]
@@ -99,6 +106,25 @@ def _check(tmp_path, pp: int, cases: list) -> None:
 def test_a_rank_without_parameters_trains_evaluates_and_exports(tmp_path):
     """pp=3 ``E||t*4L``: rank 1's only stage is empty (no optimizer parameter at all)."""
     _check(tmp_path, 3, [("1f1b", "E||t*4L")])
+
+
+@pytest.mark.slow
+def test_a_rank_without_parameters_when_clipping_engages(tmp_path):
+    """The same, with every step's gradient norm above --max-grad-norm: rank 1 has no gradient
+    to scale (it crashed the step here once, and the error then named another rank's loss)."""
+    _check(tmp_path, 3, [("1f1b", "E||t*4L")], clip=CLIP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, clip", [("llama", None), ("llama", CLIP)])
+def test_a_rank_without_parameters_untied(tmp_path, kind, clip):
+    _check(tmp_path, 3, [("1f1b", "E||t*4L")], kind=kind, clip=clip)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "llama_tied"])
+def test_an_empty_stage_under_a_v_schedule_when_clipping_engages(tmp_path, kind):
+    _check(tmp_path, 2, [("zbv", "E||t*4|L")], kind=kind, clip=CLIP)
 
 
 def test_an_empty_stage_under_a_v_schedule(tmp_path):

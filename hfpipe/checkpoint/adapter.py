@@ -20,7 +20,7 @@ import torch
 
 from hfpipe.checkpoint.dcp_reader import _DcpReader
 from hfpipe.errors import ExportError
-from hfpipe.checkpoint.meta import meta_model
+from hfpipe.source.config import meta_model
 
 __all__ = ["base_name", "is_lora_checkpoint", "read_adapters", "write_adapter"]
 

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hfpipe.errors import HfpipeError
 from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
 
 __all__ = ["CheckpointError", "PendingSave", "rank_view", "save_checkpoint", "load_checkpoint",
@@ -47,7 +48,7 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(HfpipeError):
     """A checkpoint is missing, incomplete or does not fit the model (one line, names what)."""
 
 
@@ -132,14 +133,16 @@ def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, met
     own = process_group is None
     group = dist.new_group(backend="gloo") if own else process_group
     future = dcp.async_save(state, checkpoint_id=tmp, process_group=group)  # copies the tensors first
-    return PendingSave(future, lambda: _finalise(root, step, text, keep), group if own else None)
+    return PendingSave(future, lambda: _finalise(root, step, text, keep), group if own else None,
+                       lambda e: _raise_if_disk_full(e, tmp, root / f"step-{step:08d}", state))
 
 
 class PendingSave:
     """A checkpoint being written in the background (from ``save_checkpoint(async_save=True)``)."""
 
-    def __init__(self, future, finalise, group=None) -> None:
+    def __init__(self, future, finalise, group=None, on_error=None) -> None:
         self._future, self._finalise, self._group = future, finalise, group
+        self._on_error = on_error  # says a full disk in one line, as a synchronous save does
         self._path: Path | None = None
 
     def done(self) -> bool:
@@ -153,7 +156,12 @@ class PendingSave:
         ``.tmp-step-...`` folder behind (never picked up by :func:`latest_checkpoint`).
         """
         if self._path is None:
-            self._future.result()
+            try:
+                self._future.result()
+            except (Exception, DcpCheckpointException) as e:
+                if self._on_error is not None:
+                    self._on_error(e)
+                raise
             self._path = self._finalise()
             if self._group is not None:
                 dist.destroy_process_group(self._group)

@@ -24,7 +24,8 @@ import torch
 
 import hfpipe.checkpoint.export_guard as guard
 from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files, meta_model, read_checkpoint_meta, resolve_source
+from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files, read_checkpoint_meta, resolve_source
+from hfpipe.source.config import meta_model
 from hfpipe.checkpoint.out_folder import build_folder, locked_out
 from hfpipe.checkpoint.export_plan import (
     Group,
@@ -88,7 +89,14 @@ def export_checkpoint(
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)
     with locked_out(out, force, (ckpt, src)):
-        return _export_locked(ckpt, out, meta, src, want, max_bytes, progress)
+        try:
+            return _export_locked(ckpt, out, meta, src, want, max_bytes, progress)
+        except FileNotFoundError as e:  # the folder (or a data file) went away under the reader
+            if Path(e.filename or "").is_relative_to(ckpt) or not ckpt.is_dir():
+                raise ExportError(f"checkpoint {ckpt} was deleted while it was being exported (pruned by "
+                                  "--keep of a run still training?); export a newer checkpoint, or "
+                                  "raise --keep; OUT was left as it was") from None
+            raise
 
 
 def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
@@ -166,7 +174,10 @@ def _parse_size(size: str | int) -> int:
     if not m or float(m.group(1)) <= 0:
         raise ExportError(f"max_shard_size {size!r} is not a size like '5GB' or '300MB'; fix --max-shard-size")
     base = 1024 if m.group(3) else 1000
-    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+    nbytes = int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+    if nbytes < 1:
+        raise ExportError(f"max_shard_size {size!r} is below one byte; fix --max-shard-size (e.g. 5GB)")
+    return nbytes
 
 
 def _source_quantization(src: Path, cfg_json: dict) -> bool:

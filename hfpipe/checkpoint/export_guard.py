@@ -8,11 +8,8 @@ SIGTERM ends an export (one line, the temporary folder removed).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import signal
-import threading
 from pathlib import Path
 
 from hfpipe.errors import ExportError
@@ -79,24 +76,9 @@ def disk_full(e: BaseException, where: Path, nbytes: int):
                        "free space or choose another OUT; the partial folder was removed")
 
 
-class _Terminated(BaseException):
-    """SIGTERM during an export: unwinds like Ctrl-C so the temporary folder is removed."""
-
-
-@contextlib.contextmanager
 def signals_raise():
-    """Turn SIGTERM into an exception for the block (main thread only), so cleanups run."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    """SIGTERM, Ctrl-C and SIGHUP unwind the block (main thread only), so cleanups run; the CLI
+    then says so in one line and exits 143/130/129 (:mod:`hfpipe.parallel.signals`)."""
+    from hfpipe.parallel.signals import stop_at_once
 
-    def handler(signum, frame):
-        raise _Terminated(signum)
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    except _Terminated:
-        raise SystemExit(143) from None
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    return stop_at_once()

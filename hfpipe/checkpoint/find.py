@@ -41,6 +41,9 @@ def find_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
         CheckpointError: nothing usable there; the message lists the steps that exist.
     """
     path = Path(path)
+    if path.name.startswith(".tmp-"):  # dcp.save_checkpoint writes here, then renames it
+        raise CheckpointError(f"{what} {path} is an unfinished save (still being written, or left by a "
+                              "crash); pass a complete step folder like OUT/checkpoints/step-00000100")
     if (path / "hfpipe.json").is_file() or (path / ".metadata").is_file():
         return path  # a step folder; its contents are checked by whoever reads it
     for root in (path / "checkpoints", path):

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files, meta_model
+from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files
+from hfpipe.source.config import meta_model
 
 __all__ = ["write_merged"]
 

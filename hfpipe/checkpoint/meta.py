@@ -16,7 +16,7 @@ import torch
 
 from hfpipe.errors import ExportError
 
-__all__ = ["INDEX", "SINGLE", "copy_side_files", "side_files", "meta_model", "read_checkpoint_meta", "resolve_source"]
+__all__ = ["INDEX", "SINGLE", "copy_side_files", "side_files", "read_checkpoint_meta", "resolve_source"]
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,6 @@ def resolve_source(meta: dict, source: str | Path | None) -> Path:
             "pass source=<the HF model folder the run started from> (--source)"
         )
     return src
-
-
-def meta_model(src: Path) -> torch.nn.Module:
-    """The full model on the meta device: its names, shapes and conversion tables, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    from hfpipe.source.config import load_config
-
-    cfg = load_config(src, trust_remote_code=False)  # export never runs a source's code, never asks
-    if getattr(cfg, "quantization_config", None) is not None:
-        del cfg.quantization_config  # we export dequantised weights into a plain model
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
 
 
 def copy_side_files(src: Path, tmp: Path) -> None:

@@ -18,6 +18,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["UnsafeMetadataError", "SafeReader", "read_metadata"]
 
 _DCP_CLASSES = {
@@ -34,7 +36,7 @@ _DCP_CLASSES = {
 _MAX_BYTES = 1 << 30  # a metadata file for 1e7 tensors is ~2 GB only in theory; refuse absurd ones
 
 
-class UnsafeMetadataError(ValueError):
+class UnsafeMetadataError(HfpipeError):
     """A ``.metadata`` file is unreadable or asks to build something that is not DCP metadata."""
 
 

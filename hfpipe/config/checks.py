@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import typing
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ import yaml
 
 from hfpipe.config.names import INTERLEAVED_SCHEDULES, QUANTIZE_BASE, SCHEDULES, V_SCHEDULES, ConfigError
 
-__all__ = ["REPORTS", "check", "check_keys", "yaml_problem"]
+__all__ = ["REPORTS", "check", "check_keys", "load_yaml", "yaml_problem"]
 
 _CHOICES = {
     "schedule": SCHEDULES,
@@ -41,6 +42,7 @@ def check(c: "FinetuneConfig") -> None:
     _check_choices(c)
     _check_finite(c)
     _check_ranges(c)
+    _check_bounds(c)
     _fit_vpp(c)
     _check_microbatches(c)
     _check_eval_and_reports(c)
@@ -143,6 +145,25 @@ def _check_ranges(c: "FinetuneConfig") -> None:
                           f"ranks of the data-parallel group")
 
 
+#: Largest values the workers can hold: ints go into int64 tensors, the seed into numpy and torch
+#: generators, the timeout into C++ chrono milliseconds (gloo overflows beyond ~1e10 s).
+_INT_MAX = 2**63 - 1
+_SEED_MAX = 2**32 - 1
+_TIMEOUT_MAX = 365 * 24 * 3600.0
+
+
+def _check_bounds(c: "FinetuneConfig") -> None:
+    """Refuse values that would overflow in a worker, minutes later and as a crash of one rank."""
+    if c.seed > _SEED_MAX:
+        raise ConfigError(f"--seed must be < 2**32 (4294967296), got {c.seed}")
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > _INT_MAX:
+            raise ConfigError(f"{_flag(f.name)} {value} is too large (at most 2**63 - 1)")
+    if c.timeout > _TIMEOUT_MAX:
+        raise ConfigError(f"--timeout must be at most {_TIMEOUT_MAX:.0f} seconds (a year), got {c.timeout:g}")
+
+
 def _fit_vpp(c: "FinetuneConfig") -> None:
     """Give each schedule the stages per rank it needs; vpp left at 1 becomes 2 where needed."""
     if c.schedule in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp == 1:
@@ -211,6 +232,36 @@ def _check_lora(c: "FinetuneConfig") -> None:
     if c.lora_targets != "all-linear" and not all(re.fullmatch(r"[A-Za-z0-9_.]+", t) for t in names):
         raise ConfigError(f"--lora-targets must be all-linear or a comma list of module names like "
                           f"q_proj,v_proj; got {c.lora_targets!r}")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(path: Path) -> Any:
+    """A recipe file's data: a regular file (a FIFO would block), valid YAML, no doubled keys."""
+    from hfpipe.files import check_regular
+
+    try:
+        check_regular(path, "recipe ")
+        return yaml.load(path.read_text(), Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; save the recipe as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(e)}") from None
 
 
 def yaml_problem(e: yaml.YAMLError) -> str:

@@ -4,6 +4,8 @@ They sit below both :mod:`hfpipe.config.run` (the dataclass) and :mod:`hfpipe.co
 checks), so the checks need not import the dataclass they check.
 """
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["ConfigError", "SCHEDULES", "INTERLEAVED_SCHEDULES", "V_SCHEDULES", "QUANTIZE_BASE"]
 
 #: Every pipeline schedule, as spelled in ``--schedule``.
@@ -16,5 +18,5 @@ V_SCHEDULES = ("zbv", "dualpipev")
 QUANTIZE_BASE = ("nf4", "fp8")
 
 
-class ConfigError(ValueError):
+class ConfigError(HfpipeError):
     """An invalid configuration value or file; the message names the flag or key to fix."""

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["OptionError", "require_positive", "require_tolerance"]
 
 
-class OptionError(ValueError):
+class OptionError(HfpipeError):
     """An option value that can never work (one line naming the flag)."""
 
 

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from hfpipe.config.checks import check, check_keys, yaml_problem
+from hfpipe.config.checks import check, check_keys, load_yaml
 from hfpipe.config.names import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError
 
 __all__ = [
@@ -226,12 +224,7 @@ class FinetuneConfig:
     def from_yaml(cls, path: str | Path, **overrides: Any) -> FinetuneConfig:
         """Read a recipe file; `overrides` (the CLI flags) win over it, None ones are ignored."""
         path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(e)}") from None
+        data = load_yaml(path)
         data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")

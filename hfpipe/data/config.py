@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["BUILTIN_DATASETS", "COLUMNS", "FORMATS", "IGNORE_INDEX", "ROLES", "DataConfig",
-           "DataError", "check_seq_len", "parse_mapping"]
+           "DataError", "check_seq_len", "context_limit", "parse_mapping"]
 
 IGNORE_INDEX = -100
 COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask")
@@ -21,7 +23,7 @@ _ASSETS = Path(__file__).resolve().parent.parent / "assets" / "data"
 BUILTIN_DATASETS = {n: _ASSETS / f"{n.replace('-', '_')}.jsonl" for n in ("tiny-chat", "tiny-text")}
 
 
-class DataError(ValueError):
+class DataError(HfpipeError):
     """Bad data input; the message names the option (or file/line) and the fix."""
 
 
@@ -103,9 +105,21 @@ def parse_mapping(flag: str, value) -> dict[str, str]:
     return dict(value)
 
 
-def check_seq_len(seq_len: int, config) -> None:
-    """Raise :class:`DataError` if ``seq_len`` exceeds the model config's position limit."""
-    limit = getattr(config, "max_position_embeddings", None)
+def context_limit(config) -> int | None:
+    """The longest sequence the model takes: ``max_position_embeddings``, or None (no limit) when
+    its RoPE scaling is ``dynamic``, which transformers stretches to any length as it runs."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kinds = [p for p in rope.values() if isinstance(p, dict)] if isinstance(rope, dict) else []
+    kinds = kinds or ([rope] if isinstance(rope, dict) else [])  # one rope, or one per layer type
+    if kinds and all((p.get("rope_type") or p.get("type")) == "dynamic" for p in kinds):
+        return None
+    return getattr(text, "max_position_embeddings", None)
+
+
+def check_seq_len(seq_len: int, config, flag: str = "--seq-len") -> None:
+    """Raise :class:`DataError` if ``seq_len`` exceeds the model's context (:func:`context_limit`)."""
+    limit = context_limit(config)
     if limit is not None and seq_len > limit:
-        raise DataError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
-                        f"{limit}; lower --seq-len")
+        raise DataError(f"{flag} {seq_len} exceeds the model's max_position_embeddings "
+                        f"{limit}; lower {flag}")

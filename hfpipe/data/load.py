@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from hfpipe.data.config import COLUMNS, DataConfig, DataError
 from hfpipe.data.formats import FIELDS, OPTIONAL, detect_format
 from hfpipe.data.packing import pack_batch, pad_batch
-from hfpipe.data.sources import load_raw, locate
+from hfpipe.data.sources import explain_source, load_raw, locate
 from hfpipe.data.tokenise import Tokenise
 
 if TYPE_CHECKING:
@@ -118,8 +118,12 @@ def _rows(cfg: DataConfig, raw, tokenizer, where: _Locator, num_proc: int | None
     _check_tokenizer(cfg, fmt, body)
     key = _fingerprint(_VERSION, raw._fingerprint, fmt, json.dumps(cfg.roles, sort_keys=True),
                        template, cfg.train_on_prompt, _tokenizer_key(tokenizer))
-    docs = raw.map(body, batched=True, with_indices=True, num_proc=num_proc,
-                   remove_columns=raw.column_names, new_fingerprint=key, desc="tokenise")
+    try:
+        docs = raw.map(body, batched=True, with_indices=True, num_proc=num_proc,
+                       remove_columns=raw.column_names, new_fingerprint=key, desc="tokenise")
+    except UnicodeDecodeError:  # pyarrow loads bytes that are not UTF-8; reading them fails here
+        explain_source(cfg.dataset)
+        raise DataError(f"--dataset {cfg.dataset}: holds text that is not UTF-8; re-save it as UTF-8") from None
     if len(docs) == 0:
         raise DataError(f"--dataset {cfg.dataset} has no document with a trainable token ({fmt})")
     if cfg.packing:

@@ -7,16 +7,20 @@ record's index back into ``FILE line N`` for the messages of later steps.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hfpipe.data.config import BUILTIN_DATASETS, DataError
+from hfpipe.data.text_check import DuplicateKey, check_json_lines, check_text, parse, sniff_binary
+from hfpipe.files import check_folder, check_regular
 
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["load_raw", "locate"]
+__all__ = ["load_raw", "locate", "explain", "explain_source"]
 
 _BUILDERS = dict(jsonl="json", json="json", parquet="parquet", txt="text", arrow="arrow", csv="csv")
 
@@ -38,18 +42,22 @@ def load_raw(name: str, dataset_config: str | None, split: str) -> datasets.Data
             loaded = loaded[split]
         return loaded
     if path.is_dir():
+        check_folder(path, "--dataset ")
         return _guard(name, datasets.load_dataset, str(path), split=split)
-    if path.is_file():
+    if path.exists():
+        check_regular(path, "--dataset ")  # a FIFO would block the load forever
         builder = _BUILDERS.get(path.suffix.lower().lstrip("."))
         if builder is None:
             raise DataError(f"--dataset {name}: unknown file type {path.suffix!r}; use .jsonl, "
                             ".json, .parquet, .txt, .arrow, .csv or a save_to_disk folder")
+        if builder in ("json", "text", "csv"):
+            sniff_binary(path)  # datasets reads a NUL-laden file as text, silently
+        if path.suffix.lower() == ".json":  # one document: datasets reads it with Python's json,
+            _check_json(path)                # which keeps the last of a doubled key, silently
         try:
             return _guard(name, datasets.load_dataset, builder, data_files=str(path), split=split)
         except DataError:
-            if builder == "json":  # pyarrow's errors name no line: find it (only now, it reads all)
-                _check_json(path)
-                _check_types(path)
+            explain(path)  # the load's errors name no line: find it (only now, it reads all)
             raise
     if _looks_like_path(name):
         raise DataError(f"--dataset {name} does not exist; pass an existing file or folder, "
@@ -66,14 +74,38 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
+def explain(path: Path) -> None:
+    """Raise the line that breaks a local text file of ``path``'s type, if one does."""
+    builder = _BUILDERS.get(path.suffix.lower().lstrip("."))
+    if builder in ("json", "text", "csv"):
+        check_text(path)
+    if builder == "json":
+        _check_json(path)
+        _check_types(path)
+
+
+def explain_source(name: str) -> None:
+    """:func:`explain` for a ``--dataset`` that is a local file (else nothing)."""
+    path = _path(name)
+    if path.is_file():
+        explain(path)
+
+
 def _guard(name: str, load, *args, **kwargs):
-    """Call a ``datasets`` loader; its errors become one :class:`DataError` line."""
+    """Call a ``datasets`` loader; its errors become one :class:`DataError` line (its own log
+    lines about them, tracebacks included, are kept off the console unless HFPIPE_DEBUG=1)."""
+    quiet = logging.getLogger("datasets")
+    level = quiet.level
+    if os.environ.get("HFPIPE_DEBUG") != "1":
+        quiet.setLevel(logging.CRITICAL + 1)
     try:
         return load(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - datasets raises many types; we add the option name
         first = (str(e).strip().splitlines() or [""])[0]
         raise DataError(f"--dataset {name} could not be loaded ({type(e).__name__}: {first}); "
                         "check the path or hub id, --dataset-config and --split") from e
+    finally:
+        quiet.setLevel(level)
 
 
 def _check_json(path: Path) -> None:
@@ -85,23 +117,15 @@ def _check_json(path: Path) -> None:
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix.lower() == ".json":
         try:
-            json.loads(text)
+            parse(text)
             return
+        except DuplicateKey as e:
+            raise DataError(f"{path}: key {e.args[0]!r} given twice in one record; keep one") from None
         except json.JSONDecodeError as e:
             if text.lstrip().startswith("["):
                 raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}, column "
                                 f"{e.colno}); fix the file") from None
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {number}: not valid JSON ({e.msg}, column {e.colno}); "
-                            "fix or remove the line") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path} line {number}: expected a JSON object {{...}} per line, got "
-                            f"{type(record).__name__}")
+    check_json_lines(path, text)
 
 
 def _check_types(path: Path) -> None:

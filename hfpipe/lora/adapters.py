@@ -28,6 +28,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["LoraError", "ADAPTER", "PEFT_PREFIX", "lora_config", "resolve_config", "add_adapters",
            "adapter_view", "peft_key", "config_to_dict", "config_from_dict", "from_finetune_config"]
 
@@ -37,7 +39,7 @@ ADAPTER = "default"
 PEFT_PREFIX = "base_model.model."
 
 
-class LoraError(ValueError):
+class LoraError(HfpipeError):
     """A LoRA setting that cannot work (one line, names the option)."""
 
 
@@ -89,6 +91,7 @@ def _check_targets(config, names: list[str], meta_model: nn.Module) -> None:
     if not hit and not config.target_parameters:
         raise LoraError(f"--lora-targets {_targets(config)} match no module of the "
                         f"{meta_model.config.model_type} model; name linear layers such as q_proj,v_proj")
+    _check_each_target(config, names, meta_model)
     tied = bool(getattr(meta_model.config, "tie_word_embeddings", False))
     shared = {"model.embed_tokens", "lm_head"}
     if tied and shared & set(hit):
@@ -104,6 +107,23 @@ def _check_targets(config, names: list[str], meta_model: nn.Module) -> None:
                         "use True (PEFT's default) or 'gaussian'")
     if config.use_dora:
         raise LoraError("LoraConfig use_dora=True (DoRA) is not supported under pipelining yet; use LoRA")
+
+
+def _check_each_target(config, names: list[str], meta_model: nn.Module) -> None:
+    """Every name in a target list must match a module: a typo would silently drop its adapters."""
+    import difflib
+
+    targets = config.target_modules
+    if isinstance(targets, str) or not targets:  # a regex or all-linear: matched as a whole above
+        return
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n})
+    for target in sorted(targets):
+        if not any(n == target or n.endswith("." + target) for n in names):
+            close = difflib.get_close_matches(target, leaves, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise LoraError(f"--lora-targets {target!r} matches no module of the "
+                            f"{meta_model.config.model_type} model{hint}; its adapters would be "
+                            "silently missing: fix or drop the name")
 
 
 def _targets(config) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+
 __all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "MOE_REFUSALS", "Softcap", "UnsupportedModelError"]
 
 # The MoE router aux loss is carried through the pipeline for the families of the tested table
@@ -26,7 +27,12 @@ MOE_REFUSALS = {"output_router_logits": _MOE_AUX}
 
 
 class UnsupportedModelError(ValueError):
-    """The architecture cannot be pipelined exactly by hfpipe."""
+    """The architecture cannot be pipelined exactly by hfpipe.
+
+    A ValueError like :class:`hfpipe.errors.HfpipeError`, but not a subclass: this module is the
+    floor every family file stands on, and importing the error base here would lift the whole
+    model and planning stack one floor.
+    """
 
 
 @dataclass(frozen=True)

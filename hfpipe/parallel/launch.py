@@ -20,6 +20,10 @@ __all__ = ["launch", "check_launch"]
 
 log = logging.getLogger(__name__)
 
+#: The launcher's pid, for its workers: they must not outlive it (kill -9 of the launcher).
+LAUNCHER_ENV = "HFPIPE_LAUNCHER_PID"
+_QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+
 
 def check_launch(world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
                  threads_per_rank: int | None) -> None:
@@ -35,10 +39,29 @@ def check_launch(world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | N
         raise LaunchError(f"--node-rank {node_rank} is out of range for --nnodes {nnodes}; use 0 .. {nnodes - 1}")
     if nnodes > 1 and not rdzv_endpoint:
         raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    if nnodes > 1:
+        _check_endpoint(rdzv_endpoint)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads_per_rank and threads_per_rank > cores:
         raise LaunchError(f"--threads-per-rank {threads_per_rank} exceeds the {cores} CPU cores here; "
                           "lower --threads-per-rank")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """HOST:PORT with a port number and a host that resolves (else nodes wait out the timeout)."""
+    import socket
+
+    from hfpipe.parallel.mesh import LaunchError
+
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")  # [::1]:29500
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29500)")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise LaunchError(f"--rdzv-endpoint {endpoint}: host {host!r} does not resolve ({e}); "
+                          "give node 0's address") from None
 
 
 def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0,
@@ -66,6 +89,7 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from hfpipe.parallel.mesh import LaunchError
     from hfpipe.parallel.signals import CONTROL_ENV, LauncherSignals
     from hfpipe.parallel.worker_errors import debug, raise_from_failures
 
@@ -90,21 +114,36 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         monitor_interval=0.1,
         start_method="spawn",
         local_addr="localhost" if nnodes == 1 else None,
-        signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM/SIGINT: LauncherSignals asks workers to save first
+        signals_to_handle="SIGQUIT",  # SIGTERM/SIGINT/SIGHUP: LauncherSignals asks workers to save first
     )
     control = Path(tempfile.mkdtemp(prefix="hfpipe-control-"))
-    old_env = os.environ.get(CONTROL_ENV)
+    old_env = {k: os.environ.get(k) for k in (CONTROL_ENV, LAUNCHER_ENV, "PYTHONWARNINGS")}
     os.environ[CONTROL_ENV] = str(control)  # spawned workers inherit it
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # they die with this process (_die_with_launcher)
+    # A second signal ends this process at once; multiprocessing's resource tracker would then
+    # warn about the workers' semaphores on the console, after the one line that says what happened.
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old_env["PYTHONWARNINGS"], _QUIET_TRACKER]))
+    if multi:  # the rendezvous can wait for the whole timeout: say so before it starts
+        log.info("node %d of %d: %s node 0 at %s (up to %d s)", node_rank, nnodes,
+                 "waiting for the other nodes as" if node_rank == 0 else "joining", rdzv_endpoint, timeout_s)
     try:
         with LauncherSignals(control), _quiet_elastic(not debug()):
             return elastic_launch(config, _Entry(fn, threads_per_rank))(*args)
     except ChildFailedError as e:
         raise_from_failures(control, e, nprocs * nnodes, worker_timeout_s)
+    except _rendezvous_errors() as e:
+        if not multi:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint}: the {nnodes} nodes did not meet within {timeout_s:g} s "
+                          f"({type(e).__name__}: {first}); check that node 0 runs, its address and port, "
+                          "and the firewall") from None
     finally:
-        if old_env is None:
-            os.environ.pop(CONTROL_ENV, None)
-        else:
-            os.environ[CONTROL_ENV] = old_env
+        for key, value in old_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(control, ignore_errors=True)
 
 
@@ -123,6 +162,57 @@ def _quiet_elastic(quiet: bool):
             lg.setLevel(level)
 
 
+def _die_with_launcher() -> None:
+    """Make this worker end when its launcher does, even by kill -9 (which no handler sees).
+
+    Linux delivers SIGKILL to a process whose parent dies once it asked (``PR_SET_PDEATHSIG``);
+    elsewhere a watchdog thread polls the parent. Either way, a launcher already gone is checked
+    once the request is in (it may have died just before).
+    """
+    import signal
+    import threading
+    import time
+
+    launcher = int(os.environ.get(LAUNCHER_ENV) or 0)
+    if not launcher or os.getppid() != launcher:  # started by torchrun/srun, or not by hfpipe
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        asked = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        asked = False
+    if os.getppid() != launcher:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if not asked:
+        threading.Thread(target=watch, name="hfpipe-launcher-watch", daemon=True).start()
+
+
+def _function(module: str, qualname: str) -> Callable:
+    import importlib
+
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
+def _rendezvous_errors() -> tuple[type, ...]:
+    """What torch raises when nodes never meet: the TCP store's and elastic's rendezvous errors."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    return tuple(t for t in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistStoreError", None),
+                             RendezvousError) if t is not None)
+
+
 def _dcp_exception() -> type:
     """DCP's CheckpointException: a BaseException, so ``except Exception`` misses it."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -134,26 +224,38 @@ class _Entry:
     """Picklable wrapper that sets the thread count in the child before calling ``fn``."""
 
     def __init__(self, fn: Callable, threads: int | None) -> None:
-        self.fn, self.threads = fn, threads
+        # By name, imported in the worker once its signal handlers are in: unpickling the function
+        # itself would import torch first, seconds in which a Ctrl-C is a KeyboardInterrupt dump.
+        self.fn = (fn.__module__, fn.__qualname__)
+        self.threads = threads
         self.__name__ = self.__qualname__ = getattr(fn, "__name__", "hfpipe_worker")
 
     def __call__(self, *args):
         import sys
 
-        import torch
+        from hfpipe.parallel.signals import CONTROL_ENV, StartupInterrupted, read_stop, stop_at_once
+        from hfpipe.parallel.worker_errors import debug, record_failure, record_interrupt
 
-        from hfpipe.parallel.signals import CONTROL_ENV
-        from hfpipe.parallel.worker_errors import debug, record_failure
-
-        if self.threads:
-            torch.set_num_threads(self.threads)
         control = Path(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
-        if control is not None:
-            (control / f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+        _die_with_launcher()
         try:
-            return self.fn(*args)
+            with stop_at_once():  # until the run loop takes the signals over (StopRequest)
+                if control is not None:  # the pid first, then the stop file: no signal falls between
+                    (control / f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+                    if read_stop(control / "stop"):
+                        raise StartupInterrupted(read_stop(control / "stop"))
+                return self._load()(*args)
+        except StartupInterrupted as e:
+            sys.exit(record_interrupt(control, e.signum))
         except (Exception, _dcp_exception()) as e:  # noqa: BLE001 - reported to the launcher in one line
             code = record_failure(control, e, stopping=(control is not None and (control / "stop").exists()))
             if debug():
                 raise
             sys.exit(code)  # quietly: the launcher tells the user
+
+    def _load(self) -> Callable:
+        import torch
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        return _function(*self.fn)

@@ -13,10 +13,12 @@ import os
 import sys
 from pathlib import Path
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["FolderBusyError", "FolderLock", "run_lock"]
 
 
-class FolderBusyError(ValueError):
+class FolderBusyError(HfpipeError):
     """Another hfpipe process is writing the same folder."""
 
 

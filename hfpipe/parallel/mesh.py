@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["Dist", "LaunchError", "first_host", "init_distributed", "pick_device", "in_launched_env", "launched_node"]
 
 log = logging.getLogger(__name__)
 
 
-class LaunchError(ValueError):
+class LaunchError(HfpipeError):
     """The processes started do not fit the requested mesh, or the launch options are incomplete."""
 
 

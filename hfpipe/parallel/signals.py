@@ -1,64 +1,131 @@
-"""Preemption: SIGTERM / Ctrl-C finish the current step, save, and end the run cleanly.
+"""Signals: SIGTERM, Ctrl-C (SIGINT) and SIGHUP end a run in one line, with exit 143, 130 or 129.
 
 Slurm and Kubernetes send SIGTERM before they kill; a terminal sends SIGINT (Ctrl-C) to every
-process of the job. A signal only sets a flag: the step in flight finishes, then all ranks agree
-(one tiny all-reduce per step) to stop at the same step, save a checkpoint and return
-``{"interrupted": signum, ...}``; :class:`Interrupted` carries that to the user as one line with the
-resume command and exit code 128 + signum (143 / 130). A second signal aborts at once.
+process of the job, and SIGHUP when it closes. What a signal does depends on when it comes:
 
-The launcher (the ``hfpipe finetune`` process) does not forward a first signal as a signal (under
-Slurm or a terminal the workers got it already, and a forwarded copy would count as the second);
-it writes a ``stop`` file into the run's control folder, which every rank checks each step.
+- **Before training** (checks, start-up, loading: nothing worth saving yet), it stops at once:
+  :func:`stop_at_once` makes it raise :class:`StartupInterrupted` wherever the process is, so
+  ``finally`` blocks remove what was half-written (an export's temporary folder too). A worker in
+  start-up does the same; the launcher passes it on to such workers.
+- **During training**, it only sets a flag: the step in flight finishes, then all ranks agree (one
+  tiny all-reduce per step) to stop at the same step, save a checkpoint and return
+  ``{"interrupted": signum, ...}``; :class:`Interrupted` carries that to the user as one line with
+  the resume command. A worker says it is training with a ``training-rank<r>`` file in the
+  control folder.
+- **A second signal** aborts at once: no save, one line, the same exit code.
+
+The launcher (the ``hfpipe finetune`` process) does not forward a signal to a training worker
+(under Slurm or a terminal the workers got it already, and a forwarded copy would count as the
+second); it writes a ``stop`` file into the run's control folder, which every rank checks each step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
-__all__ = ["CONTROL_ENV", "Interrupted", "StopRequest", "LauncherSignals", "exit_code"]
+__all__ = ["CONTROL_ENV", "SIGNALS", "Interrupted", "StartupInterrupted", "StopRequest", "LauncherSignals",
+           "exit_code", "stop_at_once"]
 
 CONTROL_ENV = "HFPIPE_CONTROL_DIR"
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: The signals that end a run politely (SIGHUP: the terminal went away).
+SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
 
 
 def exit_code(signum: int) -> int:
-    """The shell's code for a run ended by ``signum``: 143 for SIGTERM, 130 for SIGINT."""
+    """The shell's code for a run ended by ``signum``: 143 SIGTERM, 130 SIGINT, 129 SIGHUP."""
     return 128 + int(signum)
 
 
-class Interrupted(Exception):
-    """The run stopped on a signal after saving; the message says how to resume."""
+def _name(signum: int) -> str:
+    return signal.Signals(int(signum)).name
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+
+class Interrupted(Exception):
+    """The run stopped on a signal; the message says what was saved and how to go on.
+
+    ``step`` is None when it stopped before its first step (nothing was written).
+    """
+
+    def __init__(self, signum: int, step: int | None, checkpoint: str | None, *, late: bool = False) -> None:
         self.signum, self.step, self.checkpoint = int(signum), step, checkpoint
-        name = signal.Signals(self.signum).name
-        saved = f"saved {checkpoint}" if checkpoint else "no checkpoint saved"
-        super().__init__(f"{name} after step {step}: {saved}; resume with --resume auto")
+        if step is None and late:
+            text = f"{_name(signum)} after training, during the final export: its checkpoints stay"
+        elif step is None:
+            text = f"{_name(signum)} before the first step; nothing was written"
+        else:
+            saved = f"saved {checkpoint}" if checkpoint else "no checkpoint saved"
+            text = f"{_name(signum)} after step {step}: {saved}; resume with --resume auto"
+        super().__init__(text)
 
     @property
     def code(self) -> int:
         return exit_code(self.signum)
 
 
+class StartupInterrupted(BaseException):
+    """A signal before training: unwinds like KeyboardInterrupt (``except Exception`` lets it by)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        super().__init__(_name(signum))
+
+    @property
+    def code(self) -> int:
+        return exit_code(self.signum)
+
+
+class _RaiseOnce:
+    """A handler raising :class:`StartupInterrupted` at the first signal only: a terminal's Ctrl-C
+    and the launcher's copy of it must not interrupt the unwinding the first one started."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def __call__(self, signum, frame) -> None:
+        if not self.raised:
+            self.raised = True
+            raise StartupInterrupted(signum)
+
+
+@contextlib.contextmanager
+def stop_at_once():
+    """While inside, SIGTERM/SIGINT/SIGHUP raise :class:`StartupInterrupted` (main thread only)."""
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        handler = _RaiseOnce()
+        for sig in SIGNALS:
+            old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 class StopRequest:
-    """A worker's view of stop requests: its own signals and the launcher's ``stop`` file."""
+    """A training worker's view of stop requests: its own signals and the launcher's ``stop`` file."""
 
     def __init__(self, device) -> None:
         self.device = device
         self.signum = 0
         self._old: dict[int, object] = {}
         control = os.environ.get(CONTROL_ENV)
-        self._file = Path(control) / "stop" if control else None
+        self._control = Path(control) if control else None
+        self._file = self._control / "stop" if control else None
 
     def install(self) -> "StopRequest":
-        """Catch SIGTERM and SIGINT (main thread only); a second one ends the process at once."""
+        """Catch the signals (main thread only); a second one ends the process at once."""
         if threading.current_thread() is threading.main_thread():
-            for sig in _SIGNALS:
+            for sig in SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
+        if self._control is not None and self._control.is_dir():  # the launcher stops forwarding
+            (self._control / f"training-rank{os.environ.get('RANK', '0')}").touch()
         return self
 
     def uninstall(self) -> None:
@@ -68,15 +135,12 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         if self.signum:
-            os._exit(exit_code(signum))  # the user insists: no save, no cleanup, no traceback
+            os._exit(exit_code(signum))  # the user insists: no save, no cleanup (the launcher says so)
         self.signum = signum
 
     def _local(self) -> int:
         if not self.signum and self._file is not None and self._file.is_file():
-            try:
-                self.signum = int(self._file.read_text().strip() or signal.SIGTERM)
-            except ValueError:
-                self.signum = int(signal.SIGTERM)
+            self.signum = read_stop(self._file) or int(signal.SIGTERM)
         return self.signum
 
     def agreed(self) -> int:
@@ -90,9 +154,17 @@ class StopRequest:
         return int(flag.item())
 
 
+def read_stop(path: Path) -> int:
+    """The signal number a ``stop`` file holds (0 if none, or unreadable)."""
+    try:
+        return int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 class LauncherSignals:
-    """In the launcher: the first SIGTERM/SIGINT asks the workers to stop via the control folder;
-    the second kills them (their pids are in the folder) and exits at once."""
+    """In the launcher: the first signal asks the workers to stop (the ``stop`` file; workers still
+    starting get the signal itself); the second kills them and exits at once, in one line."""
 
     def __init__(self, control: Path) -> None:
         self.control = Path(control)
@@ -101,7 +173,7 @@ class LauncherSignals:
 
     def __enter__(self) -> "LauncherSignals":
         if threading.current_thread() is threading.main_thread():
-            for sig in _SIGNALS:
+            for sig in SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -109,14 +181,28 @@ class LauncherSignals:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
+    def _pids(self) -> dict[str, int]:
+        out = {}
+        for pid_file in self.control.glob("pid-*"):
+            with contextlib.suppress(OSError, ValueError):
+                out[pid_file.name[4:]] = int(pid_file.read_text())
+        return out
+
     def _handle(self, signum, frame) -> None:
         if self.signum:
-            for pid_file in self.control.glob("pid-*"):
-                try:
-                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
-                except (OSError, ValueError):
-                    pass
+            for pid in self._pids().values():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             shutil.rmtree(self.control, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f"error: a second {_name(signum)}: the workers were killed without saving; "
+                                 "the last complete checkpoint stays (--resume auto continues from it)\n")
+                sys.stderr.flush()
             os._exit(exit_code(signum))
         self.signum = signum
-        (self.control / "stop").write_text(str(int(signum)))
+        with contextlib.suppress(OSError):  # written before the pids are read: no worker misses it
+            (self.control / "stop").write_text(str(int(signum)))
+        for rank, pid in self._pids().items():
+            if not (self.control / f"training-rank{rank}").exists():  # still starting: stop it now
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signum)

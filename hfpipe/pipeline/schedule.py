@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
+from hfpipe.errors import HfpipeError
 from hfpipe.pipeline.head_loss import chunk_tokens, chunked_loss_sum
 from hfpipe.pipeline.shapes import resize_schedule
 from torch.distributed.pipelining.schedules import (
@@ -47,7 +48,7 @@ IGNORE_INDEX = -100
 _KEEP_SCHEDULES = 4
 
 
-class PipelineError(ValueError):
+class PipelineError(HfpipeError):
     """A schedule / microbatch / batch combination that cannot run (message names the option)."""
 
 

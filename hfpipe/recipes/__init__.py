@@ -56,7 +56,7 @@ def find_recipe(name: str | Path) -> Path:
     from hfpipe.config.names import ConfigError
 
     path = Path(name).expanduser()
-    if path.is_file():
+    if path.is_file() or (path.exists() and not path.is_dir()):  # a FIFO: load_yaml refuses it by kind
         return path
     stem = path.name.removesuffix(".yaml").removesuffix(".yml")
     shipped = RECIPE_DIR / f"{stem}.yaml"

@@ -16,7 +16,7 @@ from pathlib import Path
 from hfpipe.source.config import SourceError, load_config, load_tokenizer
 from hfpipe.source.safetensors_io import SafetensorsError, read_header
 
-__all__ = ["ModelSource", "SourceError", "check_shard_names", "load_config", "load_tokenizer"]
+__all__ = ["ModelSource", "SourceError", "check_dtypes", "check_shard_names", "load_config", "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +99,53 @@ class ModelSource:
                               "check the hub id, your token, or HF_HUB_OFFLINE") from None
 
     def header(self, filename: str) -> dict:
-        """The parsed safetensors header of a shard (cached)."""
+        """The parsed safetensors header of a shard (cached), its dtypes checked against the config."""
         if filename not in self._headers:
             try:
-                self._headers[filename] = read_header(self.path(filename))
+                header = read_header(self.path(filename))
             except SafetensorsError as e:
                 raise SourceError(str(e)) from None
+            check_dtypes(self.folder / filename, header, self.config, self.weight_map or header)
+            self._headers[filename] = header
         return self._headers[filename]
 
     @property
     def tied(self) -> bool:
         """Whether the head shares the embedding (no ``lm_head.weight`` expected on disk)."""
         return bool(getattr(self.config, "tie_word_embeddings", False))
+
+
+_FP8 = ("F8_E4M3", "F8_E5M2")
+_INTEGER = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "BOOL")
+
+
+def check_dtypes(path: Path, header: dict, config, names) -> None:
+    """Refuse tensors whose stored dtype the model cannot take as it is (a cast would be silent).
+
+    - an integer weight or bias in a model without ``quantization_config``: a float parameter
+      read from integers is garbage, whatever the cast;
+    - FP8 weights without ``quantization_config``, or without their ``_scale_inv`` beside them:
+      the scale is what turns them back into the trained values.
+
+    Args:
+        path: The shard (for the message).
+        header: Its tensor entries.
+        config: The model's transformers config.
+        names: Every tensor name of the checkpoint (the index's keys), to find the scales.
+    """
+    quantized = getattr(config, "quantization_config", None) is not None
+    for key, entry in header.items():
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if dtype in _INTEGER and not quantized and key.endswith((".weight", ".bias")):
+            raise SourceError(f"{path}: tensor {key!r} is stored as {dtype}, but it is a float parameter "
+                              "and config.json has no quantization_config; the weights are not this model's")
+        if dtype in _FP8 and key.endswith(".weight"):
+            if not quantized:
+                raise SourceError(f"{path}: tensor {key!r} is FP8 ({dtype}) but config.json has no "
+                                  "quantization_config; restore the model's config.json")
+            if key + "_scale_inv" not in names:
+                raise SourceError(f"{path}: FP8 tensor {key!r} has no {key + '_scale_inv'!r} beside it; "
+                                  "without its scale it cannot be dequantised; re-download the checkpoint")
 
 
 def check_shard_names(index: Path, weight_map: dict) -> None:

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from hfpipe.errors import HfpipeError
+from hfpipe.files import open_regular
+
 __all__ = ["SafetensorsError", "read_header", "check_header", "read_tensors", "DTYPES"]
 
 DTYPES = {
@@ -40,7 +43,7 @@ DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own bound
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(HfpipeError):
     """A safetensors file is missing, truncated or malformed."""
 
 
@@ -55,7 +58,7 @@ def read_header(path: str | Path) -> dict[str, dict]:
     """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO would block here forever
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
@@ -170,7 +173,7 @@ def read_tensors(path: str | Path, names: list[str], header: dict | None = None,
             raise SafetensorsError(f"{path}: tensor {name!r} is not in this file although the index says so; "
                                    "the index and the shard disagree: re-download the checkpoint")
     out = {}
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         for name in sorted(names, key=lambda k: header[k]["data_offsets"][0]):
             out[name] = _read_one(f, path, name, _rows_entry(header[name], (rows or {}).get(name)), start)
     return out

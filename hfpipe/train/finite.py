@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["NonFiniteStep", "check_finite"]
 
 
-class NonFiniteStep(ValueError):
+class NonFiniteStep(HfpipeError):
     """Training diverged at a step (one line: the step, the values, the last good checkpoint)."""
 
 

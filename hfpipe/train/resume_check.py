@@ -1,28 +1,45 @@
 """What a resumed run must share with the run that saved the checkpoint, and what it may change.
 
-A checkpoint records the run's settings (``hfpipe.json``'s ``config``). Resuming with another
-model, tied-ness, sequence length, batch or microbatch shape, seed or dataset would continue a
-different run from the middle of this one's data order: refused, naming every difference. The
-pipeline layout (pp, schedule, vpp, layout) may change: DCP reshards by name. The learning-rate
-settings and the step budget may change too, and apply from the resumed step on (said in one line).
+A checkpoint records the run's settings (``hfpipe.json``'s ``config``). Every FinetuneConfig field
+is in exactly one of three lists (a test holds them to it, so a new field cannot slip by unsorted):
+
+- :data:`MUST_MATCH`: the model, the data stream (dataset, its rows, their loss masks, the order)
+  and the adapters. Another value would continue a different run from the middle of this one:
+  refused, naming every difference.
+- :data:`MAY_CHANGE`: the learning-rate schedule, the step budget and AdamW's hyperparameters.
+  They apply from the resumed step on, said in one line (the checkpoint's optimizer state would
+  otherwise bring back the old ones while ``hfpipe.json`` recorded the new).
+- :data:`FREE`: how the run is laid out, logged, saved and evaluated; DCP reshards by name.
 """
 
 from __future__ import annotations
 
 import logging
 
-__all__ = ["ResumeMismatch", "check_resume", "apply_schedule_changes", "MUST_MATCH", "MAY_CHANGE"]
+from hfpipe.errors import HfpipeError
+
+__all__ = ["ResumeMismatch", "check_resume", "apply_schedule_changes", "MUST_MATCH", "MAY_CHANGE", "FREE",
+           "template_digest"]
 
 log = logging.getLogger(__name__)
 
-#: Settings that define the data stream and the model: a resumed run must keep them.
+#: Settings that define the model, the data stream and the adapters: a resumed run must keep them.
 MUST_MATCH = ("model", "seq_len", "batch_size", "microbatches", "grad_accum", "dp", "seed", "dataset",
-              "dataset_config", "split", "format", "packing")
-#: Settings whose change applies from the resumed step on.
-MAY_CHANGE = ("lr", "min_lr", "lr_schedule", "warmup_steps", "max_steps", "epochs")
+              "dataset_config", "split", "format", "packing", "columns", "roles", "chat_template",
+              "train_on_prompt", "eval_fraction", "lora_rank", "lora_alpha", "lora_dropout",
+              "lora_targets", "quantize_base")
+#: Settings whose change applies from the resumed step on (the last three to AdamW's groups).
+MAY_CHANGE = ("lr", "min_lr", "lr_schedule", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
+              "weight_decay", "betas", "eps")
+#: Settings that change how the run is laid out, saved, logged or evaluated, not what it trains.
+FREE = ("output_dir", "pp", "ep", "vpp", "schedule", "layout", "plan_method", "dtype",
+        "activation_checkpointing", "save_every", "keep", "async_save", "resume", "save_hf_at_end",
+        "trust_remote_code", "threads_per_rank", "log_every", "eval_dataset", "eval_split", "eval_every",
+        "eval_batches", "keep_best", "report_to", "timeout")
+_OPTIMIZER = ("weight_decay", "betas", "eps")
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(HfpipeError):
     """The checkpoint was written by a run with other settings (one line: every difference)."""
 
 
@@ -43,17 +60,37 @@ def check_resume(path, saved: dict, cfg, tied: bool) -> list[str]:
     if "seq_len" not in old:  # written by a pipeline API save, not a run: nothing recorded to compare
         return []
     now = cfg.to_dict()
-    if "microbatches" in MUST_MATCH:
-        old = {**old, "microbatches": old.get("microbatches") or old.get("pp", 1) * old.get("vpp", 1)}
-        now = {**now, "microbatches": cfg.num_microbatches}
+    old = {**old, "microbatches": old.get("microbatches") or old.get("pp", 1) * old.get("vpp", 1)}
+    now = {**now, "microbatches": cfg.num_microbatches}
     diffs = [f"{_flag(k)} {old.get(k)!r} -> {now.get(k)!r}" for k in MUST_MATCH
-             if k in old and old.get(k) != now.get(k)]
+             if k in old and _norm(old.get(k)) != _norm(now.get(k))]
+    digest = (saved.get("data") or {}).get("chat_template_sha256")
+    if digest and "--chat-template" not in " ".join(diffs) and digest != template_digest(cfg.chat_template):
+        diffs.append(f"--chat-template {cfg.chat_template}: the file changed since the checkpoint")
     if "tied" in saved and bool(saved["tied"]) != tied:
         diffs.append(f"tie_word_embeddings {bool(saved['tied'])} -> {tied}")
     if diffs:
         raise ResumeMismatch(f"--resume {path}: the checkpoint's run differs: {'; '.join(diffs)}; resume with "
                              "the same settings, or start a new run in another --output-dir")
-    return [k for k in MAY_CHANGE if k in old and old.get(k) != now.get(k)]
+    return [k for k in MAY_CHANGE if k in old and _norm(old.get(k)) != _norm(now.get(k))]
+
+
+def _norm(value):
+    """JSON gives lists where the config has tuples (``betas``): compare them alike."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def template_digest(path: str | None) -> str | None:
+    """sha256 of a ``--chat-template`` file (None without one): the masks a run trained with."""
+    import hashlib
+    from pathlib import Path
+
+    if not path:
+        return None
+    try:
+        return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+    except OSError:
+        return "unreadable"
 
 
 def apply_schedule_changes(changed: list[str], saved: dict, cfg, optimizer, scheduler, step: int) -> str | None:
@@ -66,11 +103,33 @@ def apply_schedule_changes(changed: list[str], saved: dict, cfg, optimizer, sche
     """
     if not changed:
         return None
+    _apply_optimizer(changed, cfg, optimizer)
     for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"] = cfg.lr
         group["lr"] = cfg.lr * fn(step)
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     old = saved["config"]
-    parts = ", ".join(f"{_flag(k)} {old.get(k)} -> {getattr(cfg, k)}" for k in changed)
+    parts = ", ".join(f"{_flag(k)} {_show(old.get(k))} -> {_show(getattr(cfg, k))}" for k in changed)
     return f"resumed at step {step} with {parts}: applied from step {step + 1} on"
+
+
+def _show(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _apply_optimizer(changed: list[str], cfg, optimizer) -> None:
+    """Put changed AdamW settings into the groups the checkpoint restored (with its old values).
+
+    Weight decay goes to the decay group only: :func:`hfpipe.train.optim.param_groups` keeps norms
+    and biases (1-D tensors) at 0, which is how the group is told apart after a load.
+    """
+    if not set(changed) & set(_OPTIMIZER):
+        return
+    for group in optimizer.param_groups:
+        if "betas" in changed:
+            group["betas"] = tuple(cfg.betas)
+        if "eps" in changed:
+            group["eps"] = cfg.eps
+        if "weight_decay" in changed and any(p.ndim >= 2 for p in group["params"]):
+            group["weight_decay"] = cfg.weight_decay

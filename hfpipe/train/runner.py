@@ -378,8 +378,12 @@ class _Run:
                 "history": self.history}
 
     def save(self) -> None:
+        from hfpipe.train.resume_check import template_digest
+
         extra = {"config": self.cfg.to_dict(),
                  "train": {"position": vars(self.pos).copy(), "scheduler": self.scheduler.state_dict()}}
+        if self.cfg.chat_template:  # a resume must mask the data the same way: the file, not its name
+            extra["data"] = {"chat_template_sha256": template_digest(self.cfg.chat_template)}
         if self.pending is not None:  # one save in flight at a time; finalise the previous first
             self.pending.wait()
         saved = self.pm.save_checkpoint(self.out / "checkpoints", self.pos.step, self.optimizer,

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hfpipe.errors import HfpipeError
 from hfpipe.pipeline.schedule import Pipeline, count_tokens
 from hfpipe.train.optim import unique_parameters
 
-__all__ = ["StepResult", "PipelineTrainer", "tied_groups"]
+__all__ = ["BatchError", "StepResult", "PipelineTrainer", "check_batches", "tied_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,45 @@ class StepResult:
     grad_norm: float
     lr: float
     tokens: int
+
+
+class BatchError(HfpipeError):
+    """A batch the pipeline cannot run: the message names the call, the batch and the key."""
+
+
+def check_batches(batches: list, vocab_size: int | None, call: str, *, labels: bool = True) -> None:
+    """Refuse batches the schedule would crash on (or, on a GPU, read past the embedding with).
+
+    Each must hold ``input_ids`` (and ``labels``) as integer ``[batch, seq]`` tensors of the same
+    shape with at least one token; ids within the vocabulary, labels too or -100.
+    """
+    if not batches:
+        raise BatchError(f"{call}: no batch given; pass a dict with input_ids and labels, or a list of them")
+    for i, batch in enumerate(batches):
+        where = f"{call}: batch {i}" if len(batches) > 1 else f"{call}: the batch"
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"{where} is a {type(batch).__name__}; pass a dict of tensors")
+        for key in ("input_ids", "labels") if labels else ("input_ids",):
+            _check_ids(batch.get(key), key, where, vocab_size, batch.get("input_ids"))
+
+
+def _check_ids(t, key: str, where: str, vocab: int | None, ids) -> None:
+    if not isinstance(t, torch.Tensor):
+        hint = " (a collator such as DataCollatorForLanguageModeling adds them)" if key == "labels" else ""
+        raise BatchError(f"{where} has no {key!r} tensor{hint}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise BatchError(f"{where}: {key} must hold integer token ids, got {t.dtype}")
+    if t.ndim != 2 or t.numel() == 0:
+        raise BatchError(f"{where}: {key} must be [batch, sequence] with at least one token, got shape "
+                         f"{list(t.shape)}")
+    if key == "labels" and t.shape != ids.shape:
+        raise BatchError(f"{where}: labels shape {list(t.shape)} differs from input_ids {list(ids.shape)}")
+    if vocab:
+        valid = (t >= 0) & (t < vocab) if key == "input_ids" else ((t >= 0) & (t < vocab)) | (t == -100)
+        if not bool(valid.all()):
+            bad = int(t[~valid][0])
+            raise BatchError(f"{where}: {key} holds {bad}, outside the model's vocabulary of {vocab} tokens "
+                             f"(0 .. {vocab - 1}{', or -100' if key == 'labels' else ''})")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,8 +110,9 @@ class PipelineTrainer:
     """
 
     def __init__(self, pipe: Pipeline, dist_info, optimizer, *, scheduler=None, max_grad_norm=None,
-                 tied_group=None, loss_rank: int) -> None:
+                 tied_group=None, loss_rank: int, vocab_size: int | None = None) -> None:
         self.pipe, self.dist, self.optimizer, self.scheduler = pipe, dist_info, optimizer, scheduler
+        self.vocab_size = vocab_size
         self.max_grad_norm = max_grad_norm
         self.tied_group = tied_group
         self.loss_rank = loss_rank
@@ -89,6 +130,7 @@ class PipelineTrainer:
                 pipeline passes the same batches; dp ranks pass their own shards.
         """
         batches = [batches] if isinstance(batches, Mapping) else list(batches)
+        check_batches(batches, self.vocab_size, "trainer.step")
         tokens = self._global_tokens(batches)
         # FSDP averages gradients over dp (gloo has no pre-scaled sum), so each rank's loss is
         # scaled up by dp to leave the sum over all tokens / global token count.
@@ -114,6 +156,7 @@ class PipelineTrainer:
     def eval_loss(self, batches: list[dict] | dict) -> float:
         """Token-mean loss over ``batches`` without gradients (same value on every rank)."""
         batches = [batches] if isinstance(batches, Mapping) else list(batches)
+        check_batches(batches, self.vocab_size, "trainer.eval_loss")
         tokens = self._global_tokens(batches)
         loss = torch.zeros((), dtype=torch.float64)
         for batch in batches:
@@ -146,8 +189,9 @@ class PipelineTrainer:
         norm = float(sq.sqrt())
         if self.max_grad_norm:
             coef = min(1.0, self.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
-            if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coef)
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if coef < 1.0 and grads:  # a rank of empty stages has none (foreach refuses an empty list)
+                torch._foreach_mul_(grads, coef)
         return norm
 
     def _share_loss(self, loss: torch.Tensor) -> float:

@@ -1,0 +1,72 @@
+"""Opening a file a user named without hanging on it: regular files only.
+
+A FIFO (or a socket, a device) given as a shard, a dataset or a template blocks ``open()`` or
+``read()`` forever, with no word. Every file hfpipe reads from a user's path goes through
+:func:`open_regular` (or is checked by :func:`check_regular` before a library reads it): it opens
+without blocking, looks at what it opened, and refuses anything but a regular file in one line.
+A floor module: it imports nothing from hfpipe (its error is a ValueError of hfpipe's, which the
+CLI reports in one line, exit 2, as it does every user error).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["NotRegularFileError", "open_regular", "check_regular", "check_folder"]
+
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}
+
+
+class NotRegularFileError(ValueError):
+    """A path that must be a file is a FIFO, socket, device or folder (reading it would hang)."""
+
+
+def _refuse(path: Path, mode: int, what: str) -> NotRegularFileError:
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return NotRegularFileError(f"{what}{path}: is {kind}, not a regular file; give a regular file")
+
+
+def open_regular(path: str | os.PathLike, what: str = "", *, buffering: int = -1) -> BinaryIO:
+    """``open(path, "rb")`` for a regular file; anything else raises without blocking.
+
+    Args:
+        path: The file.
+        what: A prefix for the message naming the option, e.g. ``"--dataset "``.
+        buffering: As for :func:`open`.
+    """
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refuse(path, mode, what)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str | os.PathLike, what: str = "") -> None:
+    """Refuse ``path`` unless it is a regular file (a link to one is fine); it must exist."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise _refuse(Path(path), mode, what)
+
+
+def check_folder(folder: str | os.PathLike, what: str = "") -> None:
+    """Refuse a folder holding a FIFO, socket or device among its files (libraries read them all).
+
+    Subfolders and broken links are left to the reader (they never block it).
+    """
+    for entry in sorted(Path(folder).iterdir()):
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise _refuse(entry, mode, what)
