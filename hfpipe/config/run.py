@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hfpipe.source.config import bundled_config_dir
 from hfpipe.config.checks import check, check_keys, load_yaml
 from hfpipe.config.names import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError
 
@@ -28,9 +29,6 @@ __all__ = [
     "bundled_config_dir",
     "field_help",
 ]
-
-_BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
-
 
 @dataclass
 class FinetuneConfig:
@@ -231,15 +229,6 @@ class FinetuneConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         check_keys(given, "command-line overrides", [f.name for f in dataclasses.fields(cls)])
         return cls.from_dict({**data, **given}, source=str(path))
-
-
-def bundled_config_dir(model_id: str) -> Path | None:
-    """The bundled folder holding `model_id`'s real config.json, or None if none is bundled.
-
-    ``meta-llama/Llama-3.1-8B`` maps to ``hfpipe/assets/configs/meta-llama--Llama-3.1-8B``.
-    """
-    folder = _BUNDLED_CONFIGS / model_id.strip("/").replace("/", "--")
-    return folder if (folder / "config.json").is_file() else None
 
 
 def field_help() -> dict[str, str]:

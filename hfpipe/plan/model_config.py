@@ -17,8 +17,7 @@ def load_model_config(name: str, *, trust_remote_code: bool = False):
     Raises:
         SourceError: nothing usable under that name.
     """
-    from hfpipe.config.run import bundled_config_dir
-    from hfpipe.source.folder import SourceError, load_config
+    from hfpipe.source.config import SourceError, bundled_config_dir, load_config
 
     path = Path(name).expanduser()
     if path.is_dir():
@@ -43,7 +42,7 @@ def load_model_config(name: str, *, trust_remote_code: bool = False):
 def _config_from_file(path: Path, trust_remote_code: bool):
     from transformers import AutoConfig
 
-    from hfpipe.source.folder import SourceError, load_config
+    from hfpipe.source.config import SourceError, load_config
 
     if path.name == "config.json":
         return load_config(path.parent, trust_remote_code=trust_remote_code)

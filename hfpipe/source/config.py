@@ -129,3 +129,13 @@ def meta_model(src: Path):
         del cfg.quantization_config  # we export dequantised weights into a plain model
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+
+
+def bundled_config_dir(model_id: str) -> Path | None:
+    """The bundled folder holding `model_id`'s real config.json, or None if none is bundled.
+
+    ``meta-llama/Llama-3.1-8B`` maps to ``hfpipe/assets/configs/meta-llama--Llama-3.1-8B``.
+    """
+    folder = Path(__file__).resolve().parent.parent / "assets" / "configs"
+    folder = folder / model_id.strip("/").replace("/", "--")
+    return folder if (folder / "config.json").is_file() else None
