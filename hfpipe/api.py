@@ -24,7 +24,7 @@ from hfpipe.parallel.expert import check_expert_parallel, experts_of, init_exper
 from hfpipe.parallel.mesh import Dist, init_distributed
 from hfpipe.pipeline.load import load_rank_stages
 from hfpipe.models.support import get_adapter
-from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_microbatches, schedule_style
+from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_data_parallel, check_microbatches, schedule_style
 from hfpipe.plan.split import Plan, plan_pipeline
 from hfpipe.source.folder import ModelSource
 from hfpipe.train.step import PipelineTrainer, tied_groups
@@ -249,6 +249,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
     microbatches = microbatches or pp * vpp
     check_microbatches(schedule, pp, vpp, microbatches)
+    check_data_parallel(schedule, dp)
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)

@@ -35,7 +35,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.data.config import check_seq_len
     from hfpipe.models.support import get_adapter
     from hfpipe.parallel.expert import check_expert_parallel
-    from hfpipe.pipeline.schedule import check_microbatches, schedule_style
+    from hfpipe.pipeline.schedule import check_data_parallel, check_microbatches, schedule_style
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
     from hfpipe.train.logs import check_sinks
@@ -49,6 +49,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
 
         raise ConfigError("--ep with --lora-rank is not supported yet; use --ep 1 for LoRA runs")
     check_microbatches(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches, cfg.batch_size)
+    check_data_parallel(cfg.schedule, cfg.dp)
     plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
     check_seq_len(cfg.seq_len, source.config)
