@@ -104,7 +104,7 @@ def _from_checkpoint(ckpt: Path, source: str | Path | None, trust_remote_code: b
     config = copy.deepcopy(load_config(src, trust_remote_code=trust_remote_code))
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # the checkpoint holds dequantised training weights
-    model = buildmeta_model(config)
+    model = build_meta_model(config)
     expected = remove_tied_weights_from_state_dict(dict(model.state_dict()), model)
     reader = _DcpReader(ckpt)
     saved = reader.tensors("model.")

@@ -275,7 +275,7 @@ def _raw_group(reader: _DcpReader, group: Group) -> dict | None:
         md = reader.metadata.state_dict_metadata["model." + fqn]
         if (tuple(md.size), md.properties.dtype) != (tuple(group.out[fqn][0]), group.out[fqn][1]):
             return None
-        spans[fqn] = raw_spans(reader.path, reader.metadata, "model." + fqn, reader.file_view)
+        spans[fqn] = raw_spans(reader.path, reader.metadata, "model." + fqn, reader.file_view, reader.checksums)
         if spans[fqn] is None:
             return None
     return spans
