@@ -61,16 +61,20 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, fo
                           "--merge keeps the base checkpoint's dtypes; drop --dtype")
     src = resolve_source(meta, source)
     config = config_from_dict(meta["lora"])
+    def record(kind: str) -> dict:
+        return {"kind": kind, "checkpoint": str(ckpt), "step": meta["step"]}
+
     with locked_out(out, force, (ckpt, src)):
         adapters = _read_adapters(ckpt, config, src)
         if merge:
             from hfpipe.checkpoint.merge import write_merged
 
             nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters), nbytes)
+            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters), nbytes, record("merged"))
         else:
             nbytes = sum(t.nbytes for t in adapters.values())
-            build_folder(out, lambda tmp: _write_adapter(tmp, config, adapters, _base_name(meta, src)), nbytes)
+            build_folder(out, lambda tmp: _write_adapter(tmp, config, adapters, _base_name(meta, src)), nbytes,
+                         record("adapter"))
     log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
     return out
 

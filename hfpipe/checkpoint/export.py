@@ -111,7 +111,8 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
         _write_config(tmp, cfg_json, dominant_dtype(groups), fp8)
         copy_side_files(src, tmp)
 
-    build_folder(out, fill, sum(nbytes(*spec) for spec in flat(groups).values()))
+    build_folder(out, fill, sum(nbytes(*spec) for spec in flat(groups).values()),
+                 {"kind": "model", "checkpoint": str(ckpt), "step": meta["step"]})
     log.info("exported step %d to %s", meta["step"], out)
     return out
 

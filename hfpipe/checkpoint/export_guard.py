@@ -15,10 +15,14 @@ import signal
 import threading
 from pathlib import Path
 
-__all__ = ["ExportError", "side_files", "source_config_json", "source_weight_map", "check_tied", "check_data_files", "disk_full",
+__all__ = ["EXPORT_RECORD", "ExportError", "side_files", "source_config_json", "source_weight_map", "check_tied", "check_data_files", "disk_full",
            "signals_raise"]
 
 log = logging.getLogger(__name__)
+
+
+#: The file every export folder gets: what wrote it. ``--force`` replaces only a folder that has it.
+EXPORT_RECORD = "hfpipe_export.json"
 
 
 class ExportError(ValueError):

@@ -86,7 +86,8 @@ def meta_model(src: Path) -> torch.nn.Module:
 def copy_side_files(src: Path, tmp: Path) -> None:
     """Copy every non-weight file of the source (generation config, tokenizer, chat template, code)."""
     def skip(name: str) -> bool:
-        return name == "config.json" or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json")
+        return (name in ("config.json", guard.EXPORT_RECORD) or name.endswith(_WEIGHT_SUFFIXES)
+                or name.endswith(".index.json"))
 
     for path in guard.side_files(src, skip):  # regular files inside the source only
         name = path.name
