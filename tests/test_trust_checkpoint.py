@@ -100,11 +100,14 @@ def test_a_tensor_key_stored_as_a_byte_item_is_refused_on_every_path(tiny, copy,
     replace_item(copy, WEIGHT, RunsCode(f"touch {marker}"), as_bytes=True)
     with pytest.raises(UnsafeMetadataError, match=rf"{WEIGHT} is stored as bytes where a tensor belongs"):
         safe_load({WEIGHT: torch.empty(64, 64)}, copy, no_dist=True)
-    name = WEIGHT.removeprefix("model.")
-    with pytest.raises(ExportError, match=f"does not match the source model: missing {name}"):
+    refused = rf"stored item {re.escape(WEIGHT)} is not plain data \(refusing posix.system\)"
+    with pytest.raises(UnsafeMetadataError, match=refused):  # opening the checkpoint reads every byte item
         export_checkpoint(copy, tmp_path / "out", progress=False)
-    with pytest.raises(ValueError, match=f"lacks model.{name}"):  # generate
+    with pytest.raises(UnsafeMetadataError, match=refused):
         load_generator(copy)
+    replace_item(copy, WEIGHT, 0.5, as_bytes=True)  # plain data where a weight belongs
+    with pytest.raises(ExportError, match=f"does not match the source model: missing {WEIGHT.removeprefix('model.')}"):
+        export_checkpoint(copy, tmp_path / "out", progress=False)
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 

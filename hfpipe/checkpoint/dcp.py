@@ -16,7 +16,6 @@ its own; the same finalisation runs when the returned :class:`PendingSave` is wa
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -29,7 +28,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hfpipe.checkpoint import checksums
 from hfpipe.parallel.lock import write_new
-from hfpipe.checkpoint.safe_metadata import UnsafeMetadataError, load_item, read_metadata, safe_load
+from hfpipe.checkpoint.safe_metadata import UnsafeMetadataError, check_byte_items, read_metadata, safe_load
 
 __all__ = ["CheckpointError", "PendingSave", "rank_view", "save_checkpoint", "load_checkpoint",
            "latest_checkpoint", "check_stored_data", "record_checksums", "resolve_resume"]
@@ -284,19 +282,7 @@ def check_stored_data(path: Path) -> None:
         CheckpointError: naming the damaged or unsafe item.
     """
     try:
-        record = checksums.Checksums.load(path)
-        metadata = read_metadata(path)
-        by_file: dict[str, list] = {}
-        for index, info in metadata.storage_data.items():
-            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-                by_file.setdefault(info.relative_path, []).append((index.fqn, info))
-        for name, items in sorted(by_file.items()):
-            with open(path / name, "rb") as f:
-                for fqn, info in items:
-                    if record is not None:
-                        record.check(fqn, info)
-                    f.seek(info.offset)
-                    load_item(fqn, io.BytesIO(f.read(info.length)), path)
+        check_byte_items(path, checksums.Checksums.load(path))
     except (checksums.DamagedCheckpointError, UnsafeMetadataError) as e:
         raise CheckpointError(str(e)) from None
     except OSError as e:

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from hfpipe.checkpoint.checksums import Checksums
-from hfpipe.checkpoint.safe_metadata import read_metadata, safe_load
+from hfpipe.checkpoint.safe_metadata import check_byte_items, read_metadata, safe_load
 
 try:  # DCP's bounded view of one item inside a .distcp file; private, so fall back to dcp.load
     from torch.distributed.checkpoint.filesystem import _create_file_view
@@ -26,7 +26,9 @@ class _DcpReader:
     ``torch.load`` of its byte range (1.0x); sharded (FSDP) or transformed items go through
     ``dcp.load``, which reassembles them by FQN. ``file_view`` is DCP's ``_create_file_view``, or
     None to always use ``dcp.load``. Every item is checked against the checkpoint's checksums
-    (``checksums``; None for a checkpoint saved before hfpipe recorded them) before it is used.
+    (``checksums``; None for a checkpoint saved before hfpipe recorded them) before it is used,
+    and every byte item (optimizer param groups, never read here) once on opening: a checkpoint
+    with a crafted or damaged one is refused as a whole.
     """
 
     def __init__(self, ckpt: Path, file_view=_create_file_view):
@@ -34,6 +36,7 @@ class _DcpReader:
         self.file_view = file_view
         self.checksums = Checksums.load(ckpt)  # first: a damaged .metadata is named as such
         self.metadata = read_metadata(ckpt)  # never torch's plain-pickle read
+        check_byte_items(ckpt, self.checksums)  # a tampered checkpoint is refused as a whole
 
     def tensors(self, prefix: str) -> dict[str, TensorStorageMetadata]:
         """Metadata of the tensors whose key starts with ``prefix``, keyed without it."""

@@ -26,11 +26,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from hfpipe.checkpoint.checksums import Checksums
 
-__all__ = ["UnsafeMetadataError", "SafeLoadPlanner", "SafeReader", "read_metadata", "safe_load"]
+__all__ = ["UnsafeMetadataError", "SafeLoadPlanner", "SafeReader", "check_byte_items", "load_item", "read_metadata",
+           "safe_load"]
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -178,6 +179,35 @@ def load_item(fqn: str, value: io.BytesIO, where: str | Path = ""):
     except Exception as e:  # noqa: BLE001 - a bad zip (RuntimeError), truncated bytes (EOFError), ...
         what = str(e).split(". ")[0][:100] or type(e).__name__
         raise UnsafeMetadataError(f"checkpoint {where}: stored item {fqn} is corrupt ({what}); pick an earlier checkpoint") from None
+
+
+def check_byte_items(path: Path, checksums: Checksums | None) -> None:
+    """Read every byte item of checkpoint ``path`` as :func:`load_item` does, checked against ``checksums``.
+
+    They are small (optimizer param groups), so a reader checks them all when it opens a
+    checkpoint: a tampered or damaged one is named before anything else is read.
+
+    Raises:
+        UnsafeMetadataError: an item that is not plain data, or a data file that cannot be read.
+        DamagedCheckpointError: an item that fails its checksum.
+    """
+    metadata = read_metadata(path)
+    by_file: dict[str, list] = {}
+    for index, info in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            by_file.setdefault(info.relative_path, []).append((index.fqn, info))
+    for name, items in sorted(by_file.items()):
+        try:
+            f = open(Path(path) / name, "rb")  # noqa: SIM115 - closed below
+        except OSError as e:
+            raise UnsafeMetadataError(f"checkpoint {path}: data file {name} is missing or unreadable "
+                                      f"({e.strerror}); pick an earlier checkpoint") from None
+        with f:
+            for fqn, info in items:
+                if checksums is not None:
+                    checksums.check(fqn, info)
+                f.seek(info.offset)
+                load_item(fqn, io.BytesIO(f.read(info.length)), path)
 
 
 def safe_load(state: dict, path: str | Path, checksums: Checksums | None | bool = False, **kwargs) -> None:
