@@ -60,8 +60,8 @@ PAYLOADS = {
     "eval": Evals,
     "exec": Execs,
     "subprocess": Popens,
-    "inside a dict": lambda cmd: {"lr": RunsCode(cmd)},
-    "inside a tuple": lambda cmd: (0.9, RunsCode(cmd)),
+    "in-a-dict": lambda cmd: {"lr": RunsCode(cmd)},
+    "in-a-tuple": lambda cmd: (0.9, RunsCode(cmd)),
 }
 
 

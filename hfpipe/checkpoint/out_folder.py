@@ -66,14 +66,13 @@ def build_folder(out: Path, fill, nbytes: int, record: dict | None = None) -> Pa
 def check_out(out: Path, force: bool, protected: tuple[Path, ...]) -> None:
     """``out`` must not hold an input, must not exist unless ``force`` (then be an earlier export),
     and its parent must be writable."""
-    real = out.resolve()
+    real, cwd = out.resolve(), Path.cwd().resolve()
+    if real == Path(real.anchor) or real == cwd or real in cwd.parents:
+        what = "/" if real == Path(real.anchor) else "the working folder" if real == cwd else "a parent of the working folder"
+        raise ExportError(f"OUT {out} is {what}; export would replace it: choose another OUT")
     for path in protected:
         if out == path or out in path.parents or real == path.resolve() or real in path.resolve().parents:
             raise ExportError(f"out {out} would overwrite {path}; choose another --out")
-    cwd = Path.cwd().resolve()
-    if real == cwd or real in cwd.parents:
-        what = "/" if real == Path(real.anchor) else "the working folder" if real == cwd else "a parent of the working folder"
-        raise ExportError(f"OUT {out} is {what}; export would replace it: choose another OUT")
     if out.exists() or out.is_symlink():
         if not force:
             raise ExportError(f"{out} exists; pass --force to overwrite")
