@@ -68,8 +68,16 @@ def test_every_byte_item_of_a_real_save_reads_as_the_value_saved(ckpt):
         assert load_item(BETAS, io.BytesIO(f.read(info.length))) == (0.9, 0.999)
 
 
-@pytest.mark.parametrize("rerecord", [True, False], ids=["record-rewritten", "record-stale"])
-@pytest.mark.parametrize("payload", PAYLOADS, ids=list(PAYLOADS))
+def _cases(names, default, ids=None):
+    """Parameters for ``names``; those not in ``default`` run only in the full matrix (-m slow)."""
+    return [pytest.param(*(n if isinstance(n, tuple) else (n,)), id=i,
+                         marks=() if n in default else pytest.mark.slow)
+            for n, i in zip(names, ids or [str(n) for n in names])]
+
+
+@pytest.mark.parametrize("payload, rerecord", _cases(
+    [(p, r) for p in PAYLOADS for r in (True, False)], [("os.system", True), ("eval", True), ("os.system", False)],
+    [f"{p}-{'record-rewritten' if r else 'record-stale'}" for p in PAYLOADS for r in (True, False)]))
 def test_a_crafted_byte_item_runs_nothing_on_resume(copy, tmp_path, payload, rerecord):
     marker = tmp_path / "pwned"
     replace_item(copy, LR, PAYLOADS[payload](f"touch {marker}"), rerecord=rerecord)
@@ -139,6 +147,7 @@ def _resume_one_rank(ckpt: str, marker: str) -> str:
     return f"loaded; marker exists: {Path(marker).exists()}"
 
 
+@pytest.mark.slow  # a real worker process (~30 s here); the same load runs in-process above
 def test_a_worker_loading_a_crafted_checkpoint_runs_nothing(copy, tmp_path):
     marker = tmp_path / "pwned"
     replace_item(copy, LR, RunsCode(f"touch {marker}"))
@@ -176,7 +185,7 @@ LOCK_PLANTS = {"symlink": "is a symbolic link", "dangling symlink": "is a symbol
                "hard link": r"has \d+ hard links", "fifo": "is not a regular file", "folder": "is not a regular file"}
 
 
-@pytest.mark.parametrize("kind", LOCK_PLANTS, ids=list(LOCK_PLANTS))
+@pytest.mark.parametrize("kind", _cases(list(LOCK_PLANTS), ["symlink", "hard link"]))
 def test_a_planted_lock_file_is_refused_and_clobbers_nothing(tmp_path, kind):
     from hfpipe.parallel.lock import FolderLock, LockFileError, run_lock
 
@@ -245,8 +254,9 @@ def test_a_planted_link_at_a_checkpoint_folder_is_removed_not_followed(tmp_path)
 # --- 4. bit rot is found before a damaged item is used ---------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["model.model.embed_tokens.weight", WEIGHT, "model.model.norm.weight", "model.lm_head.weight"])
-@pytest.mark.parametrize("nbytes", [1, 64])
+@pytest.mark.parametrize("key, nbytes", _cases(
+    [(k, n) for k in ("model.model.embed_tokens.weight", WEIGHT, "model.model.norm.weight", "model.lm_head.weight")
+     for n in (1, 64)], [(WEIGHT, 1), ("model.model.embed_tokens.weight", 64)]))
 def test_flipped_bytes_in_a_weight_are_found_by_export_on_every_read_path(copy, tmp_path, key, nbytes):
     flip(copy, key, nbytes)
     message = rf"checkpoint {re.escape(str(copy))}: {re.escape(key)} is damaged \(__0_0.distcp bytes \d+-\d+ fail their xxh3_64 checksum\)"
@@ -294,7 +304,7 @@ def _flip_file(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("damage", RECORD_DAMAGE, ids=list(RECORD_DAMAGE))
+@pytest.mark.parametrize("damage", _cases(list(RECORD_DAMAGE), ["record edited", "metadata flipped"]))
 def test_a_damaged_checksum_record_is_refused(copy, tmp_path, damage):
     fn, message = RECORD_DAMAGE[damage]
     fn(copy)
