@@ -36,14 +36,16 @@ def _stage(a):
     import torch
     from transformers import LlamaConfig
 
-    from hfpipe.plan.split import StageSpec
+    from hfpipe.models.registry import get_adapter
+    from hfpipe.plan.spec import StageSpec
     from hfpipe.pipeline.stage import build_stage_modules
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
                          num_hidden_layers=2, num_attention_heads=max(1, a.hidden // 128),
                          tie_word_embeddings=False)
-    (stage,) = build_stage_modules(config, [StageSpec(1, (), embed=False, head=True)])
+    (stage,) = build_stage_modules(config, [StageSpec(1, (), embed=False, head=True)],
+                                   adapter=get_adapter(config))
     stage.to_empty(device="cpu")
     with torch.no_grad():
         stage.lm_head.weight.normal_(0, 0.02)

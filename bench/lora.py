@@ -46,7 +46,7 @@ def _worker(path: str, mode: str, out: str, steps: int, batch: int, seq: int) ->
 
     from hfpipe.api import load_pipeline
     from hfpipe.parallel.mesh import init_distributed
-    from hfpipe.lora import lora_config
+    from hfpipe.lora.adapters import lora_config
     from hfpipe.train.optim import build_optimizer
 
     dist_info = init_distributed(2)

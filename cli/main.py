@@ -22,7 +22,7 @@ import typer
 from typer.core import TyperGroup
 
 from hfpipe import __version__
-from hfpipe.cli.finetune import FIELD_HELP as _HELP
+from hfpipe.cli.options import FIELD_HELP as _HELP
 from hfpipe.cli.finetune import finetune, resume_command
 from hfpipe.cli.generate import chat, generate
 from hfpipe.cli.plan import plan

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hfpipe.cli.finetune import _opt, build_config
+from hfpipe.cli.options import _opt, build_config
 
 __all__ = ["plan"]
 

@@ -21,7 +21,7 @@ import torch
 
 from hfpipe.parallel.mesh import Dist, init_distributed
 from hfpipe.pipeline.load import load_rank_stages
-from hfpipe.models import get_adapter
+from hfpipe.models.registry import get_adapter
 from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_microbatches, schedule_style
 from hfpipe.plan.split import Plan, plan_pipeline
 from hfpipe.source.folder import ModelSource
@@ -105,7 +105,7 @@ class PipelineModel:
         from hfpipe.checkpoint.dcp import rank_view
 
         if self.lora is not None:
-            from hfpipe.lora import adapter_view
+            from hfpipe.lora.adapters import adapter_view
 
             return adapter_view(self.modules)
         return rank_view(self.modules, self.tied)
@@ -129,7 +129,7 @@ class PipelineModel:
                 "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp},
                 "world": {"pp": self.dist.pp, "dp": self.dist.dp}, "train": {}, **(extra or {})}
         if self.lora is not None:
-            from hfpipe.lora import config_to_dict
+            from hfpipe.lora.adapters import config_to_dict
 
             meta["lora"] = config_to_dict(self.lora)  # the base is meta["source"]
         return save_checkpoint(Path(root), step, self.view(), optimizer, meta, keep=keep,
@@ -218,7 +218,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         m.activation_checkpointing = activation_checkpointing
         m.hidden_dtype = compute_dtype
     if lora is not None:
-        from hfpipe.lora import add_adapters, resolve_config
+        from hfpipe.lora.adapters import add_adapters, resolve_config
 
         lora = resolve_config(lora, modules[0]._hf_model)
         add_adapters(modules, lora, seed=seed)

@@ -101,7 +101,7 @@ def _clear_previous_run(run: Path, echo) -> None:
     if not run.exists():
         return
     if not ((run / "checkpoints").is_dir() or (run / "metrics.jsonl").is_file()):
-        from hfpipe.config.run import ConfigError
+        from hfpipe.config.names import ConfigError
 
         raise ConfigError(f"{run} exists and is not a quickstart run; choose another --out")
     shutil.rmtree(run)

@@ -73,12 +73,12 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
             the options cannot be used (one line saying what to fix).
     """
     from hfpipe.parallel.launch import launch
-    from hfpipe.models import get_adapter
+    from hfpipe.models.registry import get_adapter
     from hfpipe.pipeline.schedule import PipelineError, check_microbatches, schedule_style
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
 
-    from hfpipe.data import check_seq_len
+    from hfpipe.data.config import check_seq_len
     from hfpipe.lora.folder import read_adapter_folder
     from hfpipe.config.options import require_positive, require_tolerance
 

@@ -292,7 +292,7 @@ def test_finetune_model_argument_without_a_recipe(fake_runner, tiny):
 
 
 def test_finetune_runner_errors(fake_runner, tiny):
-    from hfpipe.data import DataError
+    from hfpipe.data.config import DataError
 
     fake_runner.error = DataError("dataset 'x' has no column 'text'; pass --format")
     assert_user_error(run("finetune", tiny), "has no column 'text'")

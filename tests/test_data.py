@@ -6,17 +6,9 @@ import datasets
 import pytest
 import torch
 
-from hfpipe.data import (
-    BUILTIN_DATASETS,
-    COLUMNS,
-    IGNORE_INDEX,
-    DataConfig,
-    DataError,
-    batches_per_epoch,
-    check_seq_len,
-    iterate_batches,
-    load_examples,
-)
+from hfpipe.data.batches import batches_per_epoch, iterate_batches
+from hfpipe.data.config import BUILTIN_DATASETS, COLUMNS, IGNORE_INDEX, DataConfig, DataError, check_seq_len
+from hfpipe.data.load import load_examples
 from hfpipe.tiny import make_tiny_tokenizer, tiny_config
 
 BOS, EOS, PAD = 1, 2, 0  # the tiny tokenizer's specials

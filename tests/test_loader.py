@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hfpipe.pipeline.load import LoadError, load_rank_stages
-from hfpipe.models import UnsupportedModelError
+from hfpipe.models.adapter import UnsupportedModelError
 from hfpipe.plan.split import Plan, StageSpec, plan_pipeline
 from hfpipe.source.folder import ModelSource, SourceError
 from hfpipe.tiny import TINY_KINDS, make_fp8_checkpoint, make_tiny_checkpoint

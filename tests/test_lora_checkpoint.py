@@ -120,7 +120,7 @@ def test_a_pp2_1f1b_checkpoint_resumes_at_pp3_with_gpipe(base, reference, tmp_pa
 
 def test_a_full_checkpoint_is_not_resumed_as_lora(base, reference, tmp_path):
     out = copy_run(reference["out"], tmp_path / "out", upto=2)
-    from hfpipe.lora import LoraError
+    from hfpipe.lora.adapters import LoraError
 
     with pytest.raises(LoraError, match="is a LoRA checkpoint; add --lora-rank"):
         finetune(config(base, out, resume="auto", lora_rank=None, lora_alpha=None, lora_targets="all-linear"))
@@ -134,7 +134,7 @@ def logits_worker(ckpt: str, ids: torch.Tensor, api_out: str) -> torch.Tensor | 
     ``pm.save_pretrained(api_out)``, which writes a PEFT adapter folder for a LoRA pipeline."""
     from hfpipe.api import load_pipeline
     from hfpipe.checkpoint.dcp import load_checkpoint
-    from hfpipe.lora import config_from_dict
+    from hfpipe.lora.adapters import config_from_dict
 
     meta = json.loads((Path(ckpt) / "hfpipe.json").read_text())
     pm = load_pipeline(meta["source"], pp=2, lora=config_from_dict(meta["lora"]))
@@ -226,7 +226,7 @@ def test_bad_lora_settings_name_the_flag(overrides, message):
 
 
 def test_lora_targets_matching_no_module_are_refused_before_any_process_starts(base, tmp_path):
-    from hfpipe.lora import LoraError
+    from hfpipe.lora.adapters import LoraError
 
     with pytest.raises(LoraError, match="--lora-targets qq_proj match no module of the llama model"):
         finetune(config(base, tmp_path / "out", lora_targets="qq_proj"))
@@ -247,7 +247,7 @@ def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets, parameters=None) 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.lora import config_to_dict, resolve_config
+    from hfpipe.lora.adapters import config_to_dict, resolve_config
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=parameters,
                         task_type="CAUSAL_LM")

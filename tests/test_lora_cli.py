@@ -17,7 +17,7 @@ def test_lora_flags_reach_the_config_and_override_the_recipe(fake_runner, tiny, 
     ((config, _),) = fake_runner.calls
     assert (config.lora_rank, config.lora_alpha, config.lora_dropout) == (16, 32.0, 0.05)
     assert config.lora_targets == "q_proj,k_proj,v_proj,o_proj"
-    from hfpipe.lora import from_finetune_config
+    from hfpipe.lora.adapters import from_finetune_config
 
     lora = from_finetune_config(config)
     assert (lora.r, lora.lora_alpha, lora.lora_dropout) == (16, 32.0, 0.05)
@@ -45,7 +45,7 @@ def test_lora_configs_that_would_change_the_base_are_refused():
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.lora import LoraError, resolve_config
+    from hfpipe.lora.adapters import LoraError, resolve_config
     from hfpipe.tiny import tiny_config
 
     with torch.device("meta"):

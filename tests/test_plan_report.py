@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hfpipe.config.run import bundled_config_dir
-from hfpipe.models import UnsupportedModelError
+from hfpipe.models.adapter import UnsupportedModelError
 from hfpipe.pipeline.schedule import PipelineError
 from hfpipe.plan.split import PlanError
 from hfpipe.plan.actions import schedule_actions, timeline

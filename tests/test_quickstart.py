@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hfpipe import quickstart as qs
-from hfpipe.config.run import ConfigError
+from hfpipe.config.names import ConfigError
 from hfpipe.tiny import make_tiny_tokenizer
 
 CHAT = Path(qs.__file__).parent / "assets" / "data" / "tiny_chat.jsonl"

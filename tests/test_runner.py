@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from _dist import tiny_checkpoint
-from hfpipe.data import DataConfig, iterate_batches, load_examples
-from hfpipe.train.runner import model_inputs
+from hfpipe.data.batches import iterate_batches
+from hfpipe.data.config import DataConfig
+from hfpipe.data.load import load_examples
+from hfpipe.data.batches import model_inputs
 
 
 def test_packed_batches_keep_documents_apart():

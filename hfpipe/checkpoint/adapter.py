@@ -7,7 +7,7 @@ A LoRA checkpoint holds only adapters (``model.<stage name>``, e.g.
   (the run's ``LoraConfig``, naming the base model) and ``adapter_model.safetensors`` under PEFT's
   keys (``base_model.model.<name>`` without the adapter name). The key set is checked against the
   adapters PEFT injects into the full (meta) model, so a folder that loads is a complete one.
-- The merged export (:mod:`hfpipe.checkpoint.merge`) rewrites the base checkpoint shard by shard,
+- The merged export (:mod:`hfpipe.checkpoint.merge`; both are started by :mod:`hfpipe.checkpoint.export`) rewrites the base checkpoint shard by shard,
   same file names, keys and dtypes, each targeted weight merged by PEFT's own ``merge()``.
 """
 
@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 
 from hfpipe.checkpoint.dcp_reader import _DcpReader
-from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.checkpoint.meta import copy_side_files, meta_model, read_checkpoint_meta, resolve_source
-from hfpipe.checkpoint.out_folder import build_folder, locked_out
+from hfpipe.errors import ExportError
+from hfpipe.checkpoint.meta import meta_model
 
-__all__ = ["export_adapter", "is_lora_checkpoint"]
+__all__ = ["base_name", "is_lora_checkpoint", "read_adapters", "write_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -35,51 +34,7 @@ def is_lora_checkpoint(meta: dict) -> bool:
     return isinstance(meta.get("lora"), dict)
 
 
-def export_adapter(ckpt: str | Path, out: str | Path, *, merge: bool = False, force: bool = False,
-                   source: str | Path | None = None, dtype: str = "auto") -> Path:
-    """Write a LoRA checkpoint as a PEFT adapter folder, or with ``merge`` as a full HF folder.
-
-    Args:
-        ckpt: A LoRA run's checkpoint folder (any pipeline size).
-        out: Folder to create; refused if it exists unless ``force``.
-        merge: Merge the adapters into the base weights (base dtype and key layout).
-        force: Replace an existing ``out`` once the new folder is complete.
-        source: The base model folder, if it moved since training.
-        dtype: Must be ``auto``: adapters stay fp32 (as PEFT saves them), a merge keeps the base's dtypes.
-
-    Raises:
-        ExportError: not a LoRA checkpoint, adapters that do not fit the base, or a bad ``out``.
-    """
-    from hfpipe.lora import config_from_dict
-
-    ckpt, out = Path(ckpt).absolute(), Path(out).absolute()
-    meta = read_checkpoint_meta(ckpt)
-    if not is_lora_checkpoint(meta):
-        raise ExportError(f"checkpoint {ckpt} is not a LoRA run's; export it without --merge")
-    if dtype != "auto":
-        raise ExportError(f"--dtype {dtype} does not apply to a LoRA checkpoint: the adapter stays fp32 and "
-                          "--merge keeps the base checkpoint's dtypes; drop --dtype")
-    src = resolve_source(meta, source)
-    config = config_from_dict(meta["lora"])
-    def record(kind: str) -> dict:
-        return {"kind": kind, "checkpoint": str(ckpt), "step": meta["step"]}
-
-    with locked_out(out, force, (ckpt, src)):
-        adapters = _read_adapters(ckpt, config, src)
-        if merge:
-            from hfpipe.checkpoint.merge import write_merged
-
-            nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters), nbytes, record("merged"))
-        else:
-            nbytes = sum(t.nbytes for t in adapters.values())
-            build_folder(out, lambda tmp: _write_adapter(tmp, config, adapters, _base_name(meta, src)), nbytes,
-                         record("adapter"))
-    log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
-    return out
-
-
-def _base_name(meta: dict, src: Path) -> str:
+def base_name(meta: dict, src: Path) -> str:
     """The base model as ``adapter_config.json`` names it: the hub id the run used, else the folder."""
     name = (meta.get("config") or {}).get("model")
     if isinstance(name, str) and not Path(name).expanduser().exists() and name.count("/") == 1:
@@ -87,7 +42,7 @@ def _base_name(meta: dict, src: Path) -> str:
     return str(src)
 
 
-def _read_adapters(ckpt: Path, config, src: Path) -> dict[str, torch.Tensor]:
+def read_adapters(ckpt: Path, config, src: Path) -> dict[str, torch.Tensor]:
     """Every adapter tensor of the checkpoint (stage names), checked against PEFT's own set."""
     reader = _DcpReader(ckpt)
     saved = reader.tensors("model.")
@@ -106,17 +61,17 @@ def _expected_names(config, src: Path) -> set[str]:
 
     from peft.tuners.lora import LoraModel
 
-    from hfpipe.lora import ADAPTER
+    from hfpipe.lora.adapters import ADAPTER
 
     model = meta_model(src)
     LoraModel(model, copy.deepcopy(config), ADAPTER, low_cpu_mem_usage=True)
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _write_adapter(tmp: Path, config, adapters: dict[str, torch.Tensor], base: str) -> None:
+def write_adapter(tmp: Path, config, adapters: dict[str, torch.Tensor], base: str) -> None:
     from safetensors.torch import save_file
 
-    from hfpipe.lora import peft_key
+    from hfpipe.lora.adapters import peft_key
 
     targets = config.target_modules
     config = _copy(config, base_model_name_or_path=base, inference_mode=True,  # sorted: same file every time

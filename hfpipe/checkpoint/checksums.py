@@ -33,7 +33,7 @@ _MAX_RECORD = 1 << 30
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter names files by writer rank
 
 
-class DamagedCheckpointError(ValueError):
+class DamagedCheckpointError(ValueError):  # a floor module: no hfpipe import, not even errors
     """A checkpoint's bytes differ from what was recorded when it was saved."""
 
 
@@ -109,14 +109,15 @@ def hash_items(ckpt: Path, metadata, files: set[str]) -> list[list]:
 
 def write_record(ckpt: Path, rows: list[list]) -> dict:
     """Write ``checksums.json`` (new file) from every rank's rows; return ``hfpipe.json``'s entry."""
-    from hfpipe.parallel.lock import write_new
-
     items: dict[str, dict[str, list]] = {}
     for name, offset, length, digest in rows:
         items.setdefault(name, {})[str(offset)] = [length, digest]
     meta = read_regular(ckpt / ".metadata")
     text = json.dumps({"algorithm": ALGORITHM, "metadata": _digest(meta), "items": items}, sort_keys=True)
-    write_new(ckpt / RECORD, text)
+    # a new file, never through a planted link (as hfpipe.parallel.lock.write_new; this module imports no hfpipe)
+    fd = os.open(ckpt / RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     return {"file": RECORD, "algorithm": ALGORITHM, "digest": _digest(text.encode())}
 
 

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from hfpipe.checkpoint.export_plan import (
     set_out_dtypes,
 )
 from hfpipe.checkpoint.dcp_reader import _create_file_view, _DcpReader
+from hfpipe.source.folder import SourceError, check_shard_names
 from hfpipe.source.safetensors_io import DTYPES
 
 __all__ = ["ExportError", "export_checkpoint", "read_checkpoint_meta"]
@@ -82,14 +82,43 @@ def export_checkpoint(
     ckpt, out = Path(os.path.abspath(ckpt)), Path(os.path.abspath(out))  # "a/.." must not hide a parent
     meta = read_checkpoint_meta(ckpt)
     if "lora" in meta or merge:  # adapters only: PEFT's adapter folder, or merged into the base
-        from hfpipe.checkpoint.adapter import export_adapter
-
-        return export_adapter(ckpt, out, merge=merge, force=force, source=source, dtype=dtype)
+        return _export_lora(ckpt, out, meta, merge=merge, force=force, source=source, dtype=dtype)
     src = resolve_source(meta, source)
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)
     with locked_out(out, force, (ckpt, src)):
         return _export_locked(ckpt, out, meta, src, want, max_bytes, progress)
+
+
+def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
+                 source: str | Path | None, dtype: str) -> Path:
+    """A LoRA checkpoint as a PEFT adapter folder, or with ``merge`` as a full HF folder.
+
+    Raises:
+        ExportError: not a LoRA checkpoint, adapters that do not fit the base, or a bad ``out``.
+    """
+    from hfpipe.checkpoint.adapter import base_name, is_lora_checkpoint, read_adapters, write_adapter
+    from hfpipe.checkpoint.merge import write_merged
+    from hfpipe.lora.adapters import config_from_dict
+
+    if not is_lora_checkpoint(meta):
+        raise ExportError(f"checkpoint {ckpt} is not a LoRA run's; export it without --merge")
+    if dtype != "auto":
+        raise ExportError(f"--dtype {dtype} does not apply to a LoRA checkpoint: the adapter stays fp32 and "
+                          "--merge keeps the base checkpoint's dtypes; drop --dtype")
+    src = resolve_source(meta, source)
+    config = config_from_dict(meta["lora"])
+    record = {"kind": "merged" if merge else "adapter", "checkpoint": str(ckpt), "step": meta["step"]}
+    with locked_out(out, force, (ckpt, src)):
+        adapters = read_adapters(ckpt, config, src)
+        if merge:
+            nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters), nbytes, record)
+        else:
+            nbytes = sum(t.nbytes for t in adapters.values())
+            build_folder(out, lambda tmp: write_adapter(tmp, config, adapters, base_name(meta, src)), nbytes, record)
+    log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
+    return out
 
 
 def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool) -> Path:
@@ -157,7 +186,7 @@ def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
     """The source checkpoint's keys and their stored dtypes (None where a shard is gone), if known."""
     from hfpipe.source.safetensors_io import SafetensorsError, read_header
 
-    weight_map = guard.source_weight_map(src, INDEX)
+    weight_map = _source_weight_map(src, INDEX)
     if weight_map is not None:
         pass
     elif (src / SINGLE).is_file():
@@ -181,6 +210,21 @@ def _source_dtypes(src: Path) -> dict[str, torch.dtype | None] | None:
 
 
 # --- writing ----------------------------------------------------------------------------------
+
+
+def _source_weight_map(src: Path, index: str) -> dict[str, str] | None:
+    """The source index's key -> shard map with every shard name checked, or None without an index."""
+    path = src / index
+    if not path.is_file():
+        return None
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        check_shard_names(path, weight_map)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise ExportError(f"{path}: malformed index (no 'weight_map'); re-download the source") from None
+    except SourceError as e:
+        raise ExportError(str(e)) from None
+    return weight_map
 
 
 def _shard_names(n: int) -> list[str]:

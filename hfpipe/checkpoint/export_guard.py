@@ -15,61 +15,17 @@ import signal
 import threading
 from pathlib import Path
 
-__all__ = ["EXPORT_RECORD", "ExportError", "side_files", "source_config_json", "source_weight_map", "check_tied", "check_data_files", "disk_full",
+from hfpipe.errors import ExportError
+
+__all__ = ["EXPORT_RECORD", "ExportError", "source_config_json", "check_tied", "check_data_files", "disk_full",
            "signals_raise"]
 
 log = logging.getLogger(__name__)
-
 
 #: The file every export folder gets: what wrote it. ``--force`` replaces only a folder that has it.
 EXPORT_RECORD = "hfpipe_export.json"
 
 
-class ExportError(ValueError):
-    """The checkpoint, source or output cannot be exported (one line: the file/option and the fix)."""
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
-def side_files(src: Path, skip) -> list[Path]:
-    """Files of ``src`` export may copy: regular files that live inside the source.
-
-    A symlink is followed only to a regular file inside ``src`` or, for a hub-cache snapshot
-    (``.../snapshots/<rev>``), inside that repository's ``blobs`` folder, where the hub keeps every
-    file. Anything else (``secrets.txt -> /etc/shadow``, a folder, a device) is skipped with a warning.
-    """
-    root = src.resolve()
-    allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
-    out = []
-    for path in sorted(src.iterdir()):
-        if path.name.startswith(".") or skip(path.name):
-            continue
-        target = path.resolve()
-        if not target.is_file() or not any(_inside(target, a) for a in allowed):
-            if path.is_symlink() or not path.is_dir():
-                log.warning("not copying %s: it is not a regular file inside the source", path)
-            continue
-        out.append(path)
-    return out
-
-
-def source_weight_map(src: Path, index: str) -> dict[str, str] | None:
-    """The source index's key -> shard map with every shard name checked, or None without an index."""
-    from hfpipe.source.folder import SourceError, check_shard_names
-
-    path = src / index
-    if not path.is_file():
-        return None
-    try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-        check_shard_names(path, weight_map)
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        raise ExportError(f"{path}: malformed index (no 'weight_map'); re-download the source") from None
-    except SourceError as e:
-        raise ExportError(str(e)) from None
-    return weight_map
 
 
 def source_config_json(src: Path) -> dict:

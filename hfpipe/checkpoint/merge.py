@@ -87,7 +87,7 @@ def _peft_merge(root: nn.Module, config, adapters: dict[str, torch.Tensor], pref
     from peft.tuners.lora import LoraModel
     from peft.tuners.tuners_utils import BaseTunerLayer, cast_adapter_dtype
 
-    from hfpipe.lora import ADAPTER
+    from hfpipe.lora.adapters import ADAPTER
 
     with torch.random.fork_rng(devices=[]):
         LoraModel(root, config, ADAPTER)
@@ -107,7 +107,7 @@ def _merge(config, weights: dict[str, torch.Tensor], adapters: dict[str, torch.T
     """``weights`` (module name -> base ``nn.Linear`` weight) with their adapters merged."""
     if not weights:
         return {}
-    from hfpipe.lora import _attach
+    from hfpipe.lora.adapters import _attach
 
     root, linears = nn.Module(), {}
     for name, w in weights.items():
@@ -135,7 +135,7 @@ class _FusedExperts:
         self._cache: dict[str, torch.Tensor] = {}
         self._done: set[str] = set()
         if modules:
-            from hfpipe.pipeline.load import model_key_mapper
+            from hfpipe.models.conversion import model_key_mapper
 
             self.meta = meta_model(src)
             mapper = model_key_mapper(self.meta)
@@ -166,7 +166,7 @@ class _FusedExperts:
         """Build the module's fused parameters from the checkpoint, merge, revert to per-expert keys."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        from hfpipe.lora import _attach
+        from hfpipe.lora.adapters import _attach
 
         layer = copy.deepcopy(self.meta.get_submodule(module))
         fused = {t: self._fused(t) for t in self.sources if t.rpartition(".")[0] == module}

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-import hfpipe.checkpoint.export_guard as guard
-from hfpipe.checkpoint.export_guard import ExportError
+from hfpipe.checkpoint.export_guard import EXPORT_RECORD
+from hfpipe.errors import ExportError
 
-__all__ = ["INDEX", "SINGLE", "copy_side_files", "meta_model", "read_checkpoint_meta", "resolve_source"]
+__all__ = ["INDEX", "SINGLE", "copy_side_files", "side_files", "meta_model", "read_checkpoint_meta", "resolve_source"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def meta_model(src: Path) -> torch.nn.Module:
     """The full model on the meta device: its names, shapes and conversion tables, no memory."""
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.source.folder import load_config
+    from hfpipe.source.config import load_config
 
     cfg = load_config(src, trust_remote_code=False)  # export never runs a source's code, never asks
     if getattr(cfg, "quantization_config", None) is not None:
@@ -86,10 +86,36 @@ def meta_model(src: Path) -> torch.nn.Module:
 def copy_side_files(src: Path, tmp: Path) -> None:
     """Copy every non-weight file of the source (generation config, tokenizer, chat template, code)."""
     def skip(name: str) -> bool:
-        return (name in ("config.json", guard.EXPORT_RECORD) or name.endswith(_WEIGHT_SUFFIXES)
+        return (name in ("config.json", EXPORT_RECORD) or name.endswith(_WEIGHT_SUFFIXES)
                 or name.endswith(".index.json"))
 
-    for path in guard.side_files(src, skip):  # regular files inside the source only
+    for path in side_files(src, skip):  # regular files inside the source only
         name = path.name
         shutil.copy2(path, tmp / name)
         log.debug("copied %s", name)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def side_files(src: Path, skip) -> list[Path]:
+    """Files of ``src`` export may copy: regular files that live inside the source.
+
+    A symlink is followed only to a regular file inside ``src`` or, for a hub-cache snapshot
+    (``.../snapshots/<rev>``), inside that repository's ``blobs`` folder, where the hub keeps every
+    file. Anything else (``secrets.txt -> /etc/shadow``, a folder, a device) is skipped with a warning.
+    """
+    root = src.resolve()
+    allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    out = []
+    for path in sorted(src.iterdir()):
+        if path.name.startswith(".") or skip(path.name):
+            continue
+        target = path.resolve()
+        if not target.is_file() or not any(_inside(target, a) for a in allowed):
+            if path.is_symlink() or not path.is_dir():
+                log.warning("not copying %s: it is not a regular file inside the source", path)
+            continue
+        out.append(path)
+    return out

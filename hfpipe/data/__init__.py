@@ -21,12 +21,3 @@ Row contract (labels are *unshifted*, as transformers' ``labels=`` expects):
   Padding is trailing, so under a causal mask no real token attends to it.
 - Every row has a labelled token: documents and rows without one are dropped.
 """
-
-from hfpipe.data.batches import BatchSampler, batches_per_epoch, iterate_batches
-from hfpipe.data.config import (BUILTIN_DATASETS, COLUMNS, FORMATS, IGNORE_INDEX, ROLES, DataConfig,
-                                DataError, check_seq_len)
-from hfpipe.data.load import load_examples, load_splits
-
-__all__ = ["BUILTIN_DATASETS", "COLUMNS", "FORMATS", "IGNORE_INDEX", "ROLES", "BatchSampler",
-           "DataConfig", "DataError", "batches_per_epoch", "check_seq_len", "iterate_batches",
-           "load_examples", "load_splits"]

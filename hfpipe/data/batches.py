@@ -12,7 +12,7 @@ import torch
 
 from hfpipe.data.config import COLUMNS, DataError
 
-__all__ = ["BatchSampler", "batches_per_epoch", "iterate_batches"]
+__all__ = ["BatchSampler", "batches_per_epoch", "iterate_batches", "model_inputs"]
 
 
 def batches_per_epoch(ds, batch_size: int, dp_size: int = 1) -> int:
@@ -69,3 +69,16 @@ def iterate_batches(ds, *, batch_size: int, seed: int, epoch: int, dp_rank: int 
     for indices in sampler:
         rows = view[indices]
         yield {c: torch.from_numpy(rows[c]).long() for c in COLUMNS}
+
+
+def model_inputs(batch: dict, *, packed: bool) -> dict:
+    """The tensors a data batch feeds the model.
+
+    Packed rows go in with ``position_ids`` and *no* attention mask: transformers detects packed
+    documents from restarting positions only when the mask is absent, and then no document
+    attends to another. Their only padding is at the end of a row (labels -100), which causal
+    attention never lets a real token see.
+    """
+    if packed:
+        return {k: v for k, v in batch.items() if k != "attention_mask"}
+    return batch

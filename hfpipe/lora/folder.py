@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfpipe.lora import LoraError, peft_key
+from hfpipe.lora.adapters import LoraError, peft_key
 
 __all__ = ["read_adapter_folder", "load_adapter_weights"]
 

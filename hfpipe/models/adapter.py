@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "Softcap", "UnsupportedModelError"]
+__all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "MOE_REFUSALS", "Softcap", "UnsupportedModelError"]
+
+# Shared by the MoE families' adapters: what they refuse, with the reason and the fix.
+_MOE_AUX = (
+    "the router auxiliary loss is computed over all layers at once by the HF model; "
+    "set output_router_logits=false in config.json"
+)
+MOE_REFUSALS = {"output_router_logits": _MOE_AUX}
 
 
 class UnsupportedModelError(ValueError):

@@ -12,8 +12,7 @@
 
 from __future__ import annotations
 
-from hfpipe.models.adapter import Adapter, ExpandStreams
-from hfpipe.models.plain import _MOE
+from hfpipe.models.adapter import MOE_REFUSALS as _MOE, Adapter, ExpandStreams
 
 __all__ = ["ADAPTERS"]
 

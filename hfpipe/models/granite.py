@@ -3,8 +3,7 @@ the logits divided by ``logits_scaling`` (causal LM). The residual multiplier is
 
 from __future__ import annotations
 
-from hfpipe.models.adapter import Adapter, ConfigFactor
-from hfpipe.models.plain import _MOE
+from hfpipe.models.adapter import MOE_REFUSALS as _MOE, Adapter, ConfigFactor
 
 __all__ = ["ADAPTERS"]
 

@@ -7,15 +7,9 @@ MLA attention) all live inside the decoder layers, whose own forward runs them.
 
 from __future__ import annotations
 
-from hfpipe.models.adapter import Adapter
+from hfpipe.models.adapter import MOE_REFUSALS as _MOE, Adapter
 
 __all__ = ["ADAPTERS"]
-
-_MOE_AUX = (
-    "the router auxiliary loss is computed over all layers at once by the HF model; "
-    "set output_router_logits=false in config.json"
-)
-_MOE = {"output_router_logits": _MOE_AUX}
 
 ADAPTERS = (
     Adapter(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "starcoder2",

@@ -108,7 +108,7 @@ def _capture(model, batch):
 
 def compare_staged(model, adapter: Adapter | None = None) -> tuple[str, float] | None:
     """Run ``model`` as HF and stage by stage; ``(part, max diff)`` of the first part that differs."""
-    from hfpipe.plan.split import StageSpec
+    from hfpipe.plan.spec import StageSpec
     from hfpipe.pipeline.stage import PipelineStageModule
 
     n = len(model.model.layers)

@@ -21,6 +21,8 @@ import stat
 import sys
 from pathlib import Path
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["FolderBusyError", "FolderLock", "LockFileError", "run_lock", "write_new"]
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a planted FIFO never hangs open()
@@ -30,7 +32,7 @@ class FolderBusyError(ValueError):
     """Another hfpipe process is writing the same folder."""
 
 
-class LockFileError(ValueError):
+class LockFileError(HfpipeError):
     """The lock file is a link or not a regular file: hfpipe will not write through it."""
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hfpipe.models import get_adapter
+from hfpipe.models.conversion import model_key_mapper
+from hfpipe.models.registry import get_adapter
 from hfpipe.source.safetensors_io import SafetensorsError, read_tensors
 from hfpipe.source.folder import ModelSource, SourceError
 
@@ -54,32 +55,6 @@ class _Unit:
     converter: object = None  # a transformers WeightConverter, or None for a plain copy
     patterns: list = field(default_factory=list)  # the converter pattern each source matched
     fp32_for: frozenset = frozenset()  # stage dtypes in which from_pretrained keeps this tensor fp32
-
-
-def model_key_mapper(meta_model: nn.Module):
-    """A function checkpoint key -> (in-memory key, converter or None, matched pattern).
-
-    The tables are transformers' own (``get_model_conversion_mapping``), the ones
-    ``from_pretrained`` applies, used here on any subset of keys.
-    """
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    mapping = get_model_conversion_mapping(meta_model)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    by_pattern = {p: c for c in converters for p in c.source_patterns}
-    model_keys = set(meta_model.state_dict())
-
-    def to_model_key(key: str):
-        new, pattern = rename_source_key(key, renamings, converters)
-        if new not in model_keys and key in model_keys:
-            # As from_pretrained does: a renaming that overshoots (DeepSeek-V4's `.norm.` ->
-            # `.kv_norm.` also matching `model.norm.weight`) yields to the key the model has.
-            return key, None, None
-        return new, (by_pattern[pattern] if pattern is not None else None), pattern
-
-    return to_model_key
 
 
 def _plan_units(source: ModelSource, full_keys: set[str], wanted: set[str], mapper, num_mtp: int):
@@ -295,6 +270,7 @@ def load_rank_stages(source: ModelSource, plan, pp_rank: int, device: torch.devi
     from hfpipe.pipeline.stage import build_stage_modules, model_config
 
     config = model_config(source.config)
-    modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32)
+    modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32,
+                                  adapter=get_adapter(config))
     stats = load_stage_weights(modules, source, device, dtype)
     return modules, stats

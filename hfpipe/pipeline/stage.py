@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hfpipe.models import get_adapter
 
 __all__ = ["PipelineStageModule", "build_meta_model", "build_stage_modules", "rebuild_rotary", "rebuild_buffers"]
 
@@ -59,7 +58,7 @@ class PipelineStageModule(nn.Module):
         adapter: The family's adapter (default: looked up from ``config``).
     """
 
-    def __init__(self, spec, config, full: nn.Module, adapter=None):
+    def __init__(self, spec, config, full: nn.Module, adapter):
         super().__init__()
         self.spec = spec
         self.config = full.config  # carries the attention implementation chosen at build time
@@ -70,7 +69,7 @@ class PipelineStageModule(nn.Module):
         self.model.norm = full.model.norm if spec.head else None
         self.model.rotary_emb = full.model.rotary_emb
         self.lm_head = full.lm_head if spec.head else None
-        self.adapter = adapter or get_adapter(config)
+        self.adapter = adapter  # the family's pieces (hfpipe.models.registry.adapter_for)
         for name in self.adapter.head_modules:  # run before the norm (DeepSeek-V4's hc_head)
             setattr(self.model, name, getattr(full.model, name) if spec.head else None)
         self.activation_checkpointing = "none"
@@ -161,15 +160,14 @@ class PipelineStageModule(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def build_stage_modules(config, specs, dtype: torch.dtype = torch.float32) -> list[PipelineStageModule]:
+def build_stage_modules(config, specs, dtype: torch.dtype = torch.float32, *, adapter) -> list[PipelineStageModule]:
     """Meta-device stage modules for ``specs`` (one full meta model shared by all of them).
 
     Tied models whose first and last stage sit on this rank share one head/embedding parameter,
     so autograd sums both uses' gradients as in the HF model.
     """
-    get_adapter(config)
     full = build_meta_model(config, dtype)
-    stages = [PipelineStageModule(spec, config, full) for spec in specs]
+    stages = [PipelineStageModule(spec, config, full, adapter) for spec in specs]
     first = next((s for s in stages if s.is_first), None)
     last = next((s for s in stages if s.is_last), None)
     if getattr(config, "tie_word_embeddings", False) and first is not None and last is not None:

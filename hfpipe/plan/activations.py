@@ -74,13 +74,13 @@ def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
     The stage takes its modules from ``full`` (the meta model) and gives them real buffers and
     zero-stride parameters, as loading would give them weights.
     """
-    from hfpipe.models import get_adapter
-    from hfpipe.plan.split import StageSpec
+    from hfpipe.models.registry import get_adapter
+    from hfpipe.plan.spec import StageSpec
     from hfpipe.pipeline.stage import PipelineStageModule
 
-    stage = PipelineStageModule(StageSpec(0, (index,), embed=False, head=False), cfg, full)
-    _materialise(stage, dtype)
     adapter = get_adapter(cfg)
+    stage = PipelineStageModule(StageSpec(0, (index,), embed=False, head=False), cfg, full, adapter)
+    _materialise(stage, dtype)
     rng = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
     x = torch.randn(adapter.hidden_shape(cfg, 1, _TOKENS), generator=rng, dtype=dtype, requires_grad=True)
     extra = {"input_ids": torch.zeros(1, _TOKENS, dtype=torch.long)} if adapter.layer_inputs else {}

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hfpipe.errors import PlanError
+
 __all__ = ["CostModel", "layer_costs"]
 
 # The embedding is a row lookup: no matmul FLOPs, but not free. Per token it moves ~4 * hidden bytes
@@ -50,8 +52,6 @@ def layer_costs(config, seq_len: int = 4096) -> CostModel:
     Returns:
         The :class:`CostModel`.
     """
-    from hfpipe.plan.split import PlanError  # plan imports this module
-
     if seq_len < 1:
         raise PlanError(f"--seq-len must be >= 1, got {seq_len}")
     embed_p, head_p, per_layer = _param_counts(config)
@@ -95,8 +95,6 @@ def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
             if len(module) == num_layers:
                 return module
-    from hfpipe.plan.split import PlanError  # plan imports this module
-
     raise PlanError(f"{type(model).__name__} has no ModuleList of {num_layers} decoder layers "
                     "(num_hidden_layers); hfpipe cannot split this architecture")
 

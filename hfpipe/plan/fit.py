@@ -143,7 +143,7 @@ def _with_microbatches(cfg, pp: int) -> dict:
 
 def _lever(model_config, cfg, limit: int, ladder: list[dict]) -> Suggestion | None:
     """The first change on ``ladder`` whose plan fits, or None."""
-    from hfpipe.config.run import ConfigError
+    from hfpipe.config.names import ConfigError
 
     for changes in ladder:
         try:

@@ -55,12 +55,11 @@ from pathlib import Path
 from hfpipe.pipeline.head_loss import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import layer_bytes_per_token
+from hfpipe.plan.memory import BYTES_PER_PARAM, param_bytes
 
 __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
 
-#: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
-BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
 _ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}  # bytes per activation element
 _AC_MODES = ("none", "selective", "full")
 _MULTI_STAGE = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
@@ -151,7 +150,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
             names the option to change).
     """
-    from hfpipe.models import get_adapter
+    from hfpipe.models.registry import get_adapter
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
     from hfpipe.plan.split import PlanError, bubble_fraction, layer_costs, plan_pipeline
 
@@ -193,7 +192,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
     lora = None
     if lora_rank is not None:
-        from hfpipe.lora.memory import describe_plan
+        from hfpipe.plan.lora import describe_plan
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
                                     total - costs.embed_params * tied, dp)
@@ -207,27 +206,6 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         hidden=config.hidden_size)
 
 
-#: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
-_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}
-
-
-def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
-    """(master, compute copy, unsharded gradient, AdamW) bytes per parameter under FSDP2 at ``dtype``."""
-    return _FSDP_BYTES[dtype]
-
-
-def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter on one rank at data-parallel ``dp``.
-
-    ``dp == 1`` is :data:`BYTES_PER_PARAM`; above it, FSDP2's shards plus the whole compute-dtype
-    parameters and reduce-dtype gradients a pipeline step keeps (see the module docstring).
-    """
-    if dp == 1:
-        return BYTES_PER_PARAM[dtype]
-    master, compute, grad, optim = _FSDP_BYTES[dtype]
-    return master / dp + compute, grad + grad / dp, optim / dp
-
-
 def _stage_params(stage, costs) -> int:
     # MTP layers cost nothing: the loader skips them (transformers has no module to run them)
     return (costs.embed_params * stage.embed + sum(costs.layer_params[i] for i in stage.layers)
@@ -236,7 +214,7 @@ def _stage_params(stage, costs) -> int:
 
 def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...]) -> int:
     """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward."""
-    from hfpipe.models import get_adapter
+    from hfpipe.models.registry import get_adapter
 
     act = _ACT_BYTES[dtype]
     boundary = math.prod(get_adapter(config).hidden_shape(config, 1, 1)[2:]) * act  # a layer's input

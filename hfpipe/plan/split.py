@@ -12,7 +12,9 @@ import itertools
 import re
 from dataclasses import dataclass
 
+from hfpipe.errors import PlanError
 from hfpipe.plan.cost import CostModel, layer_costs
+from hfpipe.plan.spec import StageSpec
 
 __all__ = [
     "METHODS", "SCHEDULES", "STYLES", "CostModel", "Plan", "PlanError", "StageSpec",
@@ -24,22 +26,6 @@ STYLES = ("loop", "v")
 SCHEDULES = (
     "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev",
 )
-
-
-class PlanError(ValueError):
-    """A pipeline plan that cannot be made; the message says which option to change."""
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One pipeline stage: a contiguous run of decoder layers, plus embedding/head/MTP."""
-
-    index: int  # global stage index, 0 .. num_stages - 1
-    layers: tuple[int, ...]  # HF decoder layer indices (contiguous, increasing)
-    embed: bool  # holds model.embed_tokens
-    head: bool  # holds model.norm, lm_head and the loss
-    mtp: tuple[int, ...] = ()  # MTP layers, numbered num_hidden_layers, num_hidden_layers + 1, ...
-    cost: float = 0.0  # forward FLOPs per token under layer_costs (for reporting)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def find_recipe(name: str | Path) -> Path:
     Raises:
         ConfigError: neither; the message lists close names (or all of them).
     """
-    from hfpipe.config.run import ConfigError
+    from hfpipe.config.names import ConfigError
 
     path = Path(name).expanduser()
     if path.is_file():

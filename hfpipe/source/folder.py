@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hfpipe.source.config import SourceError, load_config, load_tokenizer
 from hfpipe.source.safetensors_io import SafetensorsError, read_header
 
 __all__ = ["ModelSource", "SourceError", "check_shard_names", "load_config", "load_tokenizer"]
@@ -24,51 +25,8 @@ SINGLE = "model.safetensors"
 META_FILES = ("config.json", "generation_config.json", INDEX)
 
 
-class SourceError(ValueError):
-    """The model folder or hub id cannot be used (one line: what is wrong and what to do)."""
-
-
 def _is_local(name: str) -> bool:
     return os.path.isdir(name) or name.startswith((".", "/", "~")) or os.path.exists(name)
-
-
-def load_config(folder: Path, *, trust_remote_code: bool = False):
-    """The transformers config of ``folder``, refusing remote code unless asked for."""
-    from transformers import AutoConfig
-
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise SourceError(f"{folder}: no config.json; point at a Hugging Face model folder")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise SourceError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    try:
-        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        if "trust_remote_code" in str(e) or (raw.get("auto_map") and not trust_remote_code):
-            raise SourceError(
-                f"{cfg_path}: model type {raw.get('model_type')!r} needs remote code; "
-                "pass --trust-remote-code if you trust it"
-            ) from None
-        raise SourceError(f"{cfg_path}: {str(e).splitlines()[0]}") from None
-    except KeyError as e:
-        raise SourceError(f"{cfg_path}: unknown model_type {e}; is transformers up to date?") from None
-
-
-def load_tokenizer(folder: str | Path, *, trust_remote_code: bool = False):
-    """The tokenizer saved with ``folder`` (training and generation both read it here)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:  # no files, a broken file, or remote code refused
-        if "trust_remote_code" in str(e):
-            raise SourceError(f"{folder}: the tokenizer needs remote code; pass --trust-remote-code "
-                              "if you trust it") from None
-        why = (str(e).splitlines() or [""])[0][:200]
-        raise SourceError(f"{folder}: no usable tokenizer ({type(e).__name__}: {why}); add the base model's "
-                          "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hfpipe.data import COLUMNS, IGNORE_INDEX
+from hfpipe.data.config import COLUMNS, IGNORE_INDEX
 
 __all__ = ["Evaluator", "eval_batches"]
 
@@ -30,7 +30,7 @@ def eval_batches(rows, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
     """This dp rank's evaluation batches: every row once, in order (see the module docstring).
 
     Args:
-        rows: Rows from :func:`hfpipe.data.load_splits`.
+        rows: Rows from :func:`hfpipe.data.load.load_splits`.
         batch_size: Rows per rank per batch.
         dp_rank, dp_size: This rank's place among the data-parallel replicas.
         limit: At most this many global batches.
@@ -96,7 +96,7 @@ class Evaluator:
 
     def run(self, step: int) -> dict:
         """Evaluate now; return the metrics row (the same on every rank)."""
-        from hfpipe.train.runner import model_inputs
+        from hfpipe.data.batches import model_inputs
 
         kw = dict(batch_size=self.cfg.batch_size, dp_size=self.dist.dp, limit=self.cfg.eval_batches)
         tokens = eval_tokens(self.rows, **kw)

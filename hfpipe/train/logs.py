@@ -74,7 +74,7 @@ def check_sinks(report_to: str) -> None:
     import importlib.util
 
     if "wandb" in report_to and importlib.util.find_spec("wandb") is None:
-        from hfpipe.config.run import ConfigError
+        from hfpipe.config.names import ConfigError
 
         raise ConfigError("--report-to wandb needs the wandb package: pip install 'hfpipe[wandb]' "
                           "(WANDB_MODE=offline logs without an account)")

@@ -54,7 +54,7 @@ def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
     elif schedule == "cosine":
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
-        from hfpipe.config.run import ConfigError
+        from hfpipe.config.names import ConfigError
 
         raise ConfigError(f"--lr-schedule {schedule!r} is unknown; choose cosine, linear or constant")
     return min_ratio + (1.0 - min_ratio) * shape

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from hfpipe.config.run import FinetuneConfig
+from hfpipe.data.batches import model_inputs
 
-__all__ = ["finetune", "preflight", "run_worker", "model_inputs"]
+__all__ = ["finetune", "preflight", "run_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,9 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     Checks the model config and architecture, the plan, the schedule's microbatch needs, the
     sequence length, the dataset's fields, and that there is at least one step to run.
     """
-    from hfpipe.data import batches_per_epoch, check_seq_len
-    from hfpipe.models import get_adapter
+    from hfpipe.data.batches import batches_per_epoch
+    from hfpipe.data.config import check_seq_len
+    from hfpipe.models.registry import get_adapter
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
@@ -56,7 +58,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     _check_output(cfg, source)  # cheap, so before the (logged) dataset work
     examples = _load_splits(cfg, tokenizer)[0] if check_data else None
     if examples is not None and batches_per_epoch(examples, cfg.batch_size, cfg.dp) < cfg.grad_accum:
-        from hfpipe.data import DataError
+        from hfpipe.data.config import DataError
 
         raise DataError(f"--dataset {cfg.dataset} has {len(examples)} sequences of --seq-len {cfg.seq_len}: "
                         "fewer than one optimizer step; lower --batch-size/--grad-accum or add data")
@@ -65,7 +67,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
 def _check_output(cfg: FinetuneConfig, source) -> None:
     """The output folder can take this run, and what --resume names is this run's checkpoint."""
     from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
-    from hfpipe.lora import preflight as lora_preflight
+    from hfpipe.lora.adapters import preflight as lora_preflight
     from hfpipe.train.resume_check import check_resume
 
     out = Path(cfg.output_dir)
@@ -92,7 +94,7 @@ def _check_writable(out: Path) -> None:
 
 def _data_config(cfg: FinetuneConfig, *, held_out: bool = False):
     """The training data's options; with ``held_out``, the evaluation set's (None without one)."""
-    from hfpipe.data import DataConfig
+    from hfpipe.data.config import DataConfig
 
     source = dict(dataset=cfg.dataset, dataset_config=cfg.dataset_config, split=cfg.split)
     if held_out and not (cfg.eval_dataset or cfg.eval_split):
@@ -108,7 +110,7 @@ def _data_config(cfg: FinetuneConfig, *, held_out: bool = False):
 
 def _load_splits(cfg: FinetuneConfig, tok):
     """Training rows and evaluation rows (None without an evaluation set)."""
-    from hfpipe.data import load_splits
+    from hfpipe.data.load import load_splits
 
     return load_splits(_data_config(cfg), tok, eval_cfg=_data_config(cfg, held_out=True),
                        eval_fraction=cfg.eval_fraction)
@@ -174,19 +176,6 @@ def _finish(summary: dict) -> dict:
     return summary
 
 
-def model_inputs(batch: dict, *, packed: bool) -> dict:
-    """The tensors a data batch feeds the model.
-
-    Packed rows go in with ``position_ids`` and *no* attention mask: transformers detects packed
-    documents from restarting positions only when the mask is absent, and then no document
-    attends to another. Their only padding is at the end of a row (labels -100), which causal
-    attention never lets a real token see.
-    """
-    if packed:
-        return {k: v for k, v in batch.items() if k != "attention_mask"}
-    return batch
-
-
 @dataclass
 class _Position:
     """Where the data stream stands: exact resume needs all three."""
@@ -200,7 +189,7 @@ def run_worker(cfg_dict: dict) -> dict:
     """One rank of a run (module level so the launcher can start it)."""
     from hfpipe.api import load_pipeline
     from hfpipe.parallel.mesh import init_distributed
-    from hfpipe.lora import from_finetune_config
+    from hfpipe.lora.adapters import from_finetune_config
     from hfpipe.train.optim import build_optimizer, build_scheduler
 
     cfg = FinetuneConfig.from_dict(cfg_dict)
@@ -253,7 +242,7 @@ def _load_data(cfg, pm, dist_info):
 
 
 def _total_steps(cfg, examples) -> int:
-    from hfpipe.data import batches_per_epoch
+    from hfpipe.data.batches import batches_per_epoch
 
     per_epoch = batches_per_epoch(examples, cfg.batch_size, cfg.dp) // cfg.grad_accum
     return cfg.max_steps or cfg.epochs * per_epoch
@@ -296,7 +285,7 @@ class _Run:
 
     def _batches(self):
         """Yield this dp rank's batches forever, from the saved position, epoch after epoch."""
-        from hfpipe.data import batches_per_epoch, iterate_batches
+        from hfpipe.data.batches import batches_per_epoch, iterate_batches
 
         d = self.pm.dist
         while True:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hfpipe.lora import lora_config, resolve_config
+from hfpipe.lora.adapters import lora_config, resolve_config
 
 __all__ = ["adapter_params", "rank_memory", "describe_plan"]
 
@@ -44,14 +44,14 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
 
     The base is frozen: its weights stay but it has no gradients and no AdamW state. The adapters
     are fp32 weights, fp32 gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each. With
-    ``dp > 1`` FSDP2 shards both as it shards a full run (hfpipe.plan.report.param_bytes): the
+    ``dp > 1`` FSDP2 shards both as it shards a full run (hfpipe.plan.memory.param_bytes): the
     masters and AdamW state split ``dp`` ways, the gathered compute copies and the step's
     unsharded gradients whole. Activations are the full run's: backward still goes through every
     base layer, for the adapters below it.
     """
     import dataclasses
 
-    from hfpipe.plan.report import fsdp_bytes, param_bytes
+    from hfpipe.plan.memory import fsdp_bytes, param_bytes
 
     n = sum(counts.get("embed", 0) * s.embed + counts.get("head", 0) * s.head
             + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)

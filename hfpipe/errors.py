@@ -1,0 +1,20 @@
+"""The base of every error hfpipe raises for a user's input, and the errors several layers share.
+
+A floor module: it imports nothing from hfpipe, so any layer can raise these and any caller
+(the CLI, a worker, a Python script) can catch :class:`HfpipeError` for all of them. Each layer
+keeps its own subclass where only it raises it (``ConfigError``, ``SourceError``, ...).
+"""
+
+__all__ = ["ExportError", "HfpipeError", "PlanError"]
+
+
+class HfpipeError(ValueError):
+    """A problem with the user's input, told in one line that names the flag or file to fix."""
+
+
+class PlanError(HfpipeError):
+    """A pipeline plan that cannot be made; the message says which option to change."""
+
+
+class ExportError(HfpipeError):
+    """The checkpoint, source or output cannot be exported (one line: the file/option and the fix)."""

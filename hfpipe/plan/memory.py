@@ -1,0 +1,30 @@
+"""Bytes per parameter on one rank: weights, gradients and AdamW state, alone or under FSDP2.
+
+The one place these formulas live, below the full-run report (:mod:`hfpipe.plan.report`) and the
+LoRA pricing (:mod:`hfpipe.plan.lora`), which both price parameters with them.
+"""
+
+__all__ = ["BYTES_PER_PARAM", "fsdp_bytes", "param_bytes"]
+
+#: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
+
+#: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
+_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}
+
+
+def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
+    """(master, compute copy, unsharded gradient, AdamW) bytes per parameter under FSDP2 at ``dtype``."""
+    return _FSDP_BYTES[dtype]
+
+
+def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter on one rank at data-parallel ``dp``.
+
+    ``dp == 1`` is :data:`BYTES_PER_PARAM`; above it, FSDP2's shards plus the whole compute-dtype
+    parameters and reduce-dtype gradients a pipeline step keeps (see the module docstring).
+    """
+    if dp == 1:
+        return BYTES_PER_PARAM[dtype]
+    master, compute, grad, optim = _FSDP_BYTES[dtype]
+    return master / dp + compute, grad + grad / dp, optim / dp
