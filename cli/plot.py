@@ -122,7 +122,8 @@ def _ink(rgb) -> str:
 
 def _draw_memory(ax, report: PlanReport, gpu_memory: int | None) -> None:
     left = [0.0] * len(report.ranks)
-    for label, attr, color in _MEMORY:
+    dequant = (("dequantized", "transient_bytes", "#f4f4f4"),) if any(k.transient_bytes for k in report.ranks) else ()
+    for label, attr, color in _MEMORY + dequant:  # a quantized base's transient weights, if any
         sizes = [getattr(k, attr) / _GIB for k in report.ranks]
         ax.barh([k.rank for k in report.ranks], sizes, left=left, height=0.7, color=color, label=label,
                 edgecolor="black", linewidth=0.4)

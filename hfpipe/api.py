@@ -242,7 +242,11 @@ def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:
 
     mesh = dist.mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # A stage's float inputs are hidden states, already in the compute dtype, and the fp32 router
+    # sums of MoE aux losses (hfpipe.pipeline.router_loss), which must stay fp32: bf16 counts
+    # tokens exactly only up to 256.
+    stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for m in modules:
         for layer in m.model.layers.values():
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=False)

@@ -325,7 +325,7 @@ def test_a_lora_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch, mer
             export_checkpoint(ckpt, out, merge=merge)
     finally:
         held.release()
-    module, name = (safetensors.torch, "save_file") if merge else (adapter, "_write_adapter")
+    module, name = (safetensors.torch, "save_file") if merge else (adapter, "write_adapter")
     real = getattr(module, name)
 
     def fail_midway(*args, **kwargs):

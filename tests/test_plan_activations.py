@@ -91,3 +91,39 @@ def test_measuring_leaves_the_callers_random_state_alone_and_a_failure_falls_bac
     monkeypatch.setattr(plan_activations, "_measure_layer", broken)
     config = tiny_config("llama", num_hidden_layers=3, hidden_size=96)
     assert layer_bytes_per_token(config, "bf16") == (34 * 96,) * 3
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_skipping_the_matmuls_keeps_the_same_bytes(kind, dtype, monkeypatch):
+    # the measurement returns zeros for matrix products (shapes only); computing them must give
+    # the same count, experts' grouped products included
+    import contextlib
+
+    from hfpipe.plan import activations as plan_activations
+
+    config = tiny_config(kind, num_hidden_layers=2)
+    plan_activations._measure_all.cache_clear()
+    skipped = layer_bytes_per_token(config, dtype)
+    plan_activations._measure_all.cache_clear()
+    monkeypatch.setattr(plan_activations, "_SkipMatmuls", contextlib.nullcontext)
+    assert layer_bytes_per_token(config, dtype) == skipped
+    plan_activations._measure_all.cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V4-Flash-Base",
+                                   "deepseek-ai/DeepSeek-V2-Lite", "meta-llama/Llama-3.1-70B"])
+def test_skipping_the_matmuls_keeps_the_same_bytes_on_the_bundled_models(model, monkeypatch):
+    import contextlib
+
+    from hfpipe.plan import activations as plan_activations
+    from hfpipe.plan.report import load_model_config
+
+    config = load_model_config(model)
+    plan_activations._measure_all.cache_clear()
+    skipped = layer_bytes_per_token(config, "bf16-mixed")
+    plan_activations._measure_all.cache_clear()
+    monkeypatch.setattr(plan_activations, "_SkipMatmuls", contextlib.nullcontext)
+    assert layer_bytes_per_token(config, "bf16-mixed") == skipped
+    plan_activations._measure_all.cache_clear()

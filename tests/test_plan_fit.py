@@ -145,3 +145,38 @@ def test_png_legend_lists_only_drawn_stages_and_kinds(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     for n in (4, 20, 32):
         assert len(set(stage_colors(n))) == n
+
+
+def test_the_fit_search_measures_and_plans_each_thing_once(monkeypatch):
+    """Suggestions re-price one model dozens of times: its meta model is counted once, its layers
+    measured once, and no plan is priced twice (DeepSeek-V3 at pp8 dp32 took minutes before)."""
+    from hfpipe.plan import activations, cost
+    from hfpipe.plan import report as plan_report_module
+
+    config = tiny_config("llama", num_hidden_layers=8)
+    cfg = FinetuneConfig(model="tiny", pp=2, seq_len=512, batch_size=8, microbatches=8)
+    calls = {"counts": 0, "measure": 0, "plans": []}
+    counts, measure, price = cost._param_counts, activations._measure_layer, plan_report_module.plan_report
+
+    def count(*a, **k):
+        calls["counts"] += 1
+        return counts(*a, **k)
+
+    def measured(*a, **k):
+        calls["measure"] += 1
+        return measure(*a, **k)
+
+    def priced(model_config, **kwargs):
+        calls["plans"].append(tuple(sorted(kwargs.items())))
+        return price(model_config, **kwargs)
+
+    monkeypatch.setattr(cost, "_param_counts", count)
+    monkeypatch.setattr(activations, "_measure_layer", measured)
+    monkeypatch.setattr(plan_report_module, "plan_report", priced)
+    cost._COSTS.clear(), cost._COUNTS.clear(), activations._measure_all.cache_clear()
+    report_for(config, cfg)
+    found = suggest(config, cfg, 2**20)  # 1 MiB: nothing fits, every rung is priced
+    report_for(config, cfg)
+    assert found == [] and len(calls["plans"]) > 10
+    assert len(set(calls["plans"])) == len(calls["plans"])  # no plan priced twice
+    assert calls["counts"] == 1 and calls["measure"] == 1  # one meta model, one layer kind

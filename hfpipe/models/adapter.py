@@ -15,9 +15,11 @@ import torch
 
 __all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "MOE_REFUSALS", "Softcap", "UnsupportedModelError"]
 
-# Shared by the MoE families' adapters: what they refuse, with the reason and the fix.
+# The MoE router aux loss is carried through the pipeline for the families of the tested table
+# (hfpipe.pipeline.router_loss); a family proven at load was compared on its logits only, so it
+# refuses the aux loss, with the reason and the fix.
 _MOE_AUX = (
-    "the router auxiliary loss is computed over all layers at once by the HF model; "
+    "hfpipe carries the router aux loss only for the families of its tested table; "
     "set output_router_logits=false in config.json"
 )
 MOE_REFUSALS = {"output_router_logits": _MOE_AUX}

@@ -12,15 +12,16 @@
 
 from __future__ import annotations
 
-from hfpipe.models.adapter import MOE_REFUSALS as _MOE, Adapter, ExpandStreams
+from hfpipe.models.adapter import Adapter, ExpandStreams
 
 __all__ = ["ADAPTERS"]
 
 ADAPTERS = (
-    Adapter(("deepseek_v2",), refuse_if=_MOE),
+    # output_router_logits only returns the router logits: DeepSeek-V2's causal LM adds no aux loss.
+    Adapter(("deepseek_v2",)),
     Adapter(("deepseek_v3",), mtp_attr="num_nextn_predict_layers"),
     Adapter(("deepseek_v32",), mtp_attr="num_nextn_predict_layers", mask_kwargs={"allow_is_causal_skip": False}),
     Adapter(("deepseek_v4",), mtp_attr="num_nextn_predict_layers", embed=(ExpandStreams("hc_mult"),),
             streams_attr="hc_mult", rope_table=("main", "compress"), mask_kind="sliding_attention",
-            layer_inputs=("input_ids",), head_modules=("hc_head",), refuse_if=_MOE),
+            layer_inputs=("input_ids",), head_modules=("hc_head",)),
 )

@@ -3,7 +3,7 @@ the logits divided by ``logits_scaling`` (causal LM). The residual multiplier is
 
 from __future__ import annotations
 
-from hfpipe.models.adapter import MOE_REFUSALS as _MOE, Adapter, ConfigFactor
+from hfpipe.models.adapter import Adapter, ConfigFactor
 
 __all__ = ["ADAPTERS"]
 
@@ -11,5 +11,5 @@ _PIECES = dict(embed=(ConfigFactor("embedding_multiplier"),), logits=(ConfigFact
 
 ADAPTERS = (
     Adapter(("granite",), **_PIECES),
-    Adapter(("granitemoe",), **_PIECES, refuse_if=_MOE),
+    Adapter(("granitemoe",), **_PIECES),
 )

@@ -9,7 +9,7 @@ replica of its config first, and remembered once proven.
 from __future__ import annotations
 
 from hfpipe.models import cohere, deepseek, gemma, granite, plain
-from hfpipe.models.adapter import Adapter, UnsupportedModelError
+from hfpipe.models.adapter import MOE_REFUSALS, Adapter, UnsupportedModelError
 from hfpipe.models.proof import missing_skeleton, prove
 
 __all__ = ["REFUSED", "SUPPORTED_MODEL_TYPES", "get_adapter"]
@@ -73,10 +73,10 @@ def get_adapter(config) -> Adapter:
         raise UnsupportedModelError(
             f"architecture {model_type!r} is not supported: its model has no {missing[0]} (hfpipe splits "
             f"model.embed_tokens -> model.layers -> model.norm -> lm_head); supported: {supported}")
-    adapter = Adapter((config.model_type,), tested=False)
+    adapter = Adapter((config.model_type,), tested=False, refuse_if=MOE_REFUSALS)
+    adapter.check(config)  # before the proof, which builds and runs a replica
     prove(config, adapter)
     _PROVEN[_key(config)] = adapter
-    adapter.check(config)
     return adapter
 
 

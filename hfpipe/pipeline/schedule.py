@@ -98,14 +98,19 @@ class TokenLoss:
 
     def __init__(self) -> None:
         self.denominator = 1.0
+        self.router_denominator = 1.0
         self.head = None
         self.chunk = 0
 
-    def __call__(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, out, labels: torch.Tensor) -> torch.Tensor:
+        router = None
+        if isinstance(out, tuple):  # (hidden or logits, coef * aux of the microbatch): hfpipe.pipeline.router_loss
+            out, router = out
         if self.head is not None:
-            return chunked_loss_sum(self.head.logits, out, _shift(labels), self.chunk, self.denominator,
-                                    IGNORE_INDEX)
-        return token_loss_sum(out, labels) / self.denominator
+            loss = chunked_loss_sum(self.head.logits, out, _shift(labels), self.chunk, self.denominator, IGNORE_INDEX)
+        else:
+            loss = token_loss_sum(out, labels) / self.denominator
+        return loss if router is None else loss + router.to(loss.device) / self.router_denominator
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -203,6 +208,8 @@ class Pipeline:
                 chunk = 0  # one chunk would hold the whole microbatch: nothing to save
         if last is not None:
             last.head_in_loss = chunk > 0
+        for m in self.modules:  # router sums ride along in training only (hfpipe.pipeline.router_loss)
+            m.carry_router_sums = mode == "train"
         self.loss.head, self.loss.chunk = (last if chunk else None), chunk
         return chunk > 0
 
@@ -214,7 +221,8 @@ class Pipeline:
         args = (ids.to(self.device),) if self.has_input else ()
         return ids.shape, args, kwargs
 
-    def train_step(self, batch: dict, denominator: float) -> torch.Tensor | None:
+    def train_step(self, batch: dict, denominator: float,
+                   router_denominator: float | None = None) -> torch.Tensor | None:
         """Forward and backward over one batch; gradients accumulate into the parameters.
 
         Args:
@@ -222,6 +230,10 @@ class Pipeline:
                 every rank passes the same batch (only the first stage reads the ids, only the
                 last the labels).
             denominator: The global count of loss tokens the loss is divided by.
+            router_denominator: What each microbatch's router aux loss is divided by (MoE models
+                with ``output_router_logits``): the step's microbatch count over every
+                accumulation batch and dp rank, divided by dp as ``denominator`` is (default: the
+                microbatches of this batch). See hfpipe.pipeline.router_loss.
 
         Returns:
             On the rank holding the loss, the summed loss of this batch (already divided by
@@ -230,6 +242,7 @@ class Pipeline:
         shape, args, kwargs = self._inputs(batch)
         schedule = self._get_schedule(shape, kwargs, "train")
         self.loss.denominator = float(denominator)
+        self.loss.router_denominator = float(router_denominator or self.microbatches)
         losses: list = []
         target = batch["labels"].to(self.device) if self.has_loss else None
         schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)

@@ -4,10 +4,10 @@ torch's ``PipelineStage`` learns its tensor shapes on first use: a metadata pass
 stage's forward (and backward) on empty tensors and passes the shapes along the pipeline, then
 allocates receive buffers. Building new stages for every sequence length (unpacked data) pays
 that pass again per shape. Every tensor that crosses hfpipe's stages is (batch, seq, ...) and
-only those two sizes change, so the shapes of a new batch are known: this module gives the
-existing stages the new shapes as static metadata (torch's own static mode, the one used when
-``input_args``/``output_args`` are passed to ``PipelineStage``) and lets the schedule set up its
-buffers again, with no metadata pass.
+only those two sizes change (the 1-D router sums of MoE aux losses never change), so the shapes
+of a new batch are known: this module gives the existing stages the new shapes as static
+metadata (torch's own static mode, the one used when ``input_args``/``output_args`` are passed
+to ``PipelineStage``) and lets the schedule set up its buffers again, with no metadata pass.
 
 torch has no public call for this; the attributes touched are those of torch 2.13's
 ``PipelineStage`` and schedules. Where they are missing (another torch), :func:`resize_schedule`
@@ -54,7 +54,7 @@ def _resizable(stage) -> bool:
     if meta is None or not hasattr(stage, "_user_meta") or not meta.is_complete_for_forward():
         return False
     metas = meta.inputs + meta.outputs
-    return all(type(m) is _utils._TensorMeta and len(m.shape) >= 2 for m in metas)
+    return all(type(m) is _utils._TensorMeta for m in metas)
 
 
 def _resized(metas, microbatch: tuple[int, int]):
@@ -63,6 +63,9 @@ def _resized(metas, microbatch: tuple[int, int]):
 
     out = []
     for m in metas:
+        if len(m.shape) < 2:  # the router sums (2E,) and the aux loss (): no batch axes
+            out.append(m)
+            continue
         t = torch.empty((*microbatch, *m.shape[2:]), dtype=m.dtype, device="meta")
         out.append(_utils._TensorMeta.from_tensor(t.requires_grad_(m.requires_grad)))
     return tuple(out)

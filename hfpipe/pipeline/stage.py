@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hfpipe.pipeline.router_loss import RouterSums, finish_router_loss, router_loss_spec
 
 __all__ = ["PipelineStageModule", "build_meta_model", "build_stage_modules", "rebuild_rotary", "rebuild_buffers"]
 
@@ -82,6 +83,11 @@ class PipelineStageModule(nn.Module):
             # parameter (loaded from the embedding's tensor; gradients summed by the trainer).
             self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
         self._mask_kinds = sorted({self._layer_kind(i) for i in spec.layers})
+        # MoE router aux loss (hfpipe.pipeline.router_loss): per-expert sums ride beside the hidden
+        # states while the pipeline sets ``carry_router_sums`` (training steps).
+        self.router_loss = router_loss_spec(full)
+        self._router_sums = RouterSums(self.router_loss, self.model.layers) if self.router_loss else None
+        self.carry_router_sums = False
 
     @property
     def is_first(self) -> bool:
@@ -95,11 +101,26 @@ class PipelineStageModule(nn.Module):
         """Shape of the hidden states this stage receives from the previous one."""
         return self.adapter.hidden_shape(self.config, batch_size, seq_len)
 
-    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None, input_ids=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_sums=None, attention_mask=None, position_ids=None, input_ids=None):
         """Token ids (first stage) or hidden states in; hidden states or logits out.
 
         ``input_ids`` reaches every stage only for families whose layers take it (DeepSeek-V4).
+        While ``carry_router_sums`` is set, a second tensor rides along: the router sums (received
+        as ``router_sums``, sent on), and the last stage returns ``coef * aux`` of the microbatch
+        instead (hfpipe.pipeline.router_loss).
         """
+        if not (self.carry_router_sums and self._router_sums is not None):
+            return self._forward(x, None, attention_mask, position_ids, input_ids)
+        sums = self._router_sums.start(router_sums, x.device)
+        try:
+            h, sums = self._forward(x, sums, attention_mask, position_ids, input_ids)
+        finally:
+            self._router_sums.stop()
+        if self.is_last:
+            return h, finish_router_loss(sums, attention_mask, x.shape[0] * x.shape[1], self.router_loss)
+        return h, sums
+
+    def _forward(self, x, sums, attention_mask, position_ids, input_ids):
         adapter = self.adapter
         h = adapter.embed_tokens(self.config, self.model.embed_tokens, x) if self.is_first else x  # (B, T, [hc,] H)
         flat = h[:, :, 0] if h.dim() == 4 else h  # (B, T, H): what masks and rope size themselves by
@@ -113,9 +134,11 @@ class PipelineStageModule(nn.Module):
             extra = {"input_ids": ids} if "input_ids" in adapter.layer_inputs else {}
             for n, ((idx, layer), kind) in enumerate(zip(self.model.layers.items(), types)):
                 h = self._run_layer(n, layer, h, masks[kind], ropes[adapter.rope_key(kind)], position_ids, extra)
+                if sums is not None:
+                    sums = self._router_sums.add(sums, attention_mask)
         if self.is_last and not self.head_in_loss:
             h = self.logits(h)  # (B, T, V)
-        return h
+        return h if sums is None else (h, sums)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm -> lm_head -> the family's logit transforms (last stage only).

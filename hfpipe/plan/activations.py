@@ -20,8 +20,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["layer_bytes_per_token"]
 
@@ -85,17 +87,62 @@ def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
     x = torch.randn(adapter.hidden_shape(cfg, 1, _TOKENS), generator=rng, dtype=dtype, requires_grad=True)
     extra = {"input_ids": torch.zeros(1, _TOKENS, dtype=torch.long)} if adapter.layer_inputs else {}
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    kept: dict[int, int] = {}
+    kept: list[tuple[weakref.ref, int, int]] = []  # (tensor, storage address, storage bytes)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params and t.device.type != "meta":
-            kept[storage.data_ptr()] = storage.nbytes()
+            kept.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stage(x, **extra)
-    return sum(kept.values()) // _TOKENS
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _SkipMatmuls():
+        out = stage(x, **extra)
+    # Only what is still alive waits for backward: a branch the output does not depend on (a
+    # router's statistics) frees its saved tensors during forward, and the allocator may reuse
+    # their addresses, so counting by address alone over- or under-counted by chance.
+    alive = {ptr: nbytes for ref, ptr, nbytes in kept if ref() is not None}
+    del out
+    return sum(alive.values()) // _TOKENS
+
+
+class _SkipMatmuls(TorchDispatchMode):
+    """Matrix products return zeros of their result's shape, dtype and strides, uncomputed.
+
+    The bytes autograd keeps depend on shapes only, and the products were 90% of a measurement
+    (a DeepSeek-V3 MoE layer took 10-20 s on 2 CPU cores, most of ``hfpipe plan``'s time). Zeros
+    route tokens as the zero-stride weights did: every weight row is the same, so every router
+    logit of a token ties, and ties go to the lowest expert either way. The dispatch mode sits
+    below autograd, so what autograd saves is unchanged (the test compares both ways).
+    """
+
+    _OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self._OPS and func.overloadpacket is not torch.ops.aten._grouped_mm:
+            return func(*args, **kwargs)
+        # the result's layout, not its values; grouped_mm's meta kernel takes bf16 only (the CPU
+        # kernel also runs fp32), so its shape is asked in bf16 and the dtype put back
+        cast = torch.bfloat16 if func.overloadpacket is torch.ops.aten._grouped_mm else None
+        meta = func(*_to_meta(args, cast), **_to_meta(kwargs, cast))
+        dtype = args[0].dtype if cast is not None and meta.dtype == cast else meta.dtype
+        return torch.zeros_like(meta, dtype=dtype, device=_device(args))
+
+
+def _to_meta(tree, cast: torch.dtype | None):
+    from torch.utils._pytree import tree_map
+
+    def meta(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.to("meta", dtype=cast if cast is not None and t.is_floating_point() else t.dtype)
+
+    return tree_map(meta, tree)
+
+
+def _device(args) -> torch.device:
+    return next(a.device for a in args if isinstance(a, torch.Tensor))
 
 
 def _materialise(stage: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -7,13 +7,14 @@ planner knows every architecture transformers knows.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 
 import torch
 
 from hfpipe.errors import PlanError
 
-__all__ = ["CostModel", "layer_costs"]
+__all__ = ["CostModel", "config_key", "layer_costs"]
 
 # The embedding is a row lookup: no matmul FLOPs, but not free. Per token it moves ~4 * hidden bytes
 # (bf16 row read + write), and a memory-bound byte takes about as long as ~300 FLOPs on current GPUs
@@ -32,7 +33,7 @@ class CostModel:
     embed: float  # the lookup, costed as memory traffic (see _EMBED_FLOPS_PER_HIDDEN)
     head: float  # final norm + lm_head: 2 FLOPs per parameter (2 * hidden * vocab), tied or not
     layers: tuple[float, ...]  # per decoder layer: 2 FLOPs per active parameter + attention
-    mtp: float  # one MTP layer; 0.0 if the model has none
+    mtp: float  # one MTP layer if it ran (0.0 without one); hfpipe skips MTP on load: stages cost 0
     embed_params: int
     head_params: int  # includes a tied lm_head weight: the head stage holds its own copy
     layer_params: tuple[int, ...]  # every parameter of each layer, all experts included (memory)
@@ -40,6 +41,7 @@ class CostModel:
     is_moe: tuple[bool, ...]
     mtp_params: int
     num_mtp: int
+    layer_routed_params: tuple[int, ...] = ()  # per layer, the routed experts' parameters (0: dense)
 
 
 def layer_costs(config, seq_len: int = 4096) -> CostModel:
@@ -54,8 +56,40 @@ def layer_costs(config, seq_len: int = 4096) -> CostModel:
     """
     if seq_len < 1:
         raise PlanError(f"--seq-len must be >= 1, got {seq_len}")
-    embed_p, head_p, per_layer = _param_counts(config)
-    totals, active, moe = zip(*per_layer)
+    key = (config_key(config), type(config), seq_len)
+    if key not in _COSTS:
+        _COSTS[key] = _layer_costs(config, seq_len)
+    return _COSTS[key]
+
+
+class _Cache(dict):
+    """A dict that forgets everything once it holds 64 entries (plans see a handful of configs)."""
+
+    def __setitem__(self, key, value):
+        if len(self) >= 64:
+            self.clear()
+        super().__setitem__(key, value)
+
+
+def config_key(config) -> str:
+    """A config's fields as one string: the cache key of everything priced from the config alone.
+
+    A search over plans (``hfpipe plan --gpu-memory``'s suggestions) prices one config dozens of
+    times; building its meta model each time was most of a report's second.
+    """
+    return json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+_COSTS = _Cache()  # (config_key, config class, seq_len) -> CostModel
+_COUNTS = _Cache()  # (config_key, config class) -> parameter counts (seq_len does not matter)
+
+
+def _layer_costs(config, seq_len: int) -> CostModel:
+    key = (config_key(config), type(config))
+    if key not in _COUNTS:
+        _COUNTS[key] = _param_counts(config)
+    embed_p, head_p, per_layer = _COUNTS[key]
+    totals, active, moe, routed = zip(*per_layer)
     attn = _attention_flops(config, seq_len)
     layers = tuple(2.0 * a + f for a, f in zip(active, attn))
     head = 2.0 * head_p
@@ -68,12 +102,12 @@ def layer_costs(config, seq_len: int = 4096) -> CostModel:
     return CostModel(
         embed=float(_EMBED_FLOPS_PER_HIDDEN * hidden), head=head, layers=layers, mtp=mtp,
         embed_params=embed_p, head_params=head_p, layer_params=totals, layer_active_params=active,
-        is_moe=moe, mtp_params=mtp_params, num_mtp=num_mtp,
+        is_moe=moe, mtp_params=mtp_params, num_mtp=num_mtp, layer_routed_params=routed,
     )
 
 
-def _param_counts(config) -> tuple[int, int, list[tuple[int, float, bool]]]:
-    """(embed, head, per layer (total, active, is_moe)) counted on a meta-device model."""
+def _param_counts(config) -> tuple[int, int, list[tuple[int, float, bool, int]]]:
+    """(embed, head, per layer (total, active, is_moe, routed)) counted on a meta-device model."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes only: no memory, fast even for 671B parameters
@@ -106,8 +140,8 @@ def _expert_fraction(config) -> float:
     return top_k / count if count and top_k else 1.0
 
 
-def _layer_params(layer: torch.nn.Module, expert_fraction: float) -> tuple[int, float, bool]:
-    """(total, active, is_moe) of one decoder layer.
+def _layer_params(layer: torch.nn.Module, expert_fraction: float) -> tuple[int, float, bool, int]:
+    """(total, active, is_moe, routed) of one decoder layer.
 
     Routed experts live under a module named ``experts`` (fused or a ModuleList);
     ``shared_experts`` / ``shared_expert`` run for every token and count in full.
@@ -117,7 +151,7 @@ def _layer_params(layer: torch.nn.Module, expert_fraction: float) -> tuple[int, 
         total += param.numel()
         if "experts" in name.split("."):
             routed += param.numel()
-    return total, total - routed + routed * expert_fraction, routed > 0
+    return total, total - routed + routed * expert_fraction, routed > 0, routed
 
 
 def _attention_flops(config, seq_len: int) -> list[float]:

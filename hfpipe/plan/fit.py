@@ -9,16 +9,19 @@ the CLI then follow without change.
 
 The suggestions try one lever at a time, cheapest first, and report the smallest step of each that
 fits with 10% to spare: activation checkpointing (selective, then full), more pipeline ranks, more data-parallel
-pipelines; if no single lever fits, full activation checkpointing together with pp or dp.
+pipelines, and for a MoE model expert parallelism (more ep over the dp ranks there are, or more dp
+with ep over them); if no single lever fits, full activation checkpointing together with one of these.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
-from hfpipe.plan.split import PlanError
+from hfpipe.errors import PlanError
+from hfpipe.plan.experts import routed_experts
 
 __all__ = ["RankFit", "Suggestion", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
            "report_for", "suggest"]
@@ -56,14 +59,28 @@ def plan_kwargs(cfg) -> dict:
                 method=cfg.plan_method, microbatches=cfg.num_microbatches, seq_len=cfg.seq_len,
                 batch_size=cfg.batch_size, dtype=cfg.dtype,
                 activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
-                lora_targets=cfg.lora_targets)
+                lora_targets=cfg.lora_targets, ep=cfg.ep, quantize_base=cfg.quantize_base)
 
 
 def report_for(model_config, cfg, name: str | None = None):
-    """The :class:`~hfpipe.plan.report.PlanReport` of running ``cfg`` on ``model_config``."""
+    """The :class:`~hfpipe.plan.report.PlanReport` of running ``cfg`` on ``model_config``.
+
+    Reports are kept by their arguments: :func:`suggest` asks again for plans it (or the caller)
+    already priced, and a report is a frozen value of its arguments alone.
+    """
+    from hfpipe.plan.cost import config_key
     from hfpipe.plan.report import plan_report
 
-    return plan_report(model_config, name=name or cfg.model, **plan_kwargs(cfg))
+    kwargs = plan_kwargs(cfg)
+    key = (config_key(model_config), type(model_config), name or cfg.model, tuple(sorted(kwargs.items())))
+    if key not in _REPORTS:
+        if len(_REPORTS) >= 256:
+            _REPORTS.clear()
+        _REPORTS[key] = plan_report(model_config, name=name or cfg.model, **kwargs)
+    return _REPORTS[key]
+
+
+_REPORTS: dict = {}
 
 
 @dataclass(frozen=True)
@@ -102,25 +119,35 @@ class Suggestion:
 
 def suggest(model_config, cfg, limit: int) -> list[Suggestion]:
     """The nearest changes of ``cfg`` that fit ``limit`` bytes per rank (see the module docstring)."""
-    found = [s for s in (_lever(model_config, cfg, limit, changes) for changes in _single_levers(cfg))
+    experts = routed_experts(model_config)[0]
+    found = [s for s in (_lever(model_config, cfg, limit, changes) for changes in _single_levers(cfg, experts))
              if s is not None]
     if found or cfg.activation_checkpointing == "full":
         return found
     full = {"activation_checkpointing": "full"}
-    for lever in ("pp", "dp"):
-        s = _lever(model_config, cfg, limit, [{**full, **c} for c in _ladder(cfg, lever)])
+    for lever in ("pp", "dp", "ep", "dp+ep"):
+        s = _lever(model_config, cfg, limit, [{**full, **c} for c in _ladder(cfg, lever, experts)])
         if s is not None:
             found.append(s)
     return found
 
 
-def _single_levers(cfg) -> list[list[dict]]:
+def _single_levers(cfg, experts: int = 0) -> list[list[dict]]:
     """Per lever, the changes to try in order (nearest first)."""
     ac = _AC_ORDER[_AC_ORDER.index(cfg.activation_checkpointing) + 1:]
-    return [[{"activation_checkpointing": a} for a in ac], _ladder(cfg, "pp"), _ladder(cfg, "dp")]
+    return [[{"activation_checkpointing": a} for a in ac]] + [
+        _ladder(cfg, lever, experts) for lever in ("pp", "dp", "ep", "dp+ep")]
 
 
-def _ladder(cfg, lever: str) -> list[dict]:
+def _ladder(cfg, lever: str, experts: int = 0) -> list[dict]:
+    """The rungs of one lever. ``ep``: shard a MoE model's routed experts over more of the dp
+    ranks it has; ``dp+ep``: more pipelines, the experts sharded over as many of them as divide."""
+    if lever == "ep":
+        return [{"ep": e} for e in range(cfg.ep + 1, cfg.dp + 1) if experts and not cfg.dp % e
+                and not experts % e]
+    if lever == "dp+ep":
+        return [{"dp": d, "ep": math.gcd(d, experts)} for d in _DP_STEPS
+                if experts and d > cfg.dp and math.gcd(d, experts) > cfg.ep]
     if lever == "dp":
         return [{"dp": d} for d in _DP_STEPS if d > cfg.dp]
     if cfg.layout:  # a pinned layout fixes the stage count

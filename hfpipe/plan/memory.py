@@ -1,13 +1,16 @@
 """Bytes per parameter on one rank: weights, gradients and AdamW state, alone or under FSDP2.
 
-The one place these formulas live, below the full-run report (:mod:`hfpipe.plan.report`) and the
-LoRA pricing (:mod:`hfpipe.plan.lora`), which both price parameters with them.
+The one place these formulas live, below the full-run report (:mod:`hfpipe.plan.report`), the
+LoRA pricing (:mod:`hfpipe.plan.lora`), expert parallelism's (:mod:`hfpipe.plan.experts`) and a
+quantized base's (:mod:`hfpipe.plan.quant`), which all price parameters with them.
 """
 
-__all__ = ["BYTES_PER_PARAM", "fsdp_bytes", "param_bytes"]
+__all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "fsdp_bytes", "param_bytes"]
 
 #: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
+#: dtype -> bytes per activation element (what runs the matmuls).
+ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
 
 #: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
 _FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}

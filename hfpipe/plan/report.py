@@ -43,24 +43,29 @@ backward frees it, and a split backward (zero-bubble) frees it only at the weigh
 since the weight gradient needs the layer inputs. This gives 1F1B ``min(p - rank, m)`` in flight,
 GPipe all ``m``; a rank's activation peak is the largest sum over its stages at any point of its
 action list. Bubble fractions are :func:`hfpipe.plan.split.bubble_fraction`'s analytic ones.
+
+``ep > 1`` re-prices each rank's routed experts (:mod:`hfpipe.plan.experts`: ``1/ep`` of them,
+FSDP2 over ``dp/ep``) and counts the all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
+its frozen base (:mod:`hfpipe.plan.quant`) and adds the transient dequantized weight.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from hfpipe.pipeline.head_loss import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import layer_bytes_per_token
-from hfpipe.plan.memory import BYTES_PER_PARAM, param_bytes
+from hfpipe.plan.experts import all_to_all_bytes, check_ep, describe_ep, price_ranks as price_ep
+from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
+from hfpipe.plan.model_config import load_model_config
+from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
 
 __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
 
-_ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}  # bytes per activation element
 _AC_MODES = ("none", "selective", "full")
 _MULTI_STAGE = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 
@@ -90,10 +95,13 @@ class RankReport:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int  # the peak over the rank's schedule, not the sum of stage peaks
+    transient_bytes: int = 0  # a quantized base's dequantized weights (hfpipe.plan.quant)
+    all_to_all_bytes: int = 0  # expert-parallel traffic one GPU sends per step (not memory)
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+                + self.transient_bytes)
 
 
 @dataclass(frozen=True)
@@ -119,13 +127,16 @@ class PlanReport:
     lora: str | None = None  # a LoRA run's adapters, in words (memory columns are then LoRA's)
     layer_act: tuple[int, int] = (0, 0)  # fewest and most activation bytes a layer keeps per token
     hidden: int = 0
+    ep: int = 1  # expert-parallel degree (hfpipe.plan.experts)
+    notes: tuple[str, ...] = ()  # lines about expert parallelism, a quantized base, idle ranks
 
 
 def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
                 method: str = "balanced", microbatches: int | None = None, seq_len: int = 4096,
                 batch_size: int | None = None, dtype: str = "bf16-mixed",
                 activation_checkpointing: str = "none", name: str | None = None,
-                dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear") -> PlanReport:
+                dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear",
+                ep: int = 1, quantize_base: str | None = None) -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -145,6 +156,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         dp: Data-parallel degree; above 1, weights, gradients and optimizer state are priced as
             FSDP2 shards them (see the module docstring).
         lora_rank, lora_targets: Price a LoRA run instead (frozen base, fp32 adapters).
+        ep: Expert-parallel degree: routed experts sharded over ep ranks of dp (hfpipe.plan.experts).
+        quantize_base: ``nf4`` or ``fp8``: a LoRA run's frozen base quantized (hfpipe.plan.quant).
 
     Raises:
         PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
@@ -152,7 +165,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     """
     from hfpipe.models.registry import get_adapter
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
-    from hfpipe.plan.split import PlanError, bubble_fraction, layer_costs, plan_pipeline
+    from hfpipe.plan.split import PlanError, bubble_fraction, idle_ranks, layer_costs, plan_pipeline
 
     if dtype not in BYTES_PER_PARAM:
         raise PlanError(f"--dtype must be one of {', '.join(BYTES_PER_PARAM)}; got {dtype!r}")
@@ -161,6 +174,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                         f"got {activation_checkpointing!r}")
     if dp < 1:
         raise PlanError(f"--dp must be >= 1, got {dp}")
+    check_quant(quantize_base, lora_rank)
     get_adapter(config)
     from hfpipe.config.options import require_positive
 
@@ -173,6 +187,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     plan = plan_pipeline(config, pp, vpp=vpp, style=schedule_style(schedule), method=method,
                          layout=layout, seq_len=seq_len)
     costs = layer_costs(config, seq_len)
+    check_ep(config, ep, costs, dp)
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens = batch // m * seq_len
     per_layer = layer_bytes_per_token(config, dtype)
@@ -188,14 +203,24 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, dp), peaks[r] + recomputes[r])
                   for r in range(pp))
+    ranks = price_ep(ranks, plan, costs, dtype, dp, ep)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
-    lora = None
+    lora, notes = None, []
     if lora_rank is not None:
         from hfpipe.plan.lora import describe_plan
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
                                     total - costs.embed_params * tied, dp)
+        if ep > 1 or quantize_base:
+            ranks = price_base(ranks, plan, config, quantize_base, dtype, dp, ep)
+    if ep > 1:
+        a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing)
+        ranks = tuple(dataclasses.replace(r, all_to_all_bytes=a) for r, a in zip(ranks, a2a))
+        notes.append(describe_ep(config, ep, dp, a2a, _size, dtype))
+    if quantize_base:
+        notes.append(describe_quant(quantize_base, ranks, _size))
+    notes += idle_ranks(plan)
     return PlanReport(
         model=name or getattr(config, "_name_or_path", "") or config.model_type,
         total_params=total - costs.embed_params * tied, num_layers=len(costs.layers), plan=plan,
@@ -203,7 +228,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         dtype=dtype, activation_checkpointing=activation_checkpointing, stages=stages,
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
         actions=actions, dp=dp, lora=lora, layer_act=(min(per_layer, default=0), max(per_layer, default=0)),
-        hidden=config.hidden_size)
+        hidden=config.hidden_size, ep=ep, notes=tuple(notes))
 
 
 def _stage_params(stage, costs) -> int:
@@ -248,59 +273,10 @@ def _holds(stage) -> str:
     for one, many, ids in (("layer", "layers", stage.layers), ("mtp", "mtp", stage.mtp)):
         if ids:
             parts.append(f"{one} {ids[0]}" if len(ids) == 1 else f"{many} {ids[0]}-{ids[-1]}")
+    if stage.mtp:
+        parts[-1] += " (skipped)"  # the loader skips MTP: transformers has no module to run it
     parts += ["norm, head"] if stage.head else []
     return ", ".join(parts) or "(empty)"
-
-
-def load_model_config(name: str, *, trust_remote_code: bool = False):
-    """A transformers config from a folder, a JSON file, a bundled model id or a hub id.
-
-    Only config.json is read (or, for hub ids not bundled with hfpipe, downloaded).
-
-    Raises:
-        SourceError: nothing usable under that name.
-    """
-    from hfpipe.config.run import bundled_config_dir
-    from hfpipe.source.folder import SourceError, load_config
-
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return load_config(path, trust_remote_code=trust_remote_code)
-    if path.is_file():
-        return _config_from_file(path, trust_remote_code)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(".json"):
-        raise SourceError(f"{name}: no such folder or config file")
-    bundled = bundled_config_dir(name)
-    if bundled is not None:
-        return load_config(bundled, trust_remote_code=trust_remote_code)
-    from huggingface_hub import hf_hub_download
-
-    try:
-        path = Path(hf_hub_download(name, "config.json"))
-    except Exception as e:  # network, auth, offline and unknown-repo errors mean the same here
-        raise SourceError(f"{name}: not a folder, a config file, a bundled model or a fetchable "
-                          f"hub id ({type(e).__name__}); pass a config.json path") from None
-    return load_config(path.parent, trust_remote_code=trust_remote_code)
-
-
-def _config_from_file(path: Path, trust_remote_code: bool):
-    from transformers import AutoConfig
-
-    from hfpipe.source.folder import SourceError, load_config
-
-    if path.name == "config.json":
-        return load_config(path.parent, trust_remote_code=trust_remote_code)
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"{path}: not valid JSON ({e})") from None
-    if raw.get("auto_map") and not trust_remote_code:
-        raise SourceError(f"{path}: model type {raw.get('model_type')!r} needs remote code; "
-                          "pass --trust-remote-code if you trust it")
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError) as e:
-        raise SourceError(f"{path}: {str(e).splitlines()[0]}") from None
 
 
 def _size(n: float) -> str:
@@ -351,19 +327,26 @@ def format_report(report: PlanReport) -> str:
         [s.index, s.rank, s.holds, _count(s.params), f"{s.cost_share:.3f}", s.in_flight,
          _size(s.activation_bytes)] for s in r.stages], left=2)
     lines.append("")
-    lines += _table(["rank", "stages", "params", "weights", "grads", "optimizer", "activations", "total"], [
+    dequant, a2a = any(k.transient_bytes for k in r.ranks), r.ep > 1
+    lines += _table(["rank", "stages", "params", "weights", "grads", "optimizer", "activations"]
+                    + ["dequant"] * dequant + ["total"] + ["all-to-all/step"] * a2a, [
         [k.rank, ",".join(map(str, k.stages)), _count(k.params), _size(k.weight_bytes),
-         _size(k.grad_bytes), _size(k.optimizer_bytes), _size(k.activation_bytes),
-         _size(k.total_bytes)] for k in r.ranks])
+         _size(k.grad_bytes), _size(k.optimizer_bytes), _size(k.activation_bytes)]
+        + [_size(k.transient_bytes)] * dequant + [_size(k.total_bytes)]
+        + [_size(k.all_to_all_bytes)] * a2a for k in r.ranks])
     worst = max(r.ranks, key=lambda k: k.total_bytes)
+    tokens = r.microbatches * r.microbatch_size * r.seq_len * r.dp
     lines += [
         "",
         f"balance {r.balance:.3f} (costliest stage / mean; 1.000 is perfect)",
         f"bubble {100 * r.bubble:.1f}% of each step idle ({r.schedule}, analytic)",
+        f"tokens per schedule step: {tokens:,} ({r.microbatches * r.microbatch_size} sequences x "
+        f"{r.seq_len} x dp {r.dp}) on {plan.pp * r.dp} GPUs",
         f"peak memory {_size(worst.total_bytes)} on rank {worst.rank}",
         f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "
         f"{_per_layer(r)} per token per layer (measured on transformers' layer), logits on the head stage",
     ]
     if r.lora:
         lines.append(r.lora)
+    lines += r.notes
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from hfpipe.plan.spec import StageSpec
 
 __all__ = [
     "METHODS", "SCHEDULES", "STYLES", "CostModel", "Plan", "PlanError", "StageSpec",
-    "balanced_partition", "bubble_fraction", "layer_costs", "parse_layout", "plan_pipeline",
+    "balanced_partition", "bubble_fraction", "idle_ranks", "layer_costs", "parse_layout", "plan_pipeline",
 ]
 
 METHODS = ("balanced", "even", "weighted", "layout")
@@ -294,10 +294,19 @@ def _stages(tokens: list[list[str]], costs: CostModel) -> tuple[StageSpec, ...]:
         mtp = tuple(range(next_mtp, next_mtp + stage.count("m")))
         next_layer, next_mtp = next_layer + len(layers), next_mtp + len(mtp)
         embed, head = "E" in stage, "L" in stage
-        cost = sum(costs.layers[i] for i in layers) + len(mtp) * costs.mtp
-        cost += costs.embed * embed + costs.head * head
+        # MTP layers cost nothing: the loader skips them (transformers has no module to run them),
+        # so a stage of only 'm' idles its rank; a layout should fold 'm' into the head's stage
+        cost = sum(costs.layers[i] for i in layers) + costs.embed * embed + costs.head * head
         stages.append(StageSpec(index, layers, embed, head, mtp, cost))
     return tuple(stages)
+
+
+def idle_ranks(plan: Plan) -> list[str]:
+    """A line per rank with nothing to run (no layer, embedding or head: a stage of only MTP)."""
+    idle = [r for r in range(plan.pp)
+            if not any(s.layers or s.embed or s.head for s in plan.stages_of_rank(r))]
+    return [f"rank {r} runs nothing (its stages hold only MTP layers, which hfpipe skips): fold "
+            "'m' into the head's stage of --layout (e.g. ...|t,mL) to give it work" for r in idle]
 
 
 def bubble_fraction(schedule: str, pp: int, vpp: int, microbatches: int) -> float:

@@ -94,8 +94,11 @@ class PipelineTrainer:
         # scaled up by dp to leave the sum over all tokens / global token count.
         dp = self.dist.dp
         loss = torch.zeros((), dtype=torch.float64)
+        # A microbatch's router aux loss counts 1 / (all microbatches of the step), scaled up by dp
+        # like the token loss (hfpipe.pipeline.router_loss).
+        router_denominator = len(batches) * self.pipe.microbatches
         for batch in batches:
-            part = self.pipe.train_step(batch, tokens / dp)
+            part = self.pipe.train_step(batch, tokens / dp, router_denominator)
             if part is not None:
                 loss += part.double().cpu() / dp
         self._sync_tied_grads()

@@ -1,0 +1,121 @@
+"""What expert parallelism (``--ep N``) costs each pipeline rank, for ``hfpipe plan``.
+
+Each MoE layer's routed experts are sharded over ``ep`` ranks of the data-parallel group (ep
+divides dp): a rank holds ``E / ep`` of the ``E`` routed experts of each of its MoE layers.
+Everything else (attention, norms, the router, shared experts, dense layers, embedding, head) is
+replicated over the group and FSDP2-sharded over all ``dp`` ranks, as without ep. The experts a
+rank holds are FSDP2-sharded over the ``dp / ep`` ranks that hold the same experts (the expert
+helper's design, as in NeMo AutoModel and DeepSpeed-MoE: an (edp, ep) mesh over the dp ranks); at
+``ep == dp`` they are not sharded further. So per expert parameter a rank keeps
+:func:`~hfpipe.plan.memory.param_bytes` at ``dp / ep`` instead of ``dp``, on ``1 / ep`` of them.
+
+Tokens reach their experts by all-to-all and come back the same way. Per MoE layer and microbatch,
+each rank sends (and receives) ``tokens * top_k * hidden * bytes * (ep - 1) / ep`` in each of four
+all-to-alls: dispatch and combine, in forward and again (their gradients) in backward. A layer that
+activation checkpointing recomputes runs its forward pair once more in backward (``full``: every
+layer; ``selective``: every other layer). Activations per token are the measured layer's
+(:mod:`hfpipe.plan.activations`): on average a rank's experts receive as many token copies as
+without ep (``tokens * top_k``), only from every rank of the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hfpipe.plan.memory import ACT_BYTES, param_bytes
+
+__all__ = ["EP_KEYS", "all_to_all_bytes", "check_ep", "describe_ep", "price_ranks", "routed_experts"]
+
+#: config keys of the routed-expert count and of the experts each token goes to, by family.
+EP_KEYS = (("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"),
+           ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"))
+
+
+def routed_experts(config) -> tuple[int, int]:
+    """(routed experts per MoE layer, experts per token); (0, 0) for a dense model."""
+    count, top_k = (next((int(getattr(config, k)) for k in keys if getattr(config, k, None)), 0)
+                    for keys in EP_KEYS)
+    return count, top_k
+
+
+def check_ep(config, ep: int, costs, dp: int) -> None:
+    """Raise PlanError unless ``ep`` can shard this model's routed experts over ``dp`` ranks (one
+    line, the fix). FinetuneConfig checks ep | dp for runs; plan_report is also called directly."""
+    from hfpipe.errors import PlanError
+
+    if ep < 1 or dp % ep:
+        raise PlanError(f"--ep ({ep}) must divide --dp ({dp}): experts are sharded over ep ranks "
+                        "of the data-parallel group")
+    if ep == 1:
+        return
+    count, _ = routed_experts(config)
+    # the runtime shards what transformers' expert-parallel plan names (hfpipe.parallel.expert):
+    # a MoE family without one cannot run --ep, so it is not priced either
+    if not any(costs.layer_routed_params) or not count or not getattr(config, "base_model_ep_plan", None):
+        raise PlanError(f"--ep {ep}: {config.model_type} is a dense model (no routed experts to "
+                        "shard) or has no expert-parallel plan in transformers; leave out --ep")
+    if count % ep:
+        fits = [d for d in range(2, count + 1) if count % d == 0 and d <= 64]
+        raise PlanError(f"--ep {ep} must divide the {count} routed experts of each MoE layer; "
+                        f"use one of {', '.join(map(str, fits[:8]))}")
+
+
+def price_ranks(ranks, plan, costs, dtype: str, dp: int, ep: int) -> tuple:
+    """``ranks`` (full-run :class:`~hfpipe.plan.report.RankReport`) with each rank's experts cut to
+    ``1 / ep`` and priced as FSDP2 shards over ``dp / ep`` (the module docstring)."""
+    if ep == 1:
+        return tuple(ranks)
+    out = []
+    for r in ranks:
+        routed = _routed_on(plan, r.rank, costs)
+        other, held = r.params - routed, routed // ep
+        w, g, o = (a * other + b * held for a, b in zip(param_bytes(dtype, dp), param_bytes(dtype, dp // ep)))
+        out.append(dataclasses.replace(r, params=other + held, weight_bytes=int(w), grad_bytes=int(g),
+                                       optimizer_bytes=int(o)))
+    return tuple(out)
+
+
+def expert_params_held(plan, rank: int, costs, ep: int) -> tuple[int, int]:
+    """(routed-expert parameters a pipeline rank's layers have, the share it holds at ``ep``)."""
+    routed = _routed_on(plan, rank, costs)
+    return routed, routed // ep
+
+
+def _routed_on(plan, rank: int, costs) -> int:
+    if not costs.layer_routed_params:
+        return 0
+    return sum(costs.layer_routed_params[i] for s in plan.stages_of_rank(rank) for i in s.layers)
+
+
+def all_to_all_bytes(plan, costs, config, ep: int, microbatches: int, tokens: int, dtype: str,
+                     ac: str) -> tuple[int, ...]:
+    """Per pipeline rank, the bytes one GPU sends in all-to-alls per schedule step (and receives)."""
+    if ep == 1:
+        return (0,) * plan.pp
+    _, top_k = routed_experts(config)
+    one = tokens * top_k * config.hidden_size * ACT_BYTES[dtype] * (ep - 1) / ep  # one all-to-all
+    step = max(1, {"none": 0, "full": 1, "selective": 2}[ac])
+    out = []
+    for rank in range(plan.pp):
+        calls = 0
+        for stage in plan.stages_of_rank(rank):
+            moe = [i for i in stage.layers if costs.is_moe[i]]
+            # dispatch + combine, forward and backward; a recomputed layer's forward pair again
+            recomputed = sum(1 for j, i in enumerate(stage.layers) if costs.is_moe[i] and j % step == 0) \
+                if ac != "none" else 0
+            calls += 4 * len(moe) + 2 * recomputed
+        out.append(int(calls * one * microbatches))
+    return tuple(out)
+
+
+def describe_ep(config, ep: int, dp: int, a2a: tuple[int, ...], size, dtype: str) -> str:
+    """The line ``hfpipe plan`` prints about the experts' sharding and their all-to-all traffic."""
+    count, top_k = routed_experts(config)
+    edp = dp // ep
+    w, g, o = (f"{b:g}" for b in param_bytes(dtype, edp))
+    fsdp = f"FSDP2 over the {edp} ranks holding the same experts" if edp > 1 else "not sharded further"
+    return (f"experts: ep {ep}, {count // ep} of {count} routed experts per rank per MoE layer ({fsdp}: "
+            f"weights {w} B, grads {g} B, AdamW {o} B per expert parameter; rank params count these); "
+            f"shared experts and the rest FSDP2 over dp {dp}; all-to-all (top {top_k}, dispatch + "
+            f"combine, forward + backward) {size(max(a2a))} per GPU per step on the busiest rank, "
+            f"{size(sum(a2a) * dp)} across all {dp * len(a2a)} GPUs")

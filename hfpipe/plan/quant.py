@@ -1,0 +1,168 @@
+"""What a quantized frozen base (``--quantize-base nf4|fp8``, LoRA runs) costs each rank.
+
+Which weights: every linear weight inside a decoder layer except a MoE router's (``mlp.gate``,
+``router``), as :mod:`hfpipe.quant` quantizes them, and the routed experts' weight stacks (they stay
+quantized on their ranks under ``--ep``). The embedding, the head, norms, routers, biases and the
+LoRA adapters stay in the run's dtype.
+
+Bytes per quantized parameter:
+
+- ``nf4``: torchao's ``NF4Tensor`` (QLoRA's format; hfpipe's choice over bitsandbytes, see
+  :mod:`hfpipe.quant.nf4`): 4 bits per value, one absmax per block of 64 values, and the absmaxes
+  double-quantized: int8 each, with one scale per group of up to 256 blocks (priced at 4 bytes).
+  ``0.5 + 1/64 + 4/(64*256)`` = 0.516 bytes per parameter (0.5625 without double quantization).
+- ``fp8``: e4m3, 1 byte, plus one fp32 scale per 128 x 128 tile of each matrix (edge tiles
+  partial), DeepSeek's ``weight_block_size`` (``weight_scale_inv``): 1.0002 bytes for big matrices.
+
+Under FSDP2 (dp > 1) a quantized weight is sharded and gathered as it is, quantized: a rank keeps
+its shard plus the gathered weight during a step, ``q / dp + q`` (no fp32 master: the base is
+frozen). A linear dequantizes just in time, in forward and again in backward, so one dequantized
+weight lives at a time: priced as the rank's largest quantized weight in the run's dtype, twice (a
+forward's and a backward's can overlap in a 1F1B steady state). A routed-expert stack runs as one
+grouped matmul, so its transient is the whole stack the rank holds (``E / ep`` experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hfpipe.plan.memory import ACT_BYTES, param_bytes
+
+__all__ = ["QUANT_BYTES", "LayerQuant", "check_quant", "layer_quant", "price_ranks", "describe_quant"]
+
+_NF4_BLOCK, _NF4_GROUP, _FP8_TILE = 64, 256, 128
+#: kind -> bytes per quantized value before scales.
+QUANT_BYTES = {"nf4": 0.5, "fp8": 1.0}
+_SKIP = ("mlp.gate", "router")  # routers stay in the run's dtype (as hfpipe.quant.linear skips them)
+
+
+@dataclass(frozen=True)
+class LayerQuant:
+    """The quantizable weights of one decoder layer."""
+
+    linear: int  # parameters of quantized linear weights outside the routed experts
+    linear_tiles: int  # their 128 x 128 FP8 tiles
+    largest: int  # parameters of the largest of them
+    experts: int  # parameters of the routed experts' weight stacks (all experts)
+    expert_tiles: int  # their 128 x 128 FP8 tiles (per expert matrix)
+    largest_stack: int  # parameters of the largest routed-expert stack (all experts)
+
+
+def check_quant(kind: str | None, lora_rank: int | None) -> None:
+    """Raise PlanError unless ``--quantize-base kind`` can be priced (FinetuneConfig repeats it)."""
+    from hfpipe.errors import PlanError
+
+    if kind is not None and kind not in QUANT_BYTES:
+        raise PlanError(f"--quantize-base must be one of {', '.join(QUANT_BYTES)}; got {kind!r}")
+    if kind is not None and lora_rank is None:
+        raise PlanError("--quantize-base applies to LoRA runs only (the base must be frozen); add "
+                        "--lora-rank R (e.g. 16)")
+
+
+def layer_quant(config) -> tuple[LayerQuant, ...]:
+    """Per decoder layer, its quantizable weights, counted on the meta model (cached per config)."""
+    from hfpipe.plan.cost import config_key
+
+    key = (config_key(config), type(config))
+    if key not in _CACHE:
+        _CACHE.clear() if len(_CACHE) > 16 else None
+        _CACHE[key] = _count(config)
+    return _CACHE[key]
+
+
+_CACHE: dict = {}
+
+
+def _count(config) -> tuple[LayerQuant, ...]:
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.plan.cost import _decoder_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
+    return tuple(_one_layer(layer) for layer in _decoder_layers(model, config.num_hidden_layers))
+
+
+def _one_layer(layer: torch.nn.Module) -> LayerQuant:
+    lin = tiles = largest = exp = exp_tiles = stack = 0
+    for name, module in layer.named_modules():
+        routed = "experts" in name.split(".")  # not shared_experts: those run for every token
+        for pname, p in module.named_parameters(recurse=False):
+            if routed and p.dim() == 3 and "bias" not in pname:  # fused [E, out, in] stacks
+                exp += p.numel()
+                exp_tiles += p.shape[0] * _tiles(p.shape[1], p.shape[2])
+                stack = max(stack, p.numel())
+            elif isinstance(module, torch.nn.Linear) and pname == "weight" and not name.endswith(_SKIP):
+                if routed:  # experts as a ModuleList of linears
+                    exp, exp_tiles = exp + p.numel(), exp_tiles + _tiles(*p.shape)
+                else:
+                    lin, tiles, largest = lin + p.numel(), tiles + _tiles(*p.shape), max(largest, p.numel())
+    return LayerQuant(lin, tiles, largest, exp, exp_tiles, stack)
+
+
+def _tiles(rows: int, cols: int) -> int:
+    return -(-rows // _FP8_TILE) * -(-cols // _FP8_TILE)
+
+
+def _quantized_bytes(kind: str, params: float, tiles: float) -> float:
+    if kind == "nf4":
+        return params * (0.5 + 1 / _NF4_BLOCK + 4 / (_NF4_BLOCK * _NF4_GROUP))
+    return params * QUANT_BYTES["fp8"] + 4 * tiles
+
+
+def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int, ep: int) -> tuple:
+    """LoRA ranks (:func:`hfpipe.lora.memory.describe_plan`'s) with the frozen base re-priced: its
+    routed experts sharded over ``dp / ep`` and, with ``kind``, its linear weights quantized.
+
+    ``describe_plan`` priced every base parameter a rank holds at a frozen full-precision weight's
+    bytes over ``dp``; that part is replaced here, the adapters' bytes are kept.
+    """
+    per_layer = layer_quant(config) if kind else None
+    from hfpipe.plan.cost import layer_costs
+
+    costs = layer_costs(config)
+    out = []
+    for r in lora_ranks:
+        layers = [i for s in plan.stages_of_rank(r.rank) for i in s.layers]
+        routed = sum(costs.layer_routed_params[i] for i in layers) // ep
+        adapters = r.weight_bytes - int(r.params * param_bytes(dtype, dp)[0])
+        base, transient = _base_bytes(r.params, routed, layers, per_layer, kind, dtype, dp, ep)
+        out.append(dataclasses.replace(r, weight_bytes=int(base) + adapters, transient_bytes=int(transient)))
+    return tuple(out)
+
+
+def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, dp: int, ep: int):
+    """(frozen base bytes, transient dequantized bytes) of a rank holding ``params`` base
+    parameters, ``routed`` of them routed experts (already cut to ``1 / ep``)."""
+    edp = dp // ep
+    full, full_e = param_bytes(dtype, dp)[0], param_bytes(dtype, edp)[0]
+    if not kind:
+        return (params - routed) * full + routed * full_e, 0
+
+    def gathered(n: int) -> float:  # FSDP2: the shard, plus the whole weight during a step
+        return 1 / n + 1 if n > 1 else 1
+
+    q = [per_layer[i] for i in layers]
+    lin, exp = sum(x.linear for x in q), sum(x.experts for x in q) // ep
+    # unquantized: embedding, head, norms, routers, biases (experts' over dp / ep)
+    base = (params - routed - lin) * full + (routed - exp) * full_e
+    base += _quantized_bytes(kind, lin, sum(x.linear_tiles for x in q)) * gathered(dp)
+    base += _quantized_bytes(kind, exp, sum(x.expert_tiles for x in q) / ep) * gathered(edp)
+    largest = max([x.largest for x in q] + [x.largest_stack // ep for x in q] + [0])
+    return base, 2 * largest * ACT_BYTES[dtype]
+
+
+def describe_quant(kind: str, ranks, size) -> str:
+    """The line ``hfpipe plan`` prints about the quantized base (``size`` formats bytes)."""
+    per = {"nf4": "0.516 B/param (4-bit NF4, one int8 absmax per 64 values, double-quantized: one "
+                  "scale per 256 absmaxes; torchao)",
+           "fp8": "1 B/param + one fp32 scale per 128x128 tile (e4m3, DeepSeek's block format)"}[kind]
+    worst = max(r.transient_bytes for r in ranks)
+    return (f"base quantized {kind}: decoder-layer linears and routed experts at {per}; embedding, "
+            f"head, norms and routers in the run's dtype; dequantized just in time, {size(worst)} "
+            f"transient on the busiest rank (its largest weight in the run's dtype, x2)")
