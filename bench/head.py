@@ -36,7 +36,7 @@ def _stage(a):
     import torch
     from transformers import LlamaConfig
 
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.registry import adapter_for
     from hfpipe.plan.spec import StageSpec
     from hfpipe.pipeline.stage import build_stage_modules
 
@@ -45,7 +45,7 @@ def _stage(a):
                          num_hidden_layers=2, num_attention_heads=max(1, a.hidden // 128),
                          tie_word_embeddings=False)
     (stage,) = build_stage_modules(config, [StageSpec(1, (), embed=False, head=True)],
-                                   adapter=get_adapter(config))
+                                   adapter=adapter_for(config))
     stage.to_empty(device="cpu")
     with torch.no_grad():
         stage.lm_head.weight.normal_(0, 0.02)

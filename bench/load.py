@@ -18,6 +18,11 @@ Per rank it reports, against the rank's stage tensor bytes:
 
 Run:  python bench/load.py [--pp 4] [--dtype bf16] [--workdir /tmp/hfpipe-bench-load] [--rebuild]
 
+With ``--ep N`` it measures expert parallelism instead: a Mixtral-shaped MoE saved in both key layouts
+hub checkpoints use (per-expert 2-D tensors, and fused 3-D ``gate_up_proj``/``down_proj``), loaded by
+N ranks (pp 1, dp N, ep N) in real gloo processes; per rank and layout, what it read against its share
+(its tensors' bytes: the shared layers whole, its E/N experts). Goal: <= 1.05.
+
 Reading the numbers: ``rchar`` counts bytes *requested from the kernel* by read() calls, served
 from the page cache or the disk alike, and it cannot see memory-mapped reads (safetensors'
 ``safe_open``, which ``from_pretrained`` uses, shows ~0 there). So before every child the
@@ -96,7 +101,7 @@ def _rank(folder: Path, pp: int, rank: int, dtype: str) -> dict:
     from hfpipe.pipeline.load import load_rank_stages
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
-    from hfpipe.pipeline.stage import build_meta_model
+    from hfpipe.models.meta import build_meta_model
 
     src = ModelSource.open(folder)
     plan = plan_pipeline(src.config, pp)
@@ -146,12 +151,74 @@ def _ready(folder: Path, pp: int) -> dict:
     sys.path.insert(0, str(REPO))
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
-    from hfpipe.pipeline.stage import build_meta_model
+    from hfpipe.models.meta import build_meta_model
 
     src = ModelSource.open(folder)
     plan_pipeline(src.config, pp)
     build_meta_model(src.config)
     return {"maxrss": _maxrss()}
+
+
+def _ep_rank(folder: str, ep: int, dtype: str) -> dict:
+    """One of ``ep`` ranks (spawned): load every layer with this rank's experts only."""
+    import torch
+
+    from hfpipe.parallel.expert import init_expert_mesh
+    from hfpipe.parallel.mesh import init_distributed
+    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.stage import build_meta_model
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
+
+    info = init_distributed(1, ep)
+    src = ModelSource.open(folder)
+    plan = plan_pipeline(src.config, 1)
+    build_meta_model(src.config)
+    mesh = init_expert_mesh(info, ep)
+    m = _measure(lambda: load_rank_stages(src, plan, 0, torch.device("cpu"), getattr(torch, DTYPES[dtype]),
+                                          expert_mesh=mesh))
+    (stage,), stats = m.pop("out")
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in stage.state_dict(keep_vars=True).values()]
+    return {**m, "share": _unique_bytes(local), "bytes_read": stats.bytes_read, "files": len(stats.files_opened)}
+
+
+def _ep_report(a: argparse.Namespace) -> None:
+    """Per layout and rank: bytes read at ``--ep`` over the rank's share."""
+    sys.path.insert(0, str(REPO))
+    from hfpipe.parallel.launch import launch
+
+    root = Path(a.workdir) / "moe"
+    dims = dict(hidden_size=a.hidden // 4, intermediate_size=a.intermediate // 4, num_hidden_layers=a.layers // 2,
+                vocab_size=a.vocab // 4)
+    folders = {layout: root / layout for layout in ("per-expert", "fused")}
+    if a.rebuild or not all((f / "config.json").is_file() for f in folders.values()):
+        print(f"building a random Mixtral-shaped MoE in {root} ...", flush=True)
+        args = ["--child", "moe", str(root), json.dumps(dims), a.dtype]
+        subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True)
+    head = f"{'layout':>10} {'rank':>4} {'share MB':>8} {'files':>5} | {'rchar':>6} {'stats':>6} {'time s':>6}"
+    print(f"ep={a.ep}: {dims} with 8 experts, {a.dtype}\n{head}\n" + "-" * len(head))
+    worst = 0.0
+    for layout, folder in folders.items():
+        _evict(folder)
+        for rank, r in sorted(launch(_ep_rank, a.ep, str(folder), a.ep, a.dtype, threads_per_rank=1).items()):
+            ratios = (r["rchar"] / r["share"], r["bytes_read"] / r["share"])
+            worst = max(worst, *ratios)
+            print(f"{layout:>10} {rank:>4} {r['share'] / 1e6:>8.1f} {r['files']:>5} | {ratios[0]:>6.3f} "
+                  f"{ratios[1]:>6.3f} {r['load_s']:>6.1f}")
+    print(f"\nworst read ratio at ep={a.ep} {worst:.3f} (goal <= 1.05); rchar and stats as above, over the rank's share")
+
+
+def _build_moe(root: Path, dims: dict, dtype: str) -> None:
+    """Child: one random Mixtral-shaped MoE, saved per-expert (as the hub) and fused (in-memory keys)."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    cfg = MixtralConfig(**dims, num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
+                        num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, DTYPES[dtype]))
+    model.save_pretrained(root / "per-expert", max_shard_size="50MB")
+    model.save_pretrained(root / "fused", max_shard_size="50MB", save_original_format=False)
 
 
 def _child(*args: str) -> dict:
@@ -194,12 +261,13 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="checkpoint and stage dtype")
     p.add_argument("--workdir", default="/tmp/hfpipe-bench-load", help="the checkpoint is cached here")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached checkpoint")
+    p.add_argument("--ep", type=int, default=0, help="measure expert-parallel loading at this ep instead")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         kind, *rest = a.child
-        if kind == "build":
-            _build(Path(rest[0]), json.loads(rest[1]), rest[2])
+        if kind in ("build", "moe"):
+            (_build if kind == "build" else _build_moe)(Path(rest[0]), json.loads(rest[1]), rest[2])
             return
         children = {
             "base": lambda: _baseline(),
@@ -210,6 +278,8 @@ def main() -> None:
         out = children[kind]()
         print(json.dumps(out))
         return
+    if a.ep:
+        return _ep_report(a)
     folder = Path(a.workdir) / "llama"
     folder.mkdir(parents=True, exist_ok=True)
     dims = dict(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,

@@ -79,6 +79,7 @@ def finetune(
     lora_dropout: Annotated[Optional[float], _opt("lora_dropout")] = None,
     lora_targets: Annotated[Optional[str], _opt("lora_targets")] = None,
     quantize_base: Annotated[Optional[str], _opt("quantize_base")] = None,
+    quantize_block_size: Annotated[Optional[int], _opt("quantize_block_size")] = None,
     timeout: Annotated[Optional[float], _opt("timeout")] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes in the job; run the same command on each.")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's index, 0 .. nnodes-1.")] = 0,

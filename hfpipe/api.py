@@ -13,15 +13,17 @@ Inside ``torchrun --nproc-per-node 4 train.py``::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
+from hfpipe.parallel.expert import check_expert_parallel, experts_of, init_expert_mesh, shard_moe_layer
 from hfpipe.parallel.mesh import Dist, init_distributed
 from hfpipe.pipeline.load import load_rank_stages
-from hfpipe.models.registry import get_adapter
+from hfpipe.models.support import get_adapter
 from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_microbatches, schedule_style
 from hfpipe.plan.split import Plan, plan_pipeline
 from hfpipe.source.folder import ModelSource
@@ -60,6 +62,8 @@ class PipelineModel:
     pipe: Pipeline
     tied_group: object = None
     lora: object = None  # the resolved peft.LoraConfig of a LoRA run (base frozen), or None
+    quantize: object = None  # the hfpipe.quant.linear.QuantSpec of a quantized base, or None
+    ep: int = 1  # ranks each MoE layer's routed experts are sharded over
 
     @property
     def loss_rank(self) -> int:
@@ -126,12 +130,14 @@ class PipelineModel:
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
         meta = {"format": 1, "source": str(self.source.folder), "tied": self.tied,
                 "source_dtype": str(dtype).replace("torch.", ""),
-                "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp},
-                "world": {"pp": self.dist.pp, "dp": self.dist.dp}, "train": {}, **(extra or {})}
+                "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp, "ep": self.ep},
+                "world": {"pp": self.dist.pp, "dp": self.dist.dp, "ep": self.ep}, "train": {}, **(extra or {})}
         if self.lora is not None:
             from hfpipe.lora.adapters import config_to_dict
 
             meta["lora"] = config_to_dict(self.lora)  # the base is meta["source"]
+        if self.quantize is not None:
+            meta["quantize_base"] = self.quantize.to_dict()  # how the base was quantized (for --merge)
         return save_checkpoint(Path(root), step, self.view(), optimizer, meta, keep=keep,
                                async_save=async_save)
 
@@ -175,7 +181,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
                   trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
                   seed: int = 0, loss_chunk_tokens: int | None = None,
-                  quantize_base: str | None = None) -> PipelineModel:
+                  quantize_base: str | None = None, quantize_block_size: int | None = None) -> PipelineModel:
     """Load this rank's stages of ``model`` (folder or hub id) ready to train.
 
     Args:
@@ -196,10 +202,12 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         seed: Seeds the LoRA adapters' initialisation (per adapter, whatever the pipeline size).
         loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
             chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.pipeline.head_loss`.
-        quantize_base: ``nf4`` or ``fp8``: keep a LoRA run's frozen base quantized on the device.
+        quantize_base: ``nf4`` or ``fp8``: keep a LoRA run's frozen base quantized on the device
+            (:mod:`hfpipe.quant`); every decoder-layer linear dequantizes just in time.
+        quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the
+            checkpoint's own tiles, else 128).
     """
-    if ep != 1 or quantize_base is not None:  # the two axes land in parallel/ and quant/
-        raise PipelineError("--ep and --quantize-base are not available in this build yet")
+    quantize = _quant_spec(quantize_base, quantize_block_size, lora)
     pp = pp or _default_pp(dp)
     vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
     microbatches = microbatches or pp * vpp
@@ -208,10 +216,17 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
+    check_expert_parallel(source.config, ep, dp, schedule)
+    if ep > 1 and lora is not None:
+        raise PipelineError("--ep with LoRA (--lora-rank) is not supported yet; use --ep 1 for LoRA runs")
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
     dist = dist or init_distributed(pp, dp)
     param_dtype, compute_dtype = DTYPES[dtype]
-    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype)
+    if quantize is not None:
+        quantize = dataclasses.replace(quantize, dtype=str(param_dtype).removeprefix("torch."))
+    emesh = init_expert_mesh(dist, ep) if ep > 1 else None
+    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype, quantize,
+                                     expert_mesh=emesh)
     log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
              stats.bytes_read / 1e6, len(stats.files_opened))
     for m in modules:
@@ -222,17 +237,37 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
 
         lora = resolve_config(lora, modules[0]._hf_model)
         add_adapters(modules, lora, seed=seed)
+    if dp > 1 and quantize is not None:
+        from hfpipe.quant.linear import check_shardable
+
+        check_shardable(modules, dp)
     if dp > 1 or compute_dtype != param_dtype:
-        _shard(modules, dist, compute_dtype)
+        _shard(modules, dist, compute_dtype, emesh)
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     group = tied_groups(plan, dist, tied)
     pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=loss_chunk_tokens)
-    return PipelineModel(source, plan, dist, modules, pipe, group, lora)
+    return PipelineModel(source, plan, dist, modules, pipe, group, lora, quantize, ep)
 
 
-def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:
+def _quant_spec(kind: str | None, block: int | None, lora):
+    """The :class:`~hfpipe.quant.linear.QuantSpec` of ``quantize_base``, checked against ``lora``."""
+    if kind is None:
+        if block is not None:
+            raise PipelineError("--quantize-block-size applies with --quantize-base nf4|fp8 only")
+        return None
+    if lora is None:
+        raise PipelineError("--quantize-base trains LoRA adapters on a frozen base; add --lora-rank R (e.g. 16)")
+    from hfpipe.quant.linear import QuantSpec
+
+    return QuantSpec(kind, block)
+
+
+def _shard(modules, dist: Dist, compute_dtype: torch.dtype, emesh=None) -> None:
     """FSDP2 over the dp mesh dimension: each decoder layer, then the stage.
+
+    With sharded experts (``emesh``), a MoE layer's experts, attention and MoE block are units of their
+    own first (:func:`hfpipe.parallel.expert.shard_moe_layer`).
 
     Also how bf16-mixed works: FSDP2 keeps fp32 sharded masters (and so fp32 optimizer state)
     and casts to bf16 for compute, reducing gradients in fp32. No reshard after forward:
@@ -248,5 +283,7 @@ def _shard(modules, dist: Dist, compute_dtype: torch.dtype) -> None:
     stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for m in modules:
         for layer in m.model.layers.values():
+            if emesh is not None and experts_of(layer):
+                shard_moe_layer(layer, mesh, emesh, mp)
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
         fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=False)

@@ -91,7 +91,7 @@ def _from_checkpoint(ckpt: Path, source: str | Path | None, trust_remote_code: b
     from hfpipe.checkpoint.dcp_reader import _DcpReader
     from hfpipe.checkpoint.meta import read_checkpoint_meta
     from hfpipe.source.folder import load_config
-    from hfpipe.pipeline.stage import build_meta_model
+    from hfpipe.models.meta import build_meta_model
 
     meta = read_checkpoint_meta(ckpt)
     if meta.get("lora"):

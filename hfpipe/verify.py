@@ -73,7 +73,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
             the options cannot be used (one line saying what to fix).
     """
     from hfpipe.parallel.launch import launch
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.support import get_adapter
     from hfpipe.pipeline.schedule import PipelineError, check_microbatches, schedule_style
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource

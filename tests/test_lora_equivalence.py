@@ -60,6 +60,8 @@ def start_adapters(pm) -> dict[str, torch.Tensor]:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    if hasattr(getattr(t, "_local_tensor", t), "get_original_weight"):  # a frozen NF4 base weight (dp: its shard)
+        return getattr(t, "_local_tensor", t).get_original_weight().detach().cpu()
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
@@ -94,13 +96,19 @@ def pipeline_worker(path: str, pp: int, dp: int, schedules: tuple[str, ...], kw:
     return results
 
 
-def reference_run(path: str, kw: dict, start: dict[str, torch.Tensor], dp: int = 1,
-                  dtype: torch.dtype = torch.float32) -> dict:
-    """PEFT in one process, starting from the adapters ``start`` (stage names)."""
-    from peft import get_peft_model
+def hf_model(path: str, dtype: torch.dtype = torch.float32):
+    """The oracle's base model: transformers' ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), lora_config(kw)).train()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def reference_run(path: str, kw: dict, start: dict[str, torch.Tensor], dp: int = 1,
+                  dtype: torch.dtype = torch.float32, build=hf_model) -> dict:
+    """PEFT in one process on ``build(path, dtype)``, starting from the adapters ``start`` (stage names)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(build(path, dtype), lora_config(kw)).train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ours = {"base_model.model." + k: v for k, v in start.items()}
     assert sorted(n for n, _ in named) == sorted(ours), "the pipeline's adapters are PEFT's, by name"
@@ -131,11 +139,12 @@ def merged(ranks: dict, schedule: str, key: str) -> dict[str, torch.Tensor]:
 
 
 def run_and_check(kind: str, pp: int, schedules, kw: dict = LORA, options: dict | None = None,
-                  dp: int = 1, dtype: torch.dtype = torch.float32, tol: float = TOL) -> dict:
-    path = str(tiny_checkpoint(kind, num_hidden_layers=LAYERS))
+                  dp: int = 1, dtype: torch.dtype = torch.float32, tol: float = TOL, build=hf_model,
+                  path: str | None = None) -> dict:
+    path = path or str(tiny_checkpoint(kind, num_hidden_layers=LAYERS))
     ranks = run_ranks(pipeline_worker, pp * dp, path, pp, dp, tuple(schedules), kw, options or {})
     start = merged(ranks, schedules[0], "start")
-    ref = reference_run(path, kw, start, dp, dtype)
+    ref = reference_run(path, kw, start, dp, dtype, build)
     assert ref["moved"] > 100 * TOL  # the adapters really move: agreement is not trivial
     for schedule in schedules:
         # the same adapters start every run: their initialisation does not depend on the layout

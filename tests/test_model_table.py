@@ -114,7 +114,7 @@ def test_table_has_the_required_families():
 
 def test_every_table_row_is_a_tested_adapter_and_back():
     from hfpipe.models.registry import SUPPORTED_MODEL_TYPES
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.support import get_adapter
     from hfpipe.tiny import tiny_config
 
     for kind in TABLE:

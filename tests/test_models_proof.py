@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 
 from hfpipe.models.adapter import UnsupportedModelError
 from hfpipe.models.registry import SUPPORTED_MODEL_TYPES
-from hfpipe.models.registry import get_adapter
+from hfpipe.models.support import get_adapter
 from hfpipe.models.proof import replica_config
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,

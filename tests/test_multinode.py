@@ -80,8 +80,8 @@ def two_hosts():
     hosts.close()
 
 
-def _finetune_args(model, pp: int, dp: int, out: str) -> list:
-    return ["finetune", model, "--pp", pp, "--dp", dp, "--max-steps", 3, "--seq-len", 32, "--batch-size", 4,
+def _finetune_args(model, pp: int, dp: int, out: str, ep: int = 1) -> list:
+    return ["finetune", model, "--pp", pp, "--dp", dp, "--ep", ep, "--max-steps", 3, "--seq-len", 32, "--batch-size", 4,
             "--microbatches", 2, "--lr", 3e-3, "--warmup-steps", 1, "--output-dir", out, "--save-hf-at-end",
             "--threads-per-rank", 1]
 
@@ -93,14 +93,19 @@ def _results(out: Path) -> tuple[list, dict]:
     return metrics, weights
 
 
-@pytest.mark.parametrize("pp, dp", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
-def test_two_hosts_end_bitwise_equal_to_one(two_hosts, tmp_path, pp, dp):
-    model = tiny_checkpoint("llama_tied", num_hidden_layers=4)
-    one = subprocess.run([sys.executable, "-m", "hfpipe.cli.main", *map(str, _finetune_args(model, pp, dp, "one"))],
+@pytest.mark.parametrize("pp, dp, ep, kind", [
+    (2, 1, 1, "llama_tied"),
+    pytest.param(2, 2, 1, "llama_tied", marks=pytest.mark.slow),
+    # one pipeline per host: every expert all-to-all crosses the hosts
+    pytest.param(2, 2, 2, "qwen3_moe", marks=pytest.mark.slow),
+])
+def test_two_hosts_end_bitwise_equal_to_one(two_hosts, tmp_path, pp, dp, ep, kind):
+    model = tiny_checkpoint(kind, num_hidden_layers=4)
+    one = subprocess.run([sys.executable, "-m", "hfpipe.cli.main", *map(str, _finetune_args(model, pp, dp, "one", ep))],
                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert one.returncode == 0, one.stderr[-3000:]
     endpoint = f"{two_hosts.addr[0]}:{random.randint(20000, 60000)}"
-    nodes = [two_hosts.popen(i, _finetune_args(model, pp, dp, "two") + [
+    nodes = [two_hosts.popen(i, _finetune_args(model, pp, dp, "two", ep) + [
         "--nnodes", 2, "--node-rank", i, "--rdzv-endpoint", endpoint], tmp_path) for i in (0, 1)]
     try:
         outs = [n.communicate(timeout=TIMEOUT_S)[0] for n in nodes]

@@ -387,12 +387,17 @@ def one_stage_plan(num_layers: int) -> Plan:
 
 
 def test_unknown_architecture_lists_the_supported_ones(tmp_path):
+    """The entry check names the missing part and the supported families; loading alone refuses too."""
     from transformers import GPT2Config
+
+    from hfpipe.models.support import get_adapter
 
     GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100).save_pretrained(tmp_path)
     save_file({"transformer.wte.weight": torch.zeros(100, 32)}, tmp_path / "model.safetensors")
     src = ModelSource.open(tmp_path)
     with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not supported: its model has no model.embed_tokens .*; supported: .*llama.*qwen3"):
+        get_adapter(src.config)
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not proven exact yet; call .*get_adapter"):
         load_rank_stages(src, one_stage_plan(2), 0, CPU)
 
 

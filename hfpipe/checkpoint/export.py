@@ -35,6 +35,7 @@ from hfpipe.checkpoint.export_plan import (
     flat,
     nbytes,
     plan_groups,
+    revert_as_source,
     set_out_dtypes,
 )
 from hfpipe.checkpoint.dcp_reader import _create_file_view, _DcpReader
@@ -103,9 +104,9 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
 
     if not is_lora_checkpoint(meta):
         raise ExportError(f"checkpoint {ckpt} is not a LoRA run's; export it without --merge")
-    if dtype != "auto":
-        raise ExportError(f"--dtype {dtype} does not apply to a LoRA checkpoint: the adapter stays fp32 and "
-                          "--merge keeps the base checkpoint's dtypes; drop --dtype")
+    if dtype != "auto" and not merge:
+        raise ExportError(f"--dtype {dtype} does not apply to a LoRA adapter export: the adapter stays fp32; "
+                          "drop --dtype, or add --merge")
     src = resolve_source(meta, source)
     config = config_from_dict(meta["lora"])
     record = {"kind": "merged" if merge else "adapter", "checkpoint": str(ckpt), "step": meta["step"]}
@@ -113,7 +114,9 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
         adapters = read_adapters(ckpt, config, src)
         if merge:
             nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters), nbytes, record)
+            quant = meta.get("quantize_base")  # a quantized base merges as the run saw it (hfpipe.quant.merged)
+            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters, quant=quant, dtype=dtype), nbytes,
+                         record)
         else:
             nbytes = sum(t.nbytes for t in adapters.values())
             build_folder(out, lambda tmp: write_adapter(tmp, config, adapters, base_name(meta, src)), nbytes, record)
@@ -127,9 +130,9 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
     model = meta_model(src)
     reader = _DcpReader(ckpt, _create_file_view)  # this module's name: None forces dcp.load
     guard.check_data_files(ckpt, reader.metadata)
-    groups = plan_groups(model, reader, ckpt)  # first: another model is named by its keys
-    guard.check_tied(meta, model.config, ckpt, src)  # a tied source would silently drop lm_head
     src_dtypes = _source_dtypes(src)
+    groups = plan_groups(model, reader, ckpt, src_dtypes)  # first: another model is named by its keys
+    guard.check_tied(meta, model.config, ckpt, src)  # a tied source would silently drop lm_head
     cross_check([k for g in groups for k in g.out], src_dtypes, model, fp8, src)
     set_out_dtypes(groups, want, src_dtypes or {}, meta["source_dtype"])
     shards = assign_shards(groups, max_bytes)
@@ -331,9 +334,7 @@ def _convert_group(reader: _DcpReader, model, group: Group) -> dict[str, torch.T
 
     A helper of its own so that nothing but the returned tensors outlives it (peak memory).
     """
-    from transformers.core_model_loading import revert_weight_conversion
-
-    converted = revert_weight_conversion(model, {fqn: reader.read("model." + fqn) for fqn in group.fqns})
+    converted = revert_as_source(model, {fqn: reader.read("model." + fqn) for fqn in group.fqns}, group.as_is)
     got = {k: tuple(t.shape) for k, t in converted.items()}
     if got != {k: tuple(shape) for k, (shape, _) in group.out.items()}:
         raise ExportError(f"converting {group.fqns[0]} gave {few(got)}, planned {few(group.out)}; a bug")

@@ -19,7 +19,7 @@ from hfpipe.checkpoint.dcp_reader import _DcpReader
 from hfpipe.checkpoint.export_guard import ExportError
 
 __all__ = ["Group", "assign_shards", "cross_check", "dominant_dtype", "few", "flat", "nbytes", "plan_groups",
-           "set_out_dtypes"]
+           "revert_as_source", "set_out_dtypes"]
 
 log = logging.getLogger("hfpipe.checkpoint.export")
 
@@ -33,6 +33,7 @@ class Group:
 
     fqns: list[str]  # in-memory transformers names; DCP key is "model." + fqn
     out: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)  # exported key -> spec
+    as_is: frozenset = frozenset()  # fqns the source stores under the in-memory name (fused 3-D experts)
 
     @property
     def nbytes(self) -> int:
@@ -47,8 +48,13 @@ def flat(groups: list[Group]) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return {k: spec for g in groups for k, spec in g.out.items()}
 
 
-def plan_groups(model: torch.nn.Module, reader: _DcpReader, ckpt: Path) -> list[Group]:
-    """Group the checkpoint's model tensors by layer and name their exported keys (on meta)."""
+def plan_groups(model: torch.nn.Module, reader: _DcpReader, ckpt: Path, source_keys=()) -> list[Group]:
+    """Group the checkpoint's model tensors by layer and name their exported keys (on meta).
+
+    A tensor the source stores under its in-memory name (``source_keys``: a checkpoint with fused
+    3-D experts, as some hub models ship) is exported as it is, so the export keeps the source's layout.
+    """
+    source_keys = set(source_keys or ())
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -76,10 +82,21 @@ def plan_groups(model: torch.nn.Module, reader: _DcpReader, ckpt: Path) -> list[
         m = _LAYER.search(fqn)
         groups.setdefault(int(m.group(1)) if m else fqn, Group([])).fqns.append(fqn)
     for group in groups.values():
+        group.as_is = frozenset(f for f in group.fqns if f in source_keys)
         metas = {f: torch.empty(saved[f].size, dtype=saved[f].properties.dtype, device="meta") for f in group.fqns}
-        reverted = revert_weight_conversion(model, metas)  # on meta: names and shapes, no data
+        reverted = revert_as_source(model, metas, group.as_is)  # on meta: names and shapes, no data
         group.out = {k: (t.shape, t.dtype) for k, t in reverted.items()}
     return list(groups.values())
+
+
+def revert_as_source(model, tensors: dict, as_is) -> dict:
+    """transformers' ``revert_weight_conversion`` on ``tensors``, except the ``as_is`` ones kept by name."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    rest = {k: t for k, t in tensors.items() if k not in as_is}
+    out = revert_weight_conversion(model, rest) if rest else {}
+    out.update({k: tensors[k] for k in tensors if k in as_is})
+    return out
 
 
 def few(keys, n: int = 6) -> str:

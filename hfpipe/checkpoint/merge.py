@@ -33,28 +33,52 @@ from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files, meta_model
 __all__ = ["write_merged"]
 
 
-def write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor]) -> None:
-    """Write the base checkpoint ``src`` into ``tmp`` with ``adapters`` (stage names) merged."""
+def write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor], *,
+                 quant: dict | None = None, dtype: str = "auto") -> None:
+    """Write the base checkpoint ``src`` into ``tmp`` with ``adapters`` (stage names) merged.
+
+    ``quant`` (``hfpipe.json``'s ``quantize_base``) and a block-FP8 base merge into the base as
+    the run saw it, written in bf16 or, with ``dtype="fp8"``, requantized per block
+    (:mod:`hfpipe.quant.merged`).
+    """
     from safetensors.torch import load_file, save_file
 
+    from hfpipe.quant.merged import MergedBase
+
     cfg_json = json.loads((src / "config.json").read_text())
-    if cfg_json.get("quantization_config"):
-        raise ExportError(f"--merge: the base {src} is quantized; export the adapter instead")
+    base = MergedBase(cfg_json, meta_model(src), quant, dtype)
     weight_map = _weight_map(src)
     targets = _merge_targets(adapters)
     linear = [t for t in targets if t + ".weight" in weight_map]
     experts = _FusedExperts(src, config, adapters, [t for t in targets if t not in linear])
+    if base.changes and experts.modules:
+        raise ExportError("--merge: adapters on fused MoE experts merge into an unquantized bf16/fp32 base only; "
+                          "export the adapter instead")
+    out_map = {}
     for fname in sorted(set(weight_map.values())):
         tensors = load_file(src / fname)
+        stored = {k: t.dtype for k, t in tensors.items()}
+        if base.changes:
+            tensors = base.as_trained(tensors)
         here = {t: tensors[t + ".weight"] for t in linear if weight_map[t + ".weight"] == fname}
         for name, merged in _merge(config, here, adapters).items():
             tensors[name + ".weight"] = merged
         tensors.update(experts.merged_in(fname, weight_map))
+        if base.changes:
+            tensors = base.output(tensors, stored)
         save_file(tensors, tmp / fname, metadata={"format": "pt"})
+        out_map.update(dict.fromkeys(tensors, fname))
         del tensors
-    if (src / INDEX).is_file():
-        shutil.copy2(src / INDEX, tmp / INDEX)
-    shutil.copy2(src / "config.json", tmp / "config.json")
+    if not base.changes:  # the base's own files, keys and dtypes
+        if (src / INDEX).is_file():
+            shutil.copy2(src / INDEX, tmp / INDEX)
+        shutil.copy2(src / "config.json", tmp / "config.json")
+    else:  # keys (FP8 scales) and dtypes changed: a new index and config
+        if (src / INDEX).is_file():
+            total = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(out_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(base.config_json(cfg_json), indent=2))
     copy_side_files(src, tmp)
 
 

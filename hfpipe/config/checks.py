@@ -193,9 +193,11 @@ def _check_lora(c: "FinetuneConfig") -> None:
 
     if c.quantize_base is not None and c.quantize_base not in QUANTIZE_BASE:
         raise ConfigError(f"--quantize-base must be one of {', '.join(QUANTIZE_BASE)}; got {c.quantize_base!r}")
+    if c.quantize_block_size is not None and (c.quantize_base is None or c.quantize_block_size < 1):
+        raise ConfigError("--quantize-block-size takes a positive size and applies with --quantize-base only")
     if c.lora_rank is None:
         for name, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", "all-linear"),
-                              ("quantize_base", None)):
+                              ("quantize_base", None), ("quantize_block_size", None)):
             if getattr(c, name) != default:
                 raise ConfigError(f"{_flag(name)} applies to LoRA runs only; add --lora-rank R (e.g. 16)")
         return

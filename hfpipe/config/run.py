@@ -176,6 +176,9 @@ class FinetuneConfig:
     quantize_base: str | None = None
     """nf4 | fp8: keep the frozen base weights quantized on the device and dequantize each layer
     just in time (LoRA runs only); null keeps them in the run's dtype."""
+    quantize_block_size: int | None = None
+    """With --quantize-base: values per NF4 scale (default 64; must divide each weight's rows),
+    or the FP8 tile edge (default: a block-FP8 checkpoint's own tiles, else 128)."""
 
     # --- trust ---
     timeout: float = 600.0

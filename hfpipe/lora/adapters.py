@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 __all__ = ["LoraError", "ADAPTER", "PEFT_PREFIX", "lora_config", "resolve_config", "add_adapters",
-           "adapter_view", "peft_key", "config_to_dict", "config_from_dict", "from_finetune_config",
-           "preflight"]
+           "adapter_view", "peft_key", "config_to_dict", "config_from_dict", "from_finetune_config"]
 
 #: PEFT's name for the one adapter hfpipe trains.
 ADAPTER = "default"
@@ -208,29 +207,3 @@ def from_finetune_config(cfg):
     if cfg.lora_rank is None:
         return None
     return lora_config(cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
-
-
-def preflight(cfg, model_config, resume: str | None = None) -> None:
-    """Check a run's LoRA settings on the meta model, and that a resumed checkpoint is of the same kind.
-
-    Raises:
-        LoraError: targets matching nothing, or a LoRA/full checkpoint resumed by the other kind of run.
-    """
-    import json
-
-    config = from_finetune_config(cfg)
-    if config is not None:
-        from hfpipe.pipeline.stage import build_meta_model, model_config as hf_config
-
-        resolve_config(config, build_meta_model(hf_config(model_config)))
-    if resume is None:
-        return
-    meta = json.loads((resume / "hfpipe.json").read_text())
-    saved = meta.get("lora")
-    if (saved is None) != (config is None):
-        kind = "a LoRA" if saved is not None else "a full fine-tuning"
-        fix = "add --lora-rank" if saved is not None else "drop --lora-rank"
-        raise LoraError(f"--resume {resume} is {kind} checkpoint; {fix} to resume it, or start afresh")
-    if saved is not None and saved.get("r") != config.r:
-        raise LoraError(f"--resume {resume} holds rank-{saved.get('r')} adapters; pass --lora-rank {saved.get('r')}")
-

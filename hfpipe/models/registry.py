@@ -1,18 +1,17 @@
-"""Which architecture a config is, and whether hfpipe can split it: the table, or a proof.
+"""The table of model families hfpipe splits, the ones it refuses, and the families proven at load.
 
-:func:`get_adapter` is what everything calls before planning, building or loading stages. A family
-in the table (one small file per family) or refused with a reason is answered at once; another
-transformers causal LM with the skeleton is run through :mod:`hfpipe.models.proof` on a tiny
-replica of its config first, and remembered once proven.
+A lookup here never runs a model: :func:`adapter_for` answers from the table (one small file per
+family) or from a family :mod:`hfpipe.models.support` proved earlier in this process. Stage
+building and loading ask here; entry points ask :func:`hfpipe.models.support.get_adapter`, which
+also proves an unknown family (a step that runs the stage module, and so sits above it).
 """
 
 from __future__ import annotations
 
 from hfpipe.models import cohere, deepseek, gemma, granite, plain
-from hfpipe.models.adapter import MOE_REFUSALS, Adapter, UnsupportedModelError
-from hfpipe.models.proof import missing_skeleton, prove
+from hfpipe.models.adapter import Adapter, UnsupportedModelError
 
-__all__ = ["REFUSED", "SUPPORTED_MODEL_TYPES", "get_adapter"]
+__all__ = ["REFUSED", "SUPPORTED_MODEL_TYPES", "adapter_for", "known_adapter", "remember_proven"]
 
 _ADAPTERS = plain.ADAPTERS + gemma.ADAPTERS + granite.ADAPTERS + cohere.ADAPTERS + deepseek.ADAPTERS
 
@@ -36,7 +35,7 @@ def _key(config) -> str:
     return config.to_json_string(use_diff=False)
 
 
-def _known(config) -> Adapter | None:
+def known_adapter(config) -> Adapter | None:
     """The table's (or an earlier proof's) adapter for ``config``, checked; None for an unknown family.
 
     Raises:
@@ -54,34 +53,20 @@ def _known(config) -> Adapter | None:
     return adapter
 
 
-def get_adapter(config) -> Adapter:
-    """The adapter for ``config.model_type``, after checking the config's features.
+def remember_proven(config, adapter: Adapter) -> None:
+    """Record that ``adapter`` was proven exact on ``config`` (by :mod:`hfpipe.models.support`)."""
+    _PROVEN[_key(config)] = adapter
+
+
+def adapter_for(config) -> Adapter:
+    """The adapter stages of ``config`` are built with: the table's, or one proven earlier.
 
     Raises:
-        UnsupportedModelError: unknown or refused architecture (one line, lists the supported ones).
+        UnsupportedModelError: a refused architecture, or one not yet proven (entry points prove
+            unknown families first, through :func:`hfpipe.models.support.get_adapter`).
     """
-    adapter = _known(config)
-    if adapter is not None:
-        return adapter
-    model_type = getattr(config, "model_type", None)
-    supported = ", ".join(SUPPORTED_MODEL_TYPES)
-    if not _is_causal_lm(config):
-        raise UnsupportedModelError(f"unknown architecture {model_type!r} (not a transformers causal LM); "
-                                    f"supported: {supported}")
-    missing = missing_skeleton(config)
-    if missing:
-        raise UnsupportedModelError(
-            f"architecture {model_type!r} is not supported: its model has no {missing[0]} (hfpipe splits "
-            f"model.embed_tokens -> model.layers -> model.norm -> lm_head); supported: {supported}")
-    adapter = Adapter((config.model_type,), tested=False, refuse_if=MOE_REFUSALS)
-    adapter.check(config)  # before the proof, which builds and runs a replica
-    prove(config, adapter)
-    _PROVEN[_key(config)] = adapter
+    adapter = known_adapter(config)
+    if adapter is None:
+        raise UnsupportedModelError(f"architecture {config.model_type!r} is not proven exact yet; call "
+                                    "hfpipe.models.support.get_adapter(config) before building its stages")
     return adapter
-
-
-def _is_causal_lm(config) -> bool:
-    """Whether ``AutoModelForCausalLM`` builds ``config`` (registered classes included)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return type(config) in MODEL_FOR_CAUSAL_LM_MAPPING

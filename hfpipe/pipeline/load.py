@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from hfpipe.models.conversion import model_key_mapper
-from hfpipe.models.registry import get_adapter
+from hfpipe.models.registry import adapter_for
+from hfpipe.quant.linear import Quantizer
 from hfpipe.source.safetensors_io import SafetensorsError, read_tensors
 from hfpipe.source.folder import ModelSource, SourceError
 
@@ -29,6 +30,7 @@ __all__ = ["LoadError", "LoadStats", "load_stage_weights", "model_key_mapper"]
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # per-expert checkpoint keys: `mlp.experts.3.gate_proj.weight`
 _SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3 FP8: `<name>.weight_scale_inv` beside `<name>.weight`
 
 
@@ -55,10 +57,18 @@ class _Unit:
     converter: object = None  # a transformers WeightConverter, or None for a plain copy
     patterns: list = field(default_factory=list)  # the converter pattern each source matched
     fp32_for: frozenset = frozenset()  # stage dtypes in which from_pretrained keeps this tensor fp32
+    rows: tuple[int, int] | None = None  # expert parallelism: the rows [lo, hi) of dim 0 this rank holds
+    sliced: frozenset = frozenset()  # fused 3-D sources read as those rows only
 
 
-def _plan_units(source: ModelSource, full_keys: set[str], wanted: set[str], mapper, num_mtp: int):
-    """Classify every checkpoint key; return this stage's units and the number of MTP keys skipped."""
+def _plan_units(source: ModelSource, full_keys: set[str], wanted: set[str], mapper, num_mtp: int,
+                rows: dict | None = None):
+    """Classify every checkpoint key; return this stage's units and the number of MTP keys skipped.
+
+    ``rows`` maps the expert-parallel targets to the experts ``[lo, hi)`` this rank holds: of a
+    per-expert layout only those experts' keys are read; a fused 3-D tensor is read as those rows.
+    """
+    rows = rows or {}
     n_layers = source.config.num_hidden_layers
     units: dict[str, _Unit] = {}
     skipped = 0
@@ -76,7 +86,10 @@ def _plan_units(source: ModelSource, full_keys: set[str], wanted: set[str], mapp
                 "model has no such parameter); the config does not match the weights"
             )
         if target in wanted:
-            unit = units.setdefault(target, _Unit(target, [], converter and copy.deepcopy(converter)))
+            unit = units.setdefault(target, _Unit(target, [], converter and copy.deepcopy(converter),
+                                                  rows=rows.get(target)))
+            if unit.rows is not None and not _keep_expert(unit, key):
+                continue
             unit.sources.append(key)
             unit.patterns.append(pattern)
     if source.tied and "lm_head.weight" in wanted and "lm_head.weight" not in units:
@@ -88,6 +101,15 @@ def _plan_units(source: ModelSource, full_keys: set[str], wanted: set[str], mapp
         raise LoadError(f"{source.folder / where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); "
                         "the checkpoint is incomplete or does not match config.json")
     return list(units.values()), skipped
+
+
+def _keep_expert(unit: _Unit, key: str) -> bool:
+    """Whether ``key`` feeds this rank's experts of ``unit``; a fused key is marked to be read sliced."""
+    m = _EXPERT.search(key)
+    if m is None:
+        unit.sliced = unit.sliced | {key}
+        return True
+    return unit.rows[0] <= int(m.group(1)) < unit.rows[1]
 
 
 def _with_scales(source: ModelSource, keys: list[str]) -> list[str]:
@@ -108,7 +130,7 @@ def _fp8_block(config) -> tuple[int, int]:
 
 
 def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: torch.device,
-                       dtype: torch.dtype | None = None) -> LoadStats:
+                       dtype: torch.dtype | None = None, quantizer=None) -> LoadStats:
     """Fill the meta-device ``stages`` of one rank with their tensors from ``source``.
 
     Args:
@@ -116,6 +138,8 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
         source: The opened checkpoint.
         device: Where the tensors go.
         dtype: Floating dtype of the stage parameters; ``None`` keeps each meta parameter's dtype.
+        quantizer: A prepared :class:`hfpipe.quant.linear.Quantizer` (``--quantize-base``), which
+            quantizes each base weight as its shard is read; ``None`` loads full precision.
 
     Returns:
         What was opened and read.
@@ -123,16 +147,18 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     Raises:
         LoadError: a tensor is missing, unexpected or has the wrong shape.
     """
-    adapter = get_adapter(source.config)
+    adapter = adapter_for(source.config)
     targets = _stage_targets(stages)
     full_keys = set(_full_model_keys(stages[0]))
     mapper = model_key_mapper(stages[0]._hf_model)
-    units, skipped = _plan_units(source, full_keys, set(targets), mapper, adapter.num_mtp_layers(source.config))
+    wanted = set(targets) - (quantizer.scales if quantizer else set())  # scales come with their weights
+    rows = _expert_rows(targets)
+    units, skipped = _plan_units(source, full_keys, wanted, mapper, adapter.num_mtp_layers(source.config), rows)
     if skipped:
         log.info("skipped %d checkpoint tensors of MTP layers the HF model does not have", skipped)
     stats = LoadStats(skipped_mtp=skipped)
     _mark_fp32(units, stages[0]._hf_model)
-    _read_and_place(units, source, targets, device, dtype, stats)
+    _read_and_place(units, source, targets, device, dtype, stats, quantizer)
     from hfpipe.pipeline.stage import rebuild_buffers
 
     for stage in stages:
@@ -141,20 +167,35 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     return stats
 
 
-def _read_and_place(units, source, targets, device, dtype, stats: LoadStats) -> None:
+def _expert_rows(targets) -> dict[str, tuple[int, int]]:
+    """Targets sharded over ep (DTensor parameters) -> the rows of dim 0 this rank holds."""
+    from hfpipe.parallel.expert import local_rows
+
+    out = {}
+    for key, holders in targets.items():
+        owner, attr = holders[0]
+        span = local_rows(owner._parameters.get(attr))
+        if span is not None:
+            out[key] = span
+    return out
+
+
+def _read_and_place(units, source, targets, device, dtype, stats: LoadStats, quantizer=None) -> None:
     """Read shard by shard; finish each unit as soon as all its tensors are in."""
     needed_by_file: dict[str, list[str]] = defaultdict(list)
     waiting: dict[str, list[_Unit]] = defaultdict(list)
+    slices: dict[str, tuple[int, int]] = {}
     for unit in units:
         for key in _with_scales(source, unit.sources):
             needed_by_file[source.weight_map[key]].append(key)
             waiting[key].append(unit)
+        slices.update({key: unit.rows for key in unit.sliced})
     have: dict[str, torch.Tensor] = {}
     block = _fp8_block(source.config)
     for fname in sorted(needed_by_file):
         keys = sorted(set(needed_by_file[fname]))
         try:
-            tensors = read_tensors(source.path(fname), keys, source.header(fname))
+            tensors = read_tensors(source.path(fname), keys, source.header(fname), rows=slices)
         except SafetensorsError as e:
             raise LoadError(str(e)) from None
         stats.files_opened.append(fname)
@@ -164,19 +205,27 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats) -> 
         for unit in {id(u): u for k in keys for u in waiting[k]}.values():
             wanted = _with_scales(source, unit.sources)
             if all(k in have for k in wanted):
-                tensor = _finish_unit(unit, have, source, block)
-                _place(targets[unit.target], tensor, device, dtype, unit, source)
+                keep = quantizer is not None and quantizer.keeps_stored(unit.target) and unit.converter is None
+                tensor = _finish_unit(unit, have, source, block, keep)
+                scale = have.get(unit.sources[0] + _SCALE_SUFFIX) if keep else None
+                if quantizer is None or not quantizer.place(unit.target, tensor, scale, targets[unit.target],
+                                                            device, dtype):
+                    _place(targets[unit.target], tensor, device, dtype, unit, source)
                 for k in wanted:
                     if all(u is unit for u in waiting[k]):
                         have.pop(k, None)
 
 
-def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block) -> torch.Tensor:
+def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block, keep_fp8: bool = False) -> torch.Tensor:
+    """The in-memory tensor of ``unit``: FP8 dequantized (unless ``keep_fp8``), converters applied."""
     tensors = {}
     for key in unit.sources:
         t = have[key]
         scale = have.get(key + _SCALE_SUFFIX)
-        tensors[key] = _dequantize(t, scale, block) if scale is not None else t
+        if scale is None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise LoadError(f"{source.weight_map[key]}: FP8 weight {key!r} has no {key + _SCALE_SUFFIX!r} "
+                            "beside it; the checkpoint is incomplete: re-download it")
+        tensors[key] = _dequantize(t, scale, block) if scale is not None and not keep_fp8 else t
     if unit.converter is None:
         return tensors[unit.sources[0]]
     conv = unit.converter
@@ -211,15 +260,22 @@ def _place(holders, tensor, device, dtype, unit: _Unit, source) -> None:
     owner, attr = holders[0]
     is_param = attr in owner._parameters
     old = owner._parameters[attr] if is_param else owner._buffers[attr]
-    if tuple(tensor.shape) != tuple(old.shape):
+    sharded = getattr(old, "device_mesh", None) is not None  # experts sharded over ep: a DTensor
+    expected = old.to_local().shape if sharded else old.shape
+    if tuple(tensor.shape) != tuple(expected):
         raise LoadError(
             f"{source.weight_map.get(unit.sources[0], '?')}: {unit.sources[0]!r} has shape "
-            f"{tuple(tensor.shape)} but the model expects {tuple(old.shape)}; config.json does not match the weights"
+            f"{tuple(tensor.shape)} but the model expects {tuple(expected)}; config.json does not match the weights"
         )
     target_dtype = old.dtype if (dtype is None or not old.is_floating_point()) else dtype
     if target_dtype in unit.fp32_for:
         target_dtype = torch.float32
     new = tensor.to(device=device, dtype=target_dtype)
+    if sharded:
+        from torch.distributed.tensor import DTensor
+
+        new = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False, shape=old.shape,
+                                 stride=old.stride())
     if is_param:
         new = nn.Parameter(new, requires_grad=old.requires_grad)
     for module, name in holders:
@@ -260,17 +316,29 @@ def _check_materialised(stage: nn.Module) -> None:
 
 
 def load_rank_stages(source: ModelSource, plan, pp_rank: int, device: torch.device,
-                     dtype: torch.dtype | None = None):
+                     dtype: torch.dtype | None = None, quantize=None, expert_mesh=None):
     """Build and load the stage modules ``plan`` gives to pipeline rank ``pp_rank``.
 
     Returns:
         ``(modules, stats)``: the rank's :class:`hfpipe.pipeline.stage.PipelineStageModule` list in
         increasing stage index, on ``device``, and the :class:`LoadStats` of the read.
+        ``quantize`` (a :class:`hfpipe.quant.linear.QuantSpec`) keeps the base linears quantized. With
+        ``expert_mesh`` (a :class:`hfpipe.parallel.expert.ExpertMesh`) the routed experts are sharded
+        over ep first, and only this rank's experts are read.
     """
-    from hfpipe.pipeline.stage import build_stage_modules, model_config
+    from hfpipe.models.meta import model_config
+    from hfpipe.pipeline.stage import build_stage_modules
 
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32,
-                                  adapter=get_adapter(config))
-    stats = load_stage_weights(modules, source, device, dtype)
+                                  adapter=adapter_for(config))
+    if expert_mesh is not None:
+        from hfpipe.parallel.expert import shard_experts
+
+        shard_experts(modules, expert_mesh)
+    quantizer = None
+    if quantize is not None:
+        quantizer = Quantizer(quantize, source.config)
+        quantizer.prepare(modules, dtype or torch.float32)
+    stats = load_stage_weights(modules, source, device, dtype, quantizer)
     return modules, stats

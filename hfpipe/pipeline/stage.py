@@ -9,35 +9,18 @@ and the rotary embeddings from the microbatch, exactly as the HF model's forward
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hfpipe.models.meta import build_meta_model, model_config
 from hfpipe.pipeline.router_loss import RouterSums, finish_router_loss, router_loss_spec
 
 __all__ = ["PipelineStageModule", "build_meta_model", "build_stage_modules", "rebuild_rotary", "rebuild_buffers"]
 
 log = logging.getLogger(__name__)
-
-
-def model_config(config):
-    """A copy of ``config`` fit to build the bf16/fp32 HF model: no quantisation, no cache."""
-    cfg = copy.deepcopy(config)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config  # FP8 checkpoints are dequantised on load
-    cfg.use_cache = False
-    return cfg
-
-
-def build_meta_model(config, dtype: torch.dtype = torch.float32):
-    """The full HF causal-LM on the meta device: structure and names, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):  # adapters exist only for transformers' own classes: never ask for code
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
 
 
 def _mask_kind(config, layer_idx: int) -> str:

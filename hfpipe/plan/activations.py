@@ -41,7 +41,7 @@ def layer_bytes_per_token(config, dtype: str) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=32)
 def _measure_all(key: str, config_cls, dtype: str) -> tuple[int, ...]:
-    from hfpipe.pipeline.stage import build_meta_model, model_config
+    from hfpipe.models.meta import build_meta_model, model_config
 
     fields = json.loads(key)
     try:
@@ -76,11 +76,11 @@ def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
     The stage takes its modules from ``full`` (the meta model) and gives them real buffers and
     zero-stride parameters, as loading would give them weights.
     """
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.registry import adapter_for
     from hfpipe.plan.spec import StageSpec
     from hfpipe.pipeline.stage import PipelineStageModule
 
-    adapter = get_adapter(cfg)
+    adapter = adapter_for(cfg)
     stage = PipelineStageModule(StageSpec(0, (index,), embed=False, head=False), cfg, full, adapter)
     _materialise(stage, dtype)
     rng = torch.Generator().manual_seed(0)  # leaves the caller's random state alone

@@ -21,7 +21,7 @@ def adapter_params(model_config, rank: int, targets: str = "all-linear") -> dict
     Returns:
         ``{"embed": n, "head": n, "layer.<i>": n, ...}`` (parts without adapters are 0 or absent).
     """
-    from hfpipe.pipeline.stage import build_meta_model, model_config as hf_config
+    from hfpipe.models.meta import build_meta_model, model_config as hf_config
 
     meta = build_meta_model(hf_config(model_config))
     config = resolve_config(lora_config(rank, targets=targets), meta)

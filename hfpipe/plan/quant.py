@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from hfpipe.plan.memory import ACT_BYTES, param_bytes
+from hfpipe.quant.targets import ROUTERS as _SKIP  # routers stay in the run's dtype, as loading keeps them
 
 __all__ = ["QUANT_BYTES", "LayerQuant", "check_quant", "layer_quant", "price_ranks", "describe_quant"]
 
 _NF4_BLOCK, _NF4_GROUP, _FP8_TILE = 64, 256, 128
 #: kind -> bytes per quantized value before scales.
 QUANT_BYTES = {"nf4": 0.5, "fp8": 1.0}
-_SKIP = ("mlp.gate", "router")  # routers stay in the run's dtype (as hfpipe.quant.linear skips them)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
             names the option to change).
     """
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.support import get_adapter
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
     from hfpipe.plan.split import PlanError, bubble_fraction, idle_ranks, layer_costs, plan_pipeline
 
@@ -239,7 +239,7 @@ def _stage_params(stage, costs) -> int:
 
 def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...]) -> int:
     """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward."""
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.support import get_adapter
 
     act = _ACT_BYTES[dtype]
     boundary = math.prod(get_adapter(config).hidden_shape(config, 1, 1)[2:]) * act  # a layer's input

@@ -148,13 +148,16 @@ def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def read_tensors(path: str | Path, names: list[str], header: dict | None = None) -> dict[str, torch.Tensor]:
+def read_tensors(path: str | Path, names: list[str], header: dict | None = None,
+                 rows: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
     """Read ``names`` from ``path``, each straight into a fresh CPU tensor.
 
     Args:
         path: The safetensors file.
         names: Tensor names to read; reading follows file order for sequential I/O.
         header: ``read_header(path)`` if the caller already has it.
+        rows: Name -> rows ``[lo, hi)`` of dim 0 to read instead of the whole tensor (one rank's
+            experts of a fused 3-D tensor): only those bytes are read.
 
     Raises:
         SafetensorsError: a name is absent, its dtype unknown, or the file ends early.
@@ -169,8 +172,21 @@ def read_tensors(path: str | Path, names: list[str], header: dict | None = None)
     out = {}
     with open(path, "rb", buffering=0) as f:
         for name in sorted(names, key=lambda k: header[k]["data_offsets"][0]):
-            out[name] = _read_one(f, path, name, header[name], start)
+            out[name] = _read_one(f, path, name, _rows_entry(header[name], (rows or {}).get(name)), start)
     return out
+
+
+def _rows_entry(entry: dict, rows: tuple[int, int] | None) -> dict:
+    """The header entry of rows ``[lo, hi)`` of dim 0 of ``entry`` (a contiguous byte range)."""
+    if rows is None:
+        return entry
+    lo, hi = rows
+    shape = entry["shape"]
+    if not shape or not 0 <= lo <= hi <= shape[0]:
+        raise SafetensorsError(f"rows [{lo}, {hi}) are outside a tensor of shape {shape}")
+    begin, end = entry["data_offsets"]
+    row = (end - begin) // shape[0] if shape[0] else 0
+    return {**entry, "shape": [hi - lo, *shape[1:]], "data_offsets": [begin + lo * row, begin + hi * row]}
 
 
 def _read_one(f, path: Path, name: str, entry: dict, start: int) -> torch.Tensor:

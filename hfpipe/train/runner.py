@@ -33,19 +33,21 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     """
     from hfpipe.data.batches import batches_per_epoch
     from hfpipe.data.config import check_seq_len
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.support import get_adapter
+    from hfpipe.parallel.expert import check_expert_parallel
     from hfpipe.pipeline.schedule import check_microbatches, schedule_style
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
     from hfpipe.train.logs import check_sinks
 
     check_sinks(cfg.report_to)
-    if cfg.ep != 1 or cfg.quantize_base is not None:  # the two axes land in parallel/ and quant/
-        from hfpipe.config.names import ConfigError
-
-        raise ConfigError("--ep and --quantize-base are not available in this build yet")
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
+    check_expert_parallel(source.config, cfg.ep, cfg.dp, cfg.schedule)
+    if cfg.ep > 1 and cfg.lora_rank:
+        from hfpipe.config.names import ConfigError
+
+        raise ConfigError("--ep with --lora-rank is not supported yet; use --ep 1 for LoRA runs")
     check_microbatches(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches, cfg.batch_size)
     plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
@@ -67,7 +69,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
 def _check_output(cfg: FinetuneConfig, source) -> None:
     """The output folder can take this run, and what --resume names is this run's checkpoint."""
     from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
-    from hfpipe.lora.adapters import preflight as lora_preflight
+    from hfpipe.lora.preflight import preflight as lora_preflight
     from hfpipe.train.resume_check import check_resume
 
     out = Path(cfg.output_dir)
@@ -200,7 +202,8 @@ def run_worker(cfg_dict: dict) -> dict:
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
                        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
                        trust_remote_code=cfg.trust_remote_code, dist=dist_info,
-                       lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base)
+                       lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base,
+                       quantize_block_size=cfg.quantize_block_size)
     examples, held = _load_data(cfg, pm, dist_info)
     total = _total_steps(cfg, examples)
     optimizer = build_optimizer(pm.modules, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps)

@@ -238,7 +238,7 @@ def test_a_microbatch_of_padding_only_adds_zero_with_finite_gradients():
 @pytest.mark.parametrize("kind", KINDS)
 def test_stage_chain_equals_transformers_loss_and_gradients(kind):
     """Three stage modules run in one process (no schedule): HF's loss and every gradient, exactly."""
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.support import get_adapter
     from hfpipe.pipeline.schedule import TokenLoss
     from hfpipe.pipeline.stage import PipelineStageModule
     from hfpipe.plan.spec import StageSpec
@@ -276,7 +276,7 @@ def test_the_table_families_are_accepted_and_others_refused_in_one_line_before_t
     from transformers import OlmoeConfig
 
     from hfpipe.models.adapter import UnsupportedModelError
-    from hfpipe.models.registry import get_adapter
+    from hfpipe.models.support import get_adapter
     from hfpipe.tiny import tiny_config
 
     for kind in KINDS:

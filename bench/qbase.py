@@ -1,0 +1,193 @@
+"""Benchmark: LoRA on a quantized frozen base (``--quantize-base nf4|fp8``) against LoRA on a bf16 base.
+
+Builds a random Llama (default 8 layers, hidden 1024, ~95M parameters; a small vocabulary so that
+embedding and head weigh in a stage what they weigh in Llama-3.1-70B's at pp 2, ~3%) and trains LoRA rank 8 on every
+linear for a few steps at pp=2 with 1F1B in bf16, three times in fresh processes: bf16 base, NF4
+base, FP8 base (quantized at load). Per mode and stage rank it reports:
+
+- stage weight bytes: every parameter and buffer the rank's stage modules hold (NF4: codes,
+  int8 scales and their factors; FP8: codes and fp32 tile scales), frozen base alone and with the
+  fp32 adapters; the ratio to the bf16 run is the issue's goal (<= 0.30 NF4, <= 0.52 FP8, base);
+- memory above the rank's start-up baseline: held after load, peak during load (quantizing holds
+  one weight's transients), peak during the steps; ``torch.cuda``'s allocations on a GPU, the
+  resident set on CPU (peak: ``VmHWM``, reset between the phases; it also counts what the C
+  allocator keeps cached after a free, so CPU peaks overstate the quantized runs' needs);
+- step time: median of the timed steps (first, warm-up step excluded), wall and CPU time.
+
+Run:  python bench/qbase.py [--hidden 1024] [--layers 8] [--vocab 2048] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("bf16", "nf4", "fp8")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    """Peak resident bytes since the last :func:`_reset_hwm` (Linux ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS to the current RSS
+        f.write("5")
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    t = getattr(t, "_local_tensor", t)
+    if hasattr(t, "quantized_data"):  # torchao NF4Tensor: codes, int8 scales, their factors and mean
+        return sum(getattr(t, a).nbytes for a in ("quantized_data", "quantized_scalers", "quantization_factor",
+                                                   "scaler_mean"))
+    return t.nbytes
+
+
+def _stage_bytes(modules) -> tuple[int, int, int]:
+    """(frozen base bytes, of which in decoder-layer linears, adapter bytes) of this rank's stages."""
+    seen, base, linear, adapters = set(), 0, 0, 0
+    for m in modules:
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if getattr(t, "requires_grad", False):
+                adapters += _tensor_bytes(t)
+                continue
+            base += _tensor_bytes(t)
+            if ".layers." in f".{name}" and name.endswith(("proj.weight", "proj.base_layer.weight",
+                                                             "weight_scale_inv")):
+                linear += _tensor_bytes(t)
+    return base, linear, adapters
+
+
+def _worker(path: str, mode: str, steps: int, batch: int, seq: int) -> dict:
+    import torch.distributed as dist
+
+    from hfpipe.api import load_pipeline
+    from hfpipe.lora.adapters import lora_config
+    from hfpipe.parallel.mesh import init_distributed
+    from hfpipe.train.optim import build_optimizer
+
+    info = init_distributed(2)
+    cuda = info.device.type == "cuda"
+    baseline = torch.cuda.memory_allocated() if cuda else _rss()
+    if not cuda:
+        _reset_hwm()
+    quant = None if mode == "bf16" else mode
+    pm = load_pipeline(path, pp=2, schedule="1f1b", microbatches=4, dist=info, dtype="bf16",
+                       lora=lora_config(8, targets="all-linear"), quantize_base=quant)
+    base, linear, adapters = _stage_bytes(pm.modules)
+    if cuda:
+        load_peak, resident = torch.cuda.max_memory_allocated() - baseline, torch.cuda.memory_allocated() - baseline
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        load_peak, resident = _hwm() - baseline, _rss() - baseline
+        _reset_hwm()
+    trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4), max_grad_norm=1.0)
+    ids = torch.randint(3, pm.source.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    times, cpu = [], []
+    for _ in range(steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        trainer.step(data)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    peak = (torch.cuda.max_memory_allocated() if cuda else _hwm()) - baseline
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": info.rank, "base": base, "linear": linear, "adapters": adapters, "peak": peak,
+            "load_peak": load_peak, "resident": resident,
+            "step_s": statistics.median(times[1:]), "cpu_s": statistics.median(cpu[1:]),
+            "device": info.device.type}
+
+
+def _model(work: Path, hidden: int, layers: int, vocab: int) -> Path:
+    from hfpipe.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(work / "model", "llama", hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                num_key_value_heads=max(1, hidden // 256), vocab_size=vocab,
+                                max_position_embeddings=1024, max_shard_size="500MB", tokenizer=False)
+
+
+def _run(path: Path, mode: str, args) -> list[dict]:
+    from hfpipe.parallel.launch import launch
+
+    results = launch(_worker, 2, str(path), mode, args.steps, args.batch, args.seq, threads_per_rank=args.threads)
+    return sorted(results.values(), key=lambda r: r["rank"])
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _report(runs: dict[str, list[dict]]) -> None:
+    ref = runs["bf16"]
+    rows = []
+    for r in range(2):
+        for what, get in (("base weight bytes", lambda x: x["base"]),
+                          ("  of which decoder-layer linears", lambda x: x["linear"]),
+                          ("stage weight bytes (base + adapters)", lambda x: x["base"] + x["adapters"]),
+                          ("memory held after load", lambda x: x["resident"]),
+                          ("peak memory during load", lambda x: x["load_peak"]),
+                          ("peak memory during the steps", lambda x: x["peak"])):
+            rows.append((f"{what}, rank {r}", [_mb(get(runs[m][r])) for m in MODES],
+                         [get(runs[m][r]) / get(ref[r]) for m in MODES[1:]]))
+    for r in range(2):
+        rows.append((f"step CPU time (median), rank {r}", [f"{runs[m][r]['cpu_s']:.3f} s" for m in MODES],
+                     [runs[m][r]["cpu_s"] / ref[r]["cpu_s"] for m in MODES[1:]]))
+    wall = {m: max(x["step_s"] for x in runs[m]) for m in MODES}
+    rows.append(("step time (median, slower rank)", [f"{wall[m]:.3f} s" for m in MODES],
+                 [wall[m] / wall["bf16"] for m in MODES[1:]]))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'':{width}}  {'bf16 base':>12}  {'NF4 base':>12}  {'FP8 base':>12}  {'NF4/bf16':>8}  {'FP8/bf16':>8}")
+    for name, values, ratios in rows:
+        print(f"{name:{width}}  " + "  ".join(f"{v:>12}" for v in values) + "  "
+              + "  ".join(f"{x:8.3f}" for x in ratios))
+    nf4 = max(runs["nf4"][r]["base"] / ref[r]["base"] for r in range(2))
+    fp8 = max(runs["fp8"][r]["base"] / ref[r]["base"] for r in range(2))
+    print(f"goal base weight bytes <= 0.30 of bf16 (NF4): {'met' if nf4 <= 0.30 else 'NOT met'} ({nf4:.3f}); "
+          f"<= 0.52 (FP8): {'met' if fp8 <= 0.52 else 'NOT met'} ({fp8:.3f}); device {ref[0]['device']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1536,
+                        help="vocabulary: 1536 makes embedding/head ~3%% of a stage, as in Llama-3.1-70B at pp 2")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step (4 microbatches)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    if args.layers < 8:
+        parser.error("--layers must be >= 8 (the issue's bar)")
+    work = Path(tempfile.mkdtemp(prefix="hfpipe-bench-qbase-", dir=args.workdir))
+    try:
+        path = _model(work, args.hidden, args.layers, args.vocab)
+        print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; LoRA r=8 all-linear, "
+              f"bf16, pp=2 1f1b, batch {args.batch} x {args.seq} tokens, 4 microbatches")
+        _report({mode: _run(path, mode, args) for mode in MODES})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Which base weights ``--quantize-base`` quantizes, and how the loader places them.
+
+Every ``nn.Linear`` inside a decoder layer is quantized, except a MoE router (``mlp.gate``,
+``router``: tiny and precision-critical, transformers' quantizers skip it too). Embedding,
+norms, head and the LoRA adapters stay in the run's dtype.
+
+- ``nf4``: the linear keeps its class; its ``weight`` becomes a frozen ``NF4Tensor`` parameter
+  (:mod:`hfpipe.quant.nf4`), which FSDP2 shards over dp like any parameter.
+- ``fp8``: the linear becomes an :class:`~hfpipe.quant.fp8.FP8Linear` holding the FP8 codes and
+  ``weight_scale_inv`` (the checkpoint's own when it is block-FP8, else quantized at load).
+
+The loader (:mod:`hfpipe.pipeline.load`) hands each weight to :meth:`Quantizer.place` as soon as
+its shard is read, so only one full-precision weight exists at a time: a stage is never
+materialised in full precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_blocks
+from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
+from hfpipe.quant.targets import quantized_linears
+
+__all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "check_shardable", "quantized_linears",
+           "source_fp8_block"]
+
+KINDS = ("nf4", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What ``--quantize-base`` asks for: ``kind`` and the block size (``None``: the default)."""
+
+    kind: str
+    block: int | None = None
+    dtype: str = "float32"  # the parameter dtype weights are cast to before quantizing (for --merge)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise QuantError(f"--quantize-base must be one of {', '.join(KINDS)}; got {self.kind!r}")
+        if self.block is not None and self.block < 1:
+            raise QuantError(f"--quantize-block-size must be >= 1, got {self.block}")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "block": self.block, "dtype": self.dtype}
+
+
+def source_fp8_block(config) -> int | None:
+    """The tile edge of a block-FP8 checkpoint (``quantization_config``), or ``None``."""
+    qc = getattr(config, "quantization_config", None)
+    if not qc:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    if qc.get("quant_method") != "fp8":
+        return None
+    block = qc.get("weight_block_size") or (FP8_DEFAULT_BLOCK, FP8_DEFAULT_BLOCK)
+    if len(set(block)) != 1:
+        raise QuantError(f"weight_block_size {list(block)}: --quantize-base fp8 keeps square tiles only")
+    return int(block[0])
+
+
+class Quantizer:
+    """Prepares a rank's meta stages and places their quantized weights while they load.
+
+    Args:
+        spec: The ``--quantize-base`` request.
+        source_config: The checkpoint's transformers config (its FP8 block, if any).
+    """
+
+    def __init__(self, spec: QuantSpec, source_config) -> None:
+        self.spec = spec
+        self.source_block = source_fp8_block(source_config)
+        if spec.kind == "fp8":
+            if self.source_block is not None and spec.block not in (None, self.source_block):
+                raise QuantError(f"--quantize-block-size {spec.block}: the checkpoint's FP8 tiles are "
+                                 f"{self.source_block}; drop the option to keep them as stored")
+            self.block = spec.block or self.source_block or FP8_DEFAULT_BLOCK
+        else:
+            torchao_nf4()  # missing torchao says how to install it before anything loads
+            self.block = spec.block or DEFAULT_BLOCK
+        self.weights: set[str] = set()  # full-model names of the weights this quantizer places
+        self.scales: set[str] = set()  # ... and of the FP8 scales it derives or reads with them
+
+    def prepare(self, stages: list[nn.Module], dtype: torch.dtype) -> None:
+        """Swap in FP8 linears (fp8) and record which weights to quantize; stages on meta."""
+        for stage in stages:
+            for name, linear in quantized_linears(stage).items():
+                if self.spec.kind == "nf4":
+                    check_nf4(name + ".weight", linear.weight.shape, self.block)
+                else:
+                    parent, _, attr = name.rpartition(".")
+                    new = FP8Linear(linear.in_features, linear.out_features, self.block,
+                                    bias=linear.bias is not None, compute_dtype=dtype, device="meta")
+                    setattr(stage.get_submodule(parent), attr, new)
+                    self.scales.add(name + ".weight_scale_inv")
+                self.weights.add(name + ".weight")
+
+    def keeps_stored(self, target: str) -> bool:
+        """Whether ``target``'s FP8 codes are kept as the checkpoint stores them (not dequantized)."""
+        return self.spec.kind == "fp8" and self.source_block is not None and target in self.weights
+
+    def place(self, target: str, tensor: torch.Tensor, scale: torch.Tensor | None, holders,
+              device: torch.device, dtype: torch.dtype | None) -> bool:
+        """Quantize and place weight ``target``; ``False`` if it is not one of this quantizer's.
+
+        ``tensor`` is the checkpoint's value: full precision, or FP8 codes with their ``scale``
+        when :meth:`keeps_stored`. ``holders`` are the ``(module, attr)`` pairs holding it.
+        """
+        if target not in self.weights:
+            return False
+        module, attr = holders[0]
+        old = module._parameters.get(attr) if attr in module._parameters else module._buffers[attr]
+        if tuple(tensor.shape) != tuple(old.shape):
+            return False  # the loader's own check names the file and the shapes
+        if self.spec.kind == "nf4":
+            w = tensor.to(device=device, dtype=dtype or old.dtype)
+            module._parameters[attr] = nn.Parameter(quantize_nf4(w, self.block), requires_grad=False)
+            return True
+        if scale is None or not is_fp8(tensor):
+            w = tensor.to(device=device, dtype=dtype or module.compute_dtype)
+            tensor, scale = quantize_blocks(w, self.block)
+        want = tuple(module._buffers["weight_scale_inv"].shape)
+        if tuple(scale.shape) != want:
+            raise QuantError(f"{target}_scale_inv has shape {tuple(scale.shape)}, but {self.block}x{self.block} "
+                             f"tiles of {tuple(tensor.shape)} need {want}; weight_block_size in config.json "
+                             "does not match the scales")
+        module._buffers["weight"] = tensor.to(device)
+        module._buffers["weight_scale_inv"] = scale.to(device=device, dtype=torch.float32)
+        return True
+
+
+def check_shardable(modules: list[nn.Module], dp: int) -> None:
+    """Raise :class:`QuantError` unless every NF4 weight splits into ``dp`` equal FSDP2 row shards.
+
+    FSDP2 pads a parameter whose rows do not divide evenly, and an ``NF4Tensor`` cannot be padded
+    (nor split inside a group of scales). FP8 weights are buffers, kept whole on every dp rank.
+    """
+    for module in modules:
+        for name, p in module.named_parameters():
+            w = getattr(p, "_local_tensor", p)
+            if not hasattr(w, "quantization_factor"):
+                continue
+            parts = (w.shape[0], w.quantized_scalers.numel(), w.quantization_factor.numel())
+            if any(n % dp for n in parts):
+                raise QuantError(f"--dp {dp}: NF4 weight {name} ({w.shape[0]} rows, {parts[2]} groups of scales) "
+                                 f"does not split into {dp} equal FSDP2 shards; use --dp 2, 4 or 8, or "
+                                 "--quantize-base fp8")

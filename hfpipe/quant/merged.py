@@ -1,0 +1,112 @@
+"""The base weights a quantized-base LoRA run trained on, and the dtypes a merged export writes.
+
+``hfpipe export --merge`` of such a run merges the adapters into the base *as the run saw it*:
+each quantized linear's weight goes through the same quantization the loader applied (NF4 codes
+of the same blocks, FP8 tiles kept as stored or quantized at load) and is dequantized to fp32
+before PEFT's ``merge()`` adds the adapter delta. The merged folder is then written:
+
+- in bf16 (``--dtype auto``/``bf16``): the dequantized base plus the adapters, rounded once;
+- in the FP8 block format (``--dtype fp8``): every linear the run quantized, requantized per
+  ``block x block`` tile with a ``weight_scale_inv``, and config.json's ``quantization_config``
+  saying so, as DeepSeek-V3 ships (transformers loads it).
+
+Either way the merged model differs from training by rounding: training ran ``dequant(Q(W)) x +
+B A x`` with the adapters in fp32, the folder holds ``round(dequant(Q(W)) + B A)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, dequantize_blocks, is_fp8, quantize_blocks
+from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, quantize_nf4
+from hfpipe.quant.targets import quantized_linears
+
+__all__ = ["MergedBase", "MERGE_DTYPES"]
+
+#: ``--dtype`` of a merged export: auto (the base's dtypes; bf16 for a quantized base), bf16, fp8.
+MERGE_DTYPES = ("auto", "bf16", "fp8")
+_SCALE = "_scale_inv"
+_FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+
+
+class MergedBase:
+    """Turns a base checkpoint's shard into the weights a run trained on, and back into output dtypes.
+
+    Args:
+        cfg_json: The base's config.json (its ``quantization_config``, if any).
+        meta_model: The full model on the meta device (which linears are quantized).
+        quant: ``hfpipe.json``'s ``quantize_base`` (kind, block, dtype), or ``None``.
+        dtype: ``--dtype`` of the export (one of :data:`MERGE_DTYPES`).
+    """
+
+    def __init__(self, cfg_json: dict, meta_model, quant: dict | None, dtype: str) -> None:
+        qc = cfg_json.get("quantization_config") or None
+        if qc and qc.get("quant_method") != "fp8":
+            raise QuantError(f"--merge: base quantization {qc.get('quant_method')!r} is not supported "
+                             "(block-FP8 is); export the adapter instead")
+        if dtype not in MERGE_DTYPES:
+            raise QuantError(f"--dtype {dtype} does not apply to --merge of a LoRA checkpoint; "
+                             f"choose one of {', '.join(MERGE_DTYPES)}")
+        self.source_block = int((qc.get("weight_block_size") or [FP8_DEFAULT_BLOCK])[0]) if qc else None
+        self.quant = quant
+        self.linears = {name + ".weight" for name in quantized_linears(meta_model)}
+        self.fp8_out = dtype == "fp8"
+        self.bf16 = dtype == "bf16" or (dtype == "auto" and (quant is not None or qc is not None))
+        self.changes = self.fp8_out or self.bf16  # else the plain merge: the base's files, keys, dtypes
+        kind_block = quant.get("block") if quant and quant.get("kind") == "fp8" else None
+        self.out_block = kind_block or self.source_block or FP8_DEFAULT_BLOCK
+
+    def as_trained(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The shard's tensors as the run saw them: FP8 dequantized (scales dropped), the run's
+        quantized linears round-tripped through its quantization, in fp32."""
+        out = {}
+        for key, t in tensors.items():
+            if key.endswith(_SCALE):
+                continue
+            if is_fp8(t):
+                if key + _SCALE not in tensors:
+                    raise QuantError(f"--merge: FP8 weight {key!r} has no {key + _SCALE!r} in the same shard; "
+                                     "the base checkpoint is incomplete")
+                t = dequantize_blocks(t, tensors[key + _SCALE], self.source_block)
+            if self.quant and key in self.linears:
+                t = self._round_trip(t, stored_fp8=is_fp8(tensors[key]))
+            out[key] = t
+        return out
+
+    def _round_trip(self, w: torch.Tensor, stored_fp8: bool) -> torch.Tensor:
+        kind, block = self.quant["kind"], self.quant.get("block")
+        dtype = getattr(torch, self.quant.get("dtype", "float32"))
+        if kind == "fp8" and stored_fp8:
+            return w  # kept as stored: already the dequantized checkpoint values
+        w = w.to(dtype)  # what the loader quantized: the tensor cast to the run's parameter dtype
+        if kind == "nf4":
+            return quantize_nf4(w, block or DEFAULT_BLOCK).get_original_weight().float()
+        q, s = quantize_blocks(w, block or FP8_DEFAULT_BLOCK)
+        return dequantize_blocks(q, s, block or FP8_DEFAULT_BLOCK)
+
+    def output(self, tensors: dict[str, torch.Tensor], source_dtypes: dict) -> dict[str, torch.Tensor]:
+        """Merged tensors in the export's dtypes (FP8 linears gain their ``weight_scale_inv``).
+
+        Floating tensors become bf16, but those an FP8 checkpoint stores in fp32 (DeepSeek's
+        router bias) stay fp32, as it ships them.
+        """
+        out = {}
+        for key, t in tensors.items():
+            if self.fp8_out and key in self.linears:
+                out[key], out[key + _SCALE] = quantize_blocks(t, self.out_block)
+            elif t.is_floating_point() and not (self.source_block and source_dtypes.get(key) == torch.float32):
+                out[key] = t.to(torch.bfloat16)
+            else:
+                out[key] = t
+        return out
+
+    def config_json(self, cfg_json: dict) -> dict:
+        """config.json of the merged folder: FP8's ``quantization_config`` only when writing FP8."""
+        cfg = dict(cfg_json)
+        cfg.pop("quantization_config", None)
+        if self.fp8_out:
+            cfg["quantization_config"] = {**_FP8_CONFIG, "weight_block_size": [self.out_block, self.out_block]}
+        if self.bf16 or self.fp8_out:
+            cfg["dtype"] = "bfloat16"
+        return cfg

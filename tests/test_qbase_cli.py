@@ -1,0 +1,71 @@
+"""The issue's bar for ``--quantize-base``, run as a user runs it (the ``hfpipe`` command).
+
+A tiny untied Llama, LoRA rank 8, ``--quantize-base nf4`` and then ``fp8``: 3 steps at ``--pp 2``
+equal the same flags at ``--pp 1`` (losses and grad norms within 1e-5), the checkpoint is less
+than half the base's size, and ``hfpipe export`` gives an adapter folder PEFT loads. Both run in the
+slow suite (about a minute each of process starts); the default run covers the same path in
+process-level tests (test_qbase.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist import tiny_checkpoint
+from test_e2e import hfpipe
+
+pytest.importorskip("torchao", reason="--quantize-base nf4 needs torchao (pip install 'hfpipe[qlora]')")
+
+# wide enough that rank-8 adapters and their AdamW state are small beside the base, as on real models
+WIDE = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512)
+
+
+def _finetune(model: Path, pp: int, kind: str, cwd: Path) -> tuple[list[dict], Path]:
+    out = f"out-{kind}-pp{pp}"
+    run = hfpipe("finetune", model, "--pp", pp, "--max-steps", 3, "--seq-len", 32, "--batch-size", 4,
+                 "--microbatches", 2, "--lr", 3e-3, "--lora-rank", 8, "--quantize-base", kind,
+                 "--output-dir", out, "--save-every", 3, cwd=cwd, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (cwd / out / "metrics.jsonl").read_text().splitlines()]
+    (ckpt,) = sorted((cwd / out / "checkpoints").glob("step-*"))
+    return rows, ckpt
+
+
+def _size(folder: Path, pattern: str = "*") -> int:
+    return sum(p.stat().st_size for p in folder.rglob(pattern) if p.is_file())
+
+
+def check_issue_bar(kind: str, tmp_path: Path) -> None:
+    model = tiny_checkpoint("llama", **WIDE)
+    rows1, _ = _finetune(model, 1, kind, tmp_path)
+    rows2, ckpt = _finetune(model, 2, kind, tmp_path)
+    assert [r["step"] for r in rows2] == [1, 2, 3]
+    for what in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[what] for r in rows2]), torch.tensor([r[what] for r in rows1]),
+                                   atol=1e-5, rtol=0, msg=lambda m: f"{kind} {what} pp2 vs pp1: {m}")
+    base = _size(model, "*.safetensors")
+    assert _size(ckpt) < base / 2, (_size(ckpt), base)
+    meta = json.loads((ckpt / "hfpipe.json").read_text())
+    assert meta["quantize_base"]["kind"] == kind
+    run = hfpipe("export", ckpt, tmp_path / f"adapter-{kind}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), tmp_path / f"adapter-{kind}")
+    lora = {n: p for n, p in peft.named_parameters() if ".lora_B." in n}
+    assert lora and any(p.abs().max() > 0 for p in lora.values()), "trained adapters were loaded"
+
+
+@pytest.mark.slow
+def test_nf4_pp2_equals_pp1_small_checkpoint_and_peft_loads_the_adapter(tmp_path):
+    check_issue_bar("nf4", tmp_path)
+
+
+@pytest.mark.slow
+def test_fp8_pp2_equals_pp1_small_checkpoint_and_peft_loads_the_adapter(tmp_path):
+    check_issue_bar("fp8", tmp_path)
