@@ -13,6 +13,11 @@ Temp data goes under /tmp (``--workdir``) and is removed at the end unless ``--k
 It also saves the same model as a dp=2 x pp=2 job does (4 ranks; every tensor in 2 row-block
 DCP chunks, as FSDP2 writes them) and exports that, against ``cp -r`` of that folder.
 
+Both checkpoints carry checksums as hfpipe's saves do (hfpipe.checkpoint.checksums), so export
+verifies every item it copies. Each round also exports the same checkpoint with its record set
+aside (what export does with a checkpoint saved before checksums): the "checksum cost" rows are
+the verified export over the unverified one, round by round (goal <= 1.10).
+
 Reading the numbers: with the checkpoint in the page cache, ``cp`` is one in-kernel
 ``copy_file_range`` on one core. Export makes the same call for every tensor DCP stored as is
 (hfpipe.checkpoint.dcp_raw), in 64 MiB pieces on every core, and writes the rest (converted or
@@ -57,6 +62,31 @@ def _build(work: Path, hidden: int, layers: int, inter: int, vocab: int) -> None
     meta = {"format": 1, "step": 1, "source": str(work / "source"), "source_dtype": "float32",
             "tied": False, "config": {}}  # fmt: skip
     (work / "ckpt" / "hfpipe.json").write_text(json.dumps(meta))
+    print(json.dumps({"record_s": _record(work / "ckpt")}))
+
+
+def _record(ckpt: Path) -> float:
+    """Record checksums as hfpipe's saves do; the seconds it took (one process, every item)."""
+    sys.path.insert(0, str(REPO))
+    from hfpipe.checkpoint.dcp import record_checksums
+
+    t0 = time.perf_counter()
+    record_checksums(ckpt)
+    return time.perf_counter() - t0
+
+
+def _set_checksums(ckpt: Path, on: bool) -> None:
+    """Put the checksum record back, or set it aside (export then verifies nothing)."""
+    meta = json.loads((ckpt / "hfpipe.json").read_text())
+    aside = ckpt.parent / f".{ckpt.name}.checksums"
+    if on and aside.is_file():
+        meta["checksums"] = json.loads(aside.read_text())
+        (ckpt.parent / f".{ckpt.name}.record").rename(ckpt / "checksums.json")
+        aside.unlink()
+    elif not on and "checksums" in meta:
+        aside.write_text(json.dumps(meta.pop("checksums")))
+        (ckpt / "checksums.json").rename(ckpt.parent / f".{ckpt.name}.record")
+    (ckpt / "hfpipe.json").write_text(json.dumps(meta))
 
 
 def _save_sharded(src: str, ckpt: str) -> None:
@@ -86,7 +116,10 @@ def _build_sharded(work: Path) -> None:
     from hfpipe.parallel.launch import launch
 
     launch(_save_sharded, 4, str(work / "source"), str(work / "ckpt-dp2pp2"), threads_per_rank=1)
-    shutil.copy(work / "ckpt" / "hfpipe.json", work / "ckpt-dp2pp2" / "hfpipe.json")
+    meta = json.loads((work / "ckpt" / "hfpipe.json").read_text())
+    meta.pop("checksums", None)
+    (work / "ckpt-dp2pp2" / "hfpipe.json").write_text(json.dumps(meta))
+    _record(work / "ckpt-dp2pp2")
 
 
 def _export(work: Path, max_shard_size: str, ckpt: str = "ckpt") -> None:
@@ -175,19 +208,24 @@ def _kernel_copy_seconds(src: Path, dst: Path) -> float:
 
 def _side_by_side(work: Path, ckpt: str, a: argparse.Namespace) -> dict:
     """Each round times cp, the bare kernel copy, then export; best of each and per-round ratios."""
-    cps, kernel, exports = [], [], []
+    cps, kernel, exports, unverified = [], [], [], []
     env = {"THP_MEM_ALLOC_ENABLE": "1"} if a.thp else None  # torch's CPU allocator: huge pages
     for i in range(a.repeat):
         _settle()
         cps.append(_cp_seconds(work / ckpt, work / f"cp-{i}"))
         _settle()
         kernel.append(_kernel_copy_seconds(work / ckpt, work / f"kc-{i}"))
-        shutil.rmtree(work / "export", ignore_errors=True)
-        _settle()
-        exports.append(_child("export", str(work), ckpt, "--max-shard-size", a.max_shard_size, env=env))
+        for on, into in ((False, unverified), (True, exports)) if i % 2 else ((True, exports), (False, unverified)):
+            _set_checksums(work / ckpt, on)  # alternate which goes first: neither always gets a warmer cache
+            shutil.rmtree(work / "export", ignore_errors=True)
+            _settle()
+            into.append(_child("export", str(work), ckpt, "--max-shard-size", a.max_shard_size, env=env))
+    _set_checksums(work / ckpt, True)
     return {"cp": min(cps), "kernel": min(kernel), "export": min(exports, key=lambda r: r["export_s"]),
+            "unverified": min(unverified, key=lambda r: r["export_s"]),
             "ratios": [e["export_s"] / c for c, e in zip(cps, exports)],
-            "kernel_ratios": [e["export_s"] / k for k, e in zip(kernel, exports)]}
+            "kernel_ratios": [e["export_s"] / k for k, e in zip(kernel, exports)],
+            "checksum_ratios": [e["export_s"] / u["export_s"] for e, u in zip(exports, unverified)]}
 
 
 def main() -> None:
@@ -223,7 +261,9 @@ def main() -> None:
 
 def _run(a: argparse.Namespace, work: Path) -> None:
     dims = [f"--hidden={a.hidden}", f"--layers={a.layers}", f"--intermediate={a.intermediate}", f"--vocab={a.vocab}"]
-    subprocess.run([sys.executable, __file__, *dims, "--child", "build", str(work)], check=True)
+    built = subprocess.run([sys.executable, __file__, *dims, "--child", "build", str(work)], check=True,
+                           capture_output=True, text=True)
+    record_s = json.loads([ln for ln in built.stdout.splitlines() if ln.startswith("{")][-1])["record_s"]
     ckpt_bytes = _du(work / "ckpt")
     _cp_seconds(work / "ckpt", work / "cp-warm")  # warm the page cache for both contenders
     base = _child("baseline")
@@ -248,6 +288,14 @@ def _run(a: argparse.Namespace, work: Path) -> None:
         ("time ratio (dp x pp): export call / cp", f"{exp2['export_s'] / two['cp']:.2f}  (goal <= 1.5){_spread(two['ratios'])}"),
         ("time ratio (dp x pp): export call / kernel copy",
          f"{exp2['export_s'] / two['kernel']:.2f}{_spread(two['kernel_ratios'])}"),
+        ("export call, checksums verified / none recorded (best of each)",
+         f"{exp['export_s']:.2f} s / {one['unverified']['export_s']:.2f} s"),
+        ("checksum cost: verified / unverified export call",
+         f"{exp['export_s'] / one['unverified']['export_s']:.2f}  (goal <= 1.10){_spread(one['checksum_ratios'])}"),
+        ("checksum cost (dp x pp): verified / unverified export call",
+         f"{exp2['export_s'] / two['unverified']['export_s']:.2f}  (goal <= 1.10){_spread(two['checksum_ratios'])}"),
+        ("recording checksums (one process, every item, page cache)",
+         f"{record_s:.2f} s ({ckpt_bytes / 1e9 / record_s:.1f} GB/s)"),
         ("largest shard", f"{shard / 1e6:.0f} MB (max_shard_size {a.max_shard_size})"),
         ("peak RSS export / bare torch", f"{(rss + base['maxrss']) / 1e6:.0f} MB / {base['maxrss'] / 1e6:.0f} MB"),
         ("memory ratio: (export - bare) / shard", f"{rss / shard:.2f}  (goal <= 1.5)"),

@@ -189,7 +189,8 @@ def export(
              "of a LoRA run: auto, bf16, or fp8 (the linears requantized per block, as DeepSeek ships).")] = "auto",
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 5GB or 500MB.")] = "5GB",
     force: Annotated[bool, typer.Option(
-        help="Replace an existing OUT (only once the new folder is complete).")] = False,
+        help="Replace an earlier export at OUT (a folder holding hfpipe_export.json; anything else is "
+             "refused), only once the new folder is complete.")] = False,
     source: Annotated[Optional[Path], typer.Option(
         help="The HF model folder the run started from, if it moved since training.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,

@@ -9,152 +9,23 @@ Inside ``torchrun --nproc-per-node 4 train.py``::
     for batch in loader:                      # input_ids / attention_mask / labels from a collator
         out = trainer.step(batch)             # out.loss, out.grad_norm: same on every rank
     pm.save_pretrained("out/hf")              # an HF folder from_pretrained loads
+
+The machinery is :mod:`hfpipe.pipeline.model`; this face adds ``save_pretrained``, the one method
+that exports (and so needs :mod:`hfpipe.checkpoint`, which the run loop reaches on its own).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import os
-from dataclasses import dataclass
+import functools
 
-import torch
-
-from hfpipe.parallel.expert import check_expert_parallel, experts_of, init_expert_mesh, shard_moe_layer
-from hfpipe.parallel.mesh import Dist, init_distributed
-from hfpipe.pipeline.load import load_rank_stages
-from hfpipe.models.support import get_adapter
-from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_data_parallel, check_microbatches, schedule_style
-from hfpipe.plan.split import Plan, plan_pipeline
-from hfpipe.source.folder import ModelSource
-from hfpipe.train.step import PipelineTrainer, tied_groups
+from hfpipe.pipeline import model as _model
+from hfpipe.pipeline.model import DTYPES
 
 __all__ = ["PipelineModel", "load_pipeline", "DTYPES"]
 
-log = logging.getLogger(__name__)
 
-# --dtype: (dtype the parameters are stored in, dtype the compute runs in)
-DTYPES = {
-    "fp32": (torch.float32, torch.float32),
-    "bf16-mixed": (torch.float32, torch.bfloat16),
-    "bf16": (torch.bfloat16, torch.bfloat16),
-}
-
-
-@dataclass
-class PipelineModel:
-    """This rank's part of a pipelined model.
-
-    Attributes:
-        source: The checkpoint it was loaded from.
-        plan: Every stage's layout.
-        dist: This rank's place in the (dp, pp) mesh.
-        modules: This rank's stage modules (parameter names are the full model's).
-        pipe: The schedule driver.
-        tied_group: Group summing the tied embedding's gradient halves, or ``None``.
-        lora: The ``LoraConfig`` whose adapters are the only trainable parameters, or ``None``.
-    """
-
-    source: ModelSource
-    plan: Plan
-    dist: Dist
-    modules: list
-    pipe: Pipeline
-    tied_group: object = None
-    lora: object = None  # the resolved peft.LoraConfig of a LoRA run (base frozen), or None
-    quantize: object = None  # the hfpipe.quant.linear.QuantSpec of a quantized base, or None
-    ep: int = 1  # ranks each MoE layer's routed experts are sharded over
-
-    @property
-    def loss_rank(self) -> int:
-        """The pipeline rank holding the last stage (rank 0 for V schedules)."""
-        return self.plan.rank_of_stage(len(self.plan.stages) - 1)
-
-    def parameters(self):
-        """This rank's trainable parameters, each shared tensor once (for your optimizer).
-
-        On a rank whose stages are all empty (a layout such as ``E||t*30|L``) this is one empty
-        parameter *group*, ``[{"params": []}]``: any torch optimizer accepts it (an empty list it
-        refuses), so the same optimizer line runs on every rank and its steps do nothing there.
-        """
-        from hfpipe.train.optim import unique_parameters
-
-        params = [p for _, p in unique_parameters(self.modules)]
-        return params or [{"params": []}]
-
-    def named_parameters(self):
-        from hfpipe.train.optim import unique_parameters
-
-        return unique_parameters(self.modules)
-
-    def trainer(self, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0) -> PipelineTrainer:
-        """A :class:`PipelineTrainer` whose ``step(batch)`` returns loss and grad norm on every rank."""
-        return PipelineTrainer(self.pipe, self.dist, optimizer, scheduler=scheduler,
-                               max_grad_norm=max_grad_norm, tied_group=self.tied_group,
-                               loss_rank=self.loss_rank, vocab_size=self.vocab_size)
-
-    @property
-    def vocab_size(self) -> int | None:
-        """Token ids a batch may hold: 0 .. vocab_size - 1."""
-        config = self.source.config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return getattr(text, "vocab_size", None)
-
-    def forward(self, batch: dict) -> torch.Tensor | None:
-        """Logits on the loss rank, ``None`` elsewhere (no gradients)."""
-        from hfpipe.train.step import check_batches
-
-        check_batches([batch], self.vocab_size, "forward", labels=False)
-        return self.pipe.forward(batch)
-
-    @property
-    def tied(self) -> bool:
-        return bool(getattr(self.source.config, "tie_word_embeddings", False))
-
-    def view(self):
-        """One module holding this rank's parameters under their full-model names (for DCP).
-
-        Under LoRA it holds the adapters only: they are all a checkpoint needs besides the base.
-        """
-        from hfpipe.checkpoint.dcp import rank_view
-
-        if self.lora is not None:
-            from hfpipe.lora.adapters import adapter_view
-
-            return adapter_view(self.modules)
-        return rank_view(self.modules, self.tied)
-
-    def save_checkpoint(self, root: str, step: int, optimizer=None, *, keep: int | None = None,
-                        extra: dict | None = None, async_save: bool = False):
-        """Save a DCP checkpoint ``root/step-<step>`` (every rank calls this).
-
-        The checkpoint resumes at any pipeline size and exports with ``hfpipe export``.
-        ``extra`` adds to (or replaces) the ``hfpipe.json`` fields. Returns the path, or with
-        ``async_save`` a pending save whose ``wait()`` every rank must call.
-        """
-        from pathlib import Path
-
-        from hfpipe.checkpoint.dcp import CheckpointError, save_checkpoint
-
-        if Path(root).exists() and not Path(root).is_dir():
-            raise CheckpointError(f"save_checkpoint(root={str(root)!r}): it is a file; give a folder "
-                                  "(checkpoints go to root/step-XXXXXXXX)")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"save_checkpoint(step={step!r}): step must be an integer >= 0")
-        config = self.source.config
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-        meta = {"format": 1, "source": str(self.source.folder), "tied": self.tied,
-                "source_dtype": str(dtype).replace("torch.", ""),
-                "config": {"model": self.source.name, "pp": self.dist.pp, "dp": self.dist.dp, "ep": self.ep},
-                "world": {"pp": self.dist.pp, "dp": self.dist.dp, "ep": self.ep}, "train": {}, **(extra or {})}
-        if self.lora is not None:
-            from hfpipe.lora.adapters import config_to_dict
-
-            meta["lora"] = config_to_dict(self.lora)  # the base is meta["source"]
-        if self.quantize is not None:
-            meta["quantize_base"] = self.quantize.to_dict()  # how the base was quantized (for --merge)
-        return save_checkpoint(Path(root), step, self.view(), optimizer, meta, keep=keep,
-                               async_save=async_save)
+class PipelineModel(_model.PipelineModel):
+    """This rank's part of a pipelined model (see :class:`hfpipe.pipeline.model.PipelineModel`)."""
 
     def save_pretrained(self, out: str, *, dtype: str = "auto", max_shard_size: str = "5GB",
                         force: bool = False):
@@ -181,147 +52,7 @@ class PipelineModel:
                 shutil.rmtree(tmp[0], ignore_errors=True)
         return Path(out)
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors under full-model names (a tied head is stored as the embedding)."""
-        return dict(self.view().state_dict())
 
-
-def _default_pp(dp: int) -> int:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return max(1, world // dp)
-
-
-_CHECKPOINTING = ("none", "full", "selective")
-#: load_pipeline's counts: (lowest value, whether None means "the default").
-_COUNTS = {"pp": (1, True), "dp": (1, False), "vpp": (1, True), "microbatches": (1, True), "seed": (0, False),
-           "loss_chunk_tokens": (0, True)}
-
-
-def _check_arguments(*, activation_checkpointing: str, **counts) -> None:
-    """Refuse load_pipeline's arguments by their names (the CLI checked its flags already)."""
-    for name, value in counts.items():
-        low, optional = _COUNTS[name]
-        if value is None and optional:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise PipelineError(f"load_pipeline({name}={value!r}): {name} must be an integer >= {low}"
-                                + (" (or None for the default)" if optional else ""))
-    if activation_checkpointing not in _CHECKPOINTING:
-        raise PipelineError(f"load_pipeline(activation_checkpointing={activation_checkpointing!r}): "
-                            f"choose one of {', '.join(_CHECKPOINTING)}")
-
-
-def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, vpp: int | None = None,
-                  schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
-                  layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
-                  trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
-                  seed: int = 0, loss_chunk_tokens: int | None = None,
-                  quantize_base: str | None = None, quantize_block_size: int | None = None) -> PipelineModel:
-    """Load this rank's stages of ``model`` (folder or hub id) ready to train.
-
-    Args:
-        model: Local HF folder or hub id.
-        pp: Pipeline ranks (default: WORLD_SIZE / dp).
-        dp: Data-parallel replicas (FSDP2 over the dp dimension).
-        ep: Expert-parallel degree: MoE routed experts sharded over ep ranks of the dp group.
-        vpp: Stages per rank (default 1, or 2 for multi-stage schedules).
-        schedule: A name from :data:`hfpipe.pipeline.schedule.SCHEDULES`.
-        microbatches: Microbatches per step (default: the number of stages).
-        method, layout: How to split the layers (see :func:`hfpipe.plan.split.plan_pipeline`).
-        dtype: ``fp32``, ``bf16-mixed`` (fp32 master weights, bf16 compute) or ``bf16``.
-        activation_checkpointing: ``none``, ``full`` (every layer) or ``selective`` (every other layer).
-        trust_remote_code: Allow configs that need remote code.
-        dist: An existing :class:`Dist` (default: join/create the process group).
-        lora: A ``peft.LoraConfig``: inject PEFT's LoRA adapters and freeze the base weights;
-            ``parameters()`` then yields only the adapters.
-        seed: Seeds the LoRA adapters' initialisation (per adapter, whatever the pipeline size).
-        loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
-            chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.pipeline.head_loss`.
-        quantize_base: ``nf4`` or ``fp8``: keep a LoRA run's frozen base quantized on the device
-            (:mod:`hfpipe.quant`); every decoder-layer linear dequantizes just in time.
-        quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the
-            checkpoint's own tiles, else 128).
-    """
-    _check_arguments(pp=pp, dp=dp, vpp=vpp, microbatches=microbatches, seed=seed,
-                     loss_chunk_tokens=loss_chunk_tokens, activation_checkpointing=activation_checkpointing)
-    quantize = _quant_spec(quantize_base, quantize_block_size, lora)
-    pp = pp or _default_pp(dp)
-    vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
-    microbatches = microbatches or pp * vpp
-    check_microbatches(schedule, pp, vpp, microbatches)
-    check_data_parallel(schedule, dp)
-    if dtype not in DTYPES:
-        raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
-    source = ModelSource.open(model, trust_remote_code=trust_remote_code)
-    get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
-    check_expert_parallel(source.config, ep, dp, schedule)
-    if ep > 1 and lora is not None:
-        raise PipelineError("--ep with LoRA (--lora-rank) is not supported yet; use --ep 1 for LoRA runs")
-    plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
-    dist = dist or init_distributed(pp, dp)
-    param_dtype, compute_dtype = DTYPES[dtype]
-    if quantize is not None:
-        quantize = dataclasses.replace(quantize, dtype=str(param_dtype).removeprefix("torch."))
-    emesh = init_expert_mesh(dist, ep) if ep > 1 else None
-    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype, quantize,
-                                     expert_mesh=emesh)
-    log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
-             stats.bytes_read / 1e6, len(stats.files_opened))
-    for m in modules:
-        m.activation_checkpointing = activation_checkpointing
-        m.hidden_dtype = compute_dtype
-    if lora is not None:
-        from hfpipe.lora.adapters import add_adapters, resolve_config
-
-        lora = resolve_config(lora, modules[0]._hf_model)
-        add_adapters(modules, lora, seed=seed)
-    if dp > 1 and quantize is not None:
-        from hfpipe.quant.linear import check_shardable
-
-        check_shardable(modules, dp)
-    if dp > 1 or compute_dtype != param_dtype:
-        _shard(modules, dist, compute_dtype, emesh)
-    tied = bool(getattr(source.config, "tie_word_embeddings", False))
-    group = tied_groups(plan, dist, tied)
-    pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device,
-                    loss_chunk_tokens=loss_chunk_tokens)
-    return PipelineModel(source, plan, dist, modules, pipe, group, lora, quantize, ep)
-
-
-def _quant_spec(kind: str | None, block: int | None, lora):
-    """The :class:`~hfpipe.quant.linear.QuantSpec` of ``quantize_base``, checked against ``lora``."""
-    if kind is None:
-        if block is not None:
-            raise PipelineError("--quantize-block-size applies with --quantize-base nf4|fp8 only")
-        return None
-    if lora is None:
-        raise PipelineError("--quantize-base trains LoRA adapters on a frozen base; add --lora-rank R (e.g. 16)")
-    from hfpipe.quant.linear import QuantSpec
-
-    return QuantSpec(kind, block)
-
-
-def _shard(modules, dist: Dist, compute_dtype: torch.dtype, emesh=None) -> None:
-    """FSDP2 over the dp mesh dimension: each decoder layer, then the stage.
-
-    With sharded experts (``emesh``), a MoE layer's experts, attention and MoE block are units of their
-    own first (:func:`hfpipe.parallel.expert.shard_moe_layer`).
-
-    Also how bf16-mixed works: FSDP2 keeps fp32 sharded masters (and so fp32 optimizer state)
-    and casts to bf16 for compute, reducing gradients in fp32. No reshard after forward:
-    under pipelining a stage runs forward for several microbatches before their backward.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = dist.mesh["dp"]
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    # A stage's float inputs are hidden states, already in the compute dtype, and the fp32 router
-    # sums of MoE aux losses (hfpipe.pipeline.router_loss), which must stay fp32: bf16 counts
-    # tokens exactly only up to 256.
-    stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for m in modules:
-        for layer in m.model.layers.values():
-            if emesh is not None and experts_of(layer):
-                shard_moe_layer(layer, mesh, emesh, mp)
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=False)
+@functools.wraps(_model.load_pipeline)
+def load_pipeline(model: str, **options) -> PipelineModel:
+    return _model.load_pipeline(model, model_class=PipelineModel, **options)

@@ -162,6 +162,10 @@ class Generator:
             raise GenerateError("this tokenizer has no chat template; use hfpipe generate "
                                 "--no-chat-template, or a model with a chat template")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        from hfpipe.data.template import render_chat, template_file
+
+        # first as text: a template that fails, leaves jinja's sandbox or drops a turn is one line
+        render_chat(self.tokenizer, messages, None, template_file(self.tokenizer), add_generation_prompt=True)
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  return_tensors="pt", return_dict=True)
         return out["input_ids"]

@@ -245,16 +245,22 @@ def test_a_checkpoint_of_another_model_is_refused_naming_keys(tiny, tmp_path):
 # --- atomicity and errors ---------------------------------------------------------------------
 
 
-def test_existing_out_is_refused_and_force_replaces_it(tiny, tmp_path):
+def test_existing_out_is_refused_and_force_replaces_only_an_earlier_export(tiny, tmp_path):
     src, ckpt = tiny("llama_tied")
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
     with pytest.raises(ExportError, match="exists; pass --force to overwrite"):
         export_checkpoint(ckpt, out, progress=False)
-    assert (out / "old.txt").exists()
-    export_checkpoint(ckpt, out, force=True, progress=False)
+    with pytest.raises(ExportError, match="holds files and no hfpipe_export.json; --force replaces only a folder"):
+        export_checkpoint(ckpt, out, force=True, progress=False)
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    (out / "old.txt").unlink()
+    export_checkpoint(ckpt, out, force=True, progress=False)  # an empty folder: nothing to lose
+    (out / "old.txt").write_text("old")
+    export_checkpoint(ckpt, out, force=True, progress=False)  # an earlier export
     assert not (out / "old.txt").exists() and (out / "config.json").exists()
+    assert json.loads((out / "hfpipe_export.json").read_text())["step"] == json.loads((ckpt / "hfpipe.json").read_text())["step"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -262,9 +268,10 @@ def test_existing_out_is_refused_and_force_replaces_it(tiny, tmp_path):
 def test_a_failure_mid_export_leaves_no_output_and_no_temp_folder(tiny, tmp_path, monkeypatch, existing):
     _, ckpt = tiny("deepseek_v3")
     out = tmp_path / "out"
-    if existing:
+    if existing:  # an earlier export, which --force may replace
         out.mkdir()
         (out / "old.txt").write_text("old")
+        (out / "hfpipe_export.json").write_text('{"written_by": "hfpipe"}')
     written = []
     opened = ShardWriter.__init__
 
@@ -280,7 +287,7 @@ def test_a_failure_mid_export_leaves_no_output_and_no_temp_folder(tiny, tmp_path
     assert written  # it did fail midway
     assert [p.name for p in tmp_path.iterdir()] == (["out"] if existing else [])
     if existing:
-        assert [p.name for p in out.iterdir()] == ["old.txt"]
+        assert sorted(p.name for p in out.iterdir()) == ["hfpipe_export.json", "old.txt"]
 
 
 @pytest.mark.parametrize("missing", [".metadata", "hfpipe.json"])

@@ -164,7 +164,8 @@ def test_the_adapter_export_loads_in_peft_with_the_pipeline_logits(base, referen
     from peft import get_peft_model_state_dict
 
     hf = reference["out"] / "hf"  # save_hf_at_end of a LoRA run writes the adapter folder
-    assert sorted(p.name for p in hf.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in hf.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                    "hfpipe_export.json"]
     cfg = json.loads((hf / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(base) and cfg["peft_type"] == "LORA" and cfg["r"] == 4
     model = _peft(base, hf)

@@ -37,10 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hfpipe.errors import HfpipeError
-from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
+from hfpipe.checkpoint import checksums
+from hfpipe.parallel.lock import write_new
+from hfpipe.checkpoint.safe_metadata import UnsafeMetadataError, check_byte_items, read_metadata, safe_load
 
 __all__ = ["CheckpointError", "PendingSave", "rank_view", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "resolve_resume"]
+           "latest_checkpoint", "check_stored_data", "record_checksums", "resolve_resume"]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, met
     tmp = root / f".tmp-step-{step:08d}"
     rank = dist.get_rank()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
     state = _states(view, optimizer)
@@ -179,21 +181,55 @@ def _raise_if_disk_full(e: BaseException, tmp: Path, final: Path, state: dict) -
 
 
 def _finalise(root: Path, step: int, meta_text: str, keep: int | None) -> Path:
-    """After every rank wrote its files: rank 0 adds ``hfpipe.json`` and renames into place."""
+    """After every rank wrote its files: each hashes its own (:mod:`.checksums`), rank 0 writes
+    ``checksums.json`` and ``hfpipe.json`` and renames into place."""
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-    dist.barrier()  # every rank's files are written
+    dist.barrier()  # every rank's files (and rank 0's .metadata) are written
+    rows = _hash_own_files(tmp)
     if dist.get_rank() == 0:
         try:
-            (tmp / "hfpipe.json").write_text(meta_text)
+            entry = checksums.write_record(tmp, rows)
+            write_new(tmp / "hfpipe.json", json.dumps({**json.loads(meta_text), "checksums": entry}, indent=2))
         except OSError as e:
             _raise_if_disk_full(e, tmp, final, {})
             raise
-        if final.exists():
-            shutil.rmtree(final)
+        _remove(final)
         os.replace(tmp, final)
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+def _hash_own_files(tmp: Path) -> list[list]:
+    """Checksums of the items in the files this rank wrote; on rank 0, every rank's (a gather)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    metadata = read_metadata(tmp)
+    rows = checksums.hash_items(tmp, metadata, checksums.mine(metadata, rank, world))
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(rows, parts, dst=0)  # plain lists between this run's own processes
+    return [row for part in parts for row in part] if rank == 0 else []
+
+
+def record_checksums(ckpt: str | Path) -> None:
+    """Record checksums for a checkpoint written without them (by ``dcp.save`` alone), in this process.
+
+    For tools and benchmarks, on a checkpoint known to be good: its bytes now become the reference.
+    """
+    ckpt = Path(ckpt)
+    metadata = read_metadata(ckpt)
+    (ckpt / checksums.RECORD).unlink(missing_ok=True)
+    files = {info.relative_path for info in metadata.storage_data.values()}
+    entry = checksums.write_record(ckpt, checksums.hash_items(ckpt, metadata, files))
+    meta = json.loads((ckpt / "hfpipe.json").read_text())
+    (ckpt / "hfpipe.json").write_text(json.dumps({**meta, "checksums": entry}, indent=2))
+
+
+def _remove(path: Path) -> None:
+    """Remove a folder, or only the link if ``path`` is one (never what a planted link points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _prune(root: Path, keep: int | None) -> None:
@@ -229,14 +265,37 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
         latest = latest_checkpoint(Path(output_dir) / "checkpoints")
         if latest is not None:
             check_complete(latest)  # a damaged newest checkpoint: say so before any process starts
+            check_stored_data(latest)
         return latest
     path = Path(resume)
     if path.is_dir() and not _STEP_DIR.match(path.name):
         latest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
         if latest is not None:
+            check_complete(latest)
+            check_stored_data(latest)
             return latest
     check_complete(path)
+    check_stored_data(path)
     return path
+
+
+def check_stored_data(path: Path) -> None:
+    """Before any process starts: the checksum record is intact and every byte item is plain data.
+
+    Byte items (optimizer param groups: lr, betas, ...) are small, so all are read here, each
+    checked against its checksum and unpickled as data only; tensors are checked by each rank as
+    it reads them (:class:`~hfpipe.checkpoint.safe_metadata.SafeReader`).
+
+    Raises:
+        CheckpointError: naming the damaged or unsafe item.
+    """
+    try:
+        check_byte_items(path, checksums.Checksums.load(path))
+    except (checksums.DamagedCheckpointError, UnsafeMetadataError) as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: {e.filename or 'a data file'} cannot be read "
+                              f"({e.strerror}); resume from an earlier checkpoint") from None
 
 
 def check_complete(path: Path) -> None:
@@ -287,8 +346,13 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
         raise CheckpointError(f"checkpoint {path} lacks {missing[0]} ({len(missing)} tensors missing); "
                               "it was written for another model")
     try:
-        dcp.load(state, storage_reader=SafeReader(path))
-    except (Exception, DcpCheckpointException) as e:  # DCP's wrapper is a BaseException  # DCP raises a wrapper naming the rank; keep the first line
+        safe_load(state, path)  # byte items as data only, every item checked against its checksum
+    except ValueError as e:
+        if type(e).__module__.startswith("hfpipe."):  # already one line naming the item
+            raise CheckpointError(str(e)) from None
+        raise CheckpointError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0][:200]}); "
+                              "it may be incomplete: resume from an earlier checkpoint") from None
+    except (Exception, DcpCheckpointException) as e:  # DCP's wrapper is a BaseException naming the rank
         raise CheckpointError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0][:200]}); "
                               "it may be incomplete: resume from an earlier checkpoint") from None
     if not _is_empty(view):  # torch's setters refuse a rank without state

@@ -12,22 +12,29 @@ to the ordinary reader.
 The kernel's copy is CPU-bound memcpy between page-cache pages, one core per call (``cp`` makes a
 single call). :class:`CopyPool` fills several output files at once, so export uses every core it
 has: measured here, 2 threads copy 1.86 GB into two files in 0.40 s against 0.76 s for one.
+
+Copying raw bytes must not copy rot: each span carries the check of its DCP item's checksum
+(:mod:`.checksums`), run by the copying thread right after the copy, while the item's pages are
+in the page cache (a hash at ~10x the copy's speed, on the same cores; the temporary folder is
+removed when a check fails).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import re
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-__all__ = ["CopyPool", "RawSpan", "copy_span", "default_workers", "raw_spans"]
+__all__ = ["CopyPool", "RawSpan", "copy_raw", "copy_span", "default_workers", "raw_spans"]
 
 _RECORD = re.compile(r"(^|/)data/\d+$")
 
@@ -40,10 +47,14 @@ class RawSpan:
     offset: int
     nbytes: int
     dst: int
+    verify: Callable[[], None] | None = field(default=None, compare=False)  # its DCP item's checksum
 
 
-def raw_spans(ckpt: Path, metadata, key: str, file_view) -> list[RawSpan] | None:
-    """The raw byte spans making up ``key``'s whole tensor, or ``None`` if they do not lie as is."""
+def raw_spans(ckpt: Path, metadata, key: str, file_view, checksums=None) -> list[RawSpan] | None:
+    """The raw byte spans making up ``key``'s whole tensor, or ``None`` if they do not lie as is.
+
+    With ``checksums`` (a :class:`~hfpipe.checkpoint.checksums.Checksums`) each span verifies its item.
+    """
     md = metadata.state_dict_metadata[key]
     size, dtype = tuple(md.size), md.properties.dtype
     row = math.prod(size[1:]) * dtype.itemsize
@@ -54,10 +65,14 @@ def raw_spans(ckpt: Path, metadata, key: str, file_view) -> list[RawSpan] | None
         info = metadata.storage_data[MetadataIndex(key, chunk.offsets)]
         if info.transform_descriptors or file_view is None:
             return None
-        span = _record(ckpt / info.relative_path, info.offset, info.length, tuple(chunk.sizes), dtype, file_view)
+        try:
+            span = _record(ckpt / info.relative_path, info.offset, info.length, tuple(chunk.sizes), dtype, file_view)
+        except Exception:  # noqa: BLE001 - a damaged item: the ordinary reader checks it and names it
+            span = None
         if span is None:
             return None
-        spans.append(RawSpan(span[0], span[1], span[2], chunk.offsets[0] * row if size else 0))
+        verify = None if checksums is None else functools.partial(checksums.check, key, info)
+        spans.append(RawSpan(span[0], span[1], span[2], chunk.offsets[0] * row if size else 0, verify))
     covered = sum(s.nbytes for s in spans)
     return spans if covered == math.prod(size) * dtype.itemsize else None
 
@@ -91,6 +106,13 @@ def copy_span(src_fd: int, dst_fd: int, nbytes: int, src_offset: int, dst_offset
         if n <= 0:
             raise OSError(f"short copy from a DCP file at byte {src_offset + done}")
         done += n
+
+
+def copy_raw(span: RawSpan, dst_fd: int, dst_offset: int) -> None:
+    """Copy ``span`` to ``dst_offset`` of ``dst_fd`` in the kernel, then check its item's checksum."""
+    _copy_from(span.path, dst_fd, span.nbytes, span.offset, dst_offset)
+    if span.verify is not None:
+        span.verify()  # after the copy: the item's pages are in the page cache now
 
 
 def default_workers() -> int:
@@ -130,7 +152,7 @@ class CopyPool:
 
     def _copy_all(self, dst_fd: int, copies: list[tuple[RawSpan, int]]) -> None:
         for span, dst_offset in copies:
-            _copy_from(span.path, dst_fd, span.nbytes, span.offset, dst_offset)
+            copy_raw(span, dst_fd, dst_offset)
             if self._progress is not None:
                 self._progress(span.nbytes)
 

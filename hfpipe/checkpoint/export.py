@@ -117,15 +117,17 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
                           "drop --dtype, or add --merge")
     src = resolve_source(meta, source)
     config = config_from_dict(meta["lora"])
+    record = {"kind": "merged" if merge else "adapter", "checkpoint": str(ckpt), "step": meta["step"]}
     with locked_out(out, force, (ckpt, src)):
         adapters = read_adapters(ckpt, config, src)
         if merge:
             nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
             quant = meta.get("quantize_base")  # a quantized base merges as the run saw it (hfpipe.quant.merged)
-            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters, quant=quant, dtype=dtype), nbytes)
+            build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters, quant=quant, dtype=dtype), nbytes,
+                         record)
         else:
             nbytes = sum(t.nbytes for t in adapters.values())
-            build_folder(out, lambda tmp: write_adapter(tmp, config, adapters, base_name(meta, src)), nbytes)
+            build_folder(out, lambda tmp: write_adapter(tmp, config, adapters, base_name(meta, src)), nbytes, record)
     log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
     return out
 
@@ -149,7 +151,8 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
         _write_config(tmp, cfg_json, dominant_dtype(groups), fp8)
         copy_side_files(src, tmp)
 
-    build_folder(out, fill, sum(nbytes(*spec) for spec in flat(groups).values()))
+    build_folder(out, fill, sum(nbytes(*spec) for spec in flat(groups).values()),
+                 {"kind": "model", "checkpoint": str(ckpt), "step": meta["step"]})
     log.info("exported step %d to %s", meta["step"], out)
     return out
 
@@ -331,7 +334,7 @@ def _raw_group(reader: _DcpReader, group: Group) -> dict | None:
         md = reader.metadata.state_dict_metadata["model." + fqn]
         if (tuple(md.size), md.properties.dtype) != (tuple(group.out[fqn][0]), group.out[fqn][1]):
             return None
-        spans[fqn] = raw_spans(reader.path, reader.metadata, "model." + fqn, reader.file_view)
+        spans[fqn] = raw_spans(reader.path, reader.metadata, "model." + fqn, reader.file_view, reader.checksums)
         if spans[fqn] is None:
             return None
     return spans

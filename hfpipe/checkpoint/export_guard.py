@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 
 
+
 def source_config_json(src: Path) -> dict:
     """The source's config.json as a dict, or one line naming it."""
 

@@ -53,7 +53,8 @@ class ShardWriter:
         self.pool = pool
         self._copies: list = []  # (span, file offset) to hand to the pool once the file is filled
         self._pending = None  # those copies, running
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # A new file, never through a link: the folder is export's own temporary one
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             os.pwrite(self.fd, len(raw).to_bytes(8, "little") + raw, 0)
             os.ftruncate(self.fd, self.data_start + pos)
@@ -79,14 +80,14 @@ class ShardWriter:
         With a pool the copies wait until every tensor of the file is handed over, then run in
         one of its threads (:meth:`close` waits for them); without, they run now.
         """
-        from hfpipe.checkpoint.dcp_raw import _copy_from
+        from hfpipe.checkpoint.dcp_raw import copy_raw
 
         pos, n = self.offsets[key]
         if sum(s.nbytes for s in spans) != n:
             raise ValueError(f"{self.path.name}: {key} spans do not match its planned size; a bug")
         for s in spans:
             if self.pool is None:
-                _copy_from(s.path, self.fd, s.nbytes, s.offset, self.data_start + pos + s.dst)
+                copy_raw(s, self.fd, self.data_start + pos + s.dst)
             else:
                 self._copies.append((s, self.data_start + pos + s.dst))
         self._done(key)

@@ -16,12 +16,14 @@ import torch
 
 from hfpipe.errors import ExportError
 
-__all__ = ["INDEX", "SINGLE", "copy_side_files", "side_files", "read_checkpoint_meta", "resolve_source"]
+__all__ = ["EXPORT_RECORD", "INDEX", "SINGLE", "copy_side_files", "side_files", "read_checkpoint_meta", "resolve_source"]
 
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+#: The file every export folder gets: what wrote it. ``--force`` replaces only a folder that has it.
+EXPORT_RECORD = "hfpipe_export.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _META_FIELDS = {"format": int, "step": int, "source": str, "source_dtype": str, "tied": bool, "config": dict}
 
@@ -72,7 +74,8 @@ def resolve_source(meta: dict, source: str | Path | None) -> Path:
 def copy_side_files(src: Path, tmp: Path) -> None:
     """Copy every non-weight file of the source (generation config, tokenizer, chat template, code)."""
     def skip(name: str) -> bool:
-        return name == "config.json" or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json")
+        return (name in ("config.json", EXPORT_RECORD) or name.endswith(_WEIGHT_SUFFIXES)
+                or name.endswith(".index.json"))
 
     for path in side_files(src, skip):  # regular files inside the source only
         name = path.name

@@ -28,7 +28,7 @@ __all__ = ["load_examples", "load_splits"]
 
 log = logging.getLogger(__name__)
 
-_VERSION = "2"  # bump when tokenisation or packing output changes: it keys the cache
+_VERSION = "3"  # bump when tokenisation or packing output changes: it keys the cache
 _KNOWN = sorted({f for needs in FIELDS.values() for n in needs for f in (n if isinstance(n, tuple) else (n,))}
                 | {f for extra in OPTIONAL.values() for f in extra})
 
@@ -114,7 +114,7 @@ def _rows(cfg: DataConfig, raw, tokenizer, where: _Locator, num_proc: int | None
     raw = _rename(cfg, raw)
     fmt = detect_format(cfg.format, list(raw.column_names), f"--dataset {cfg.dataset}")
     template = Path(cfg.chat_template).expanduser().read_text() if cfg.chat_template else None
-    body = Tokenise(tokenizer, fmt, cfg.roles, template, cfg.train_on_prompt, where)
+    body = Tokenise(tokenizer, fmt, cfg.roles, template, cfg.train_on_prompt, where, cfg.chat_template)
     _check_tokenizer(cfg, fmt, body)
     key = _fingerprint(_VERSION, raw._fingerprint, fmt, json.dumps(cfg.roles, sort_keys=True),
                        template, cfg.train_on_prompt, _tokenizer_key(tokenizer))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from hfpipe.data.config import IGNORE_INDEX, DataError
 from hfpipe.data.formats import alpaca_prompt, document
+from hfpipe.data.template import render_chat, template_file
 
 __all__ = ["Tokenise", "assistant_spans"]
 
@@ -41,12 +42,12 @@ def _instruction_doc(tok, prompt: str, response: str, train_on_prompt: bool):
     return head + tail, (head if train_on_prompt else [IGNORE_INDEX] * len(head)) + tail
 
 
-def _chat_doc(tok, messages: list[dict], template: str | None, train_on_prompt: bool):
+def _chat_doc(tok, messages: list[dict], template: str | None, train_on_prompt: bool, where: str | None = None):
     """The rendering tokenised once (the template adds its own BOS, if any); loss by character.
 
     A token carries loss when its first character lies in a span from :func:`assistant_spans`.
     """
-    text, spans = assistant_spans(tok, messages, template)
+    text, spans = assistant_spans(tok, messages, template, where)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     if train_on_prompt:
         return enc["input_ids"], list(enc["input_ids"])
@@ -57,7 +58,7 @@ def _chat_doc(tok, messages: list[dict], template: str | None, train_on_prompt: 
     return enc["input_ids"], labels
 
 
-def assistant_spans(tok, messages: list[dict], template: str | None = None):
+def assistant_spans(tok, messages: list[dict], template: str | None = None, where: str | None = None):
     """The rendered conversation and the ``[start, end)`` character spans that carry loss.
 
     Incremental prefixes first: assistant turn ``i`` is what rendering ``messages[:i+1]`` adds to
@@ -65,15 +66,17 @@ def assistant_spans(tok, messages: list[dict], template: str | None = None):
     end-of-turn text, without the role header. That needs prefix renderings to be prefixes of the
     whole. Templates that rewrite history (e.g. drop reasoning from earlier turns) are not; then
     each message's content is found in order in the full rendering, and an assistant span is its
-    content plus a special token (the end-of-turn marker) directly after it.
+    content plus a special token (the end-of-turn marker) directly after it. ``where`` names the
+    template's file in errors (:mod:`hfpipe.data.template`: a template that fails, leaves the
+    sandbox or drops a message's text is refused).
     """
+    where = where or template_file(tok)
 
-    def render(msgs, gen):
+    def render(msgs, gen, check=False):
         # transformers renders in its sandboxed Jinja environment: a template runs no code
-        return tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
-                                       add_generation_prompt=gen)
+        return render_chat(tok, msgs, template, where, add_generation_prompt=gen, check=check)
 
-    full = render(messages, False)
+    full = render(messages, False, check=True)
     try:
         spans = _prefix_spans(render, messages, full)
     except Exception:  # noqa: BLE001 - a template may reject a prefix (e.g. no user turn yet)
@@ -123,6 +126,7 @@ class Tokenise:
         template: ``--chat-template``'s text, or None for the tokenizer's own.
         train_on_prompt: Loss on prompts and user turns too.
         locate: Record index -> ``FILE line N`` (picklable), for error messages.
+        template_file: ``--chat-template``'s path, to name it in errors.
     """
 
     tok: object
@@ -131,6 +135,7 @@ class Tokenise:
     template: str | None
     train_on_prompt: bool
     locate: object
+    template_file: str | None = None
 
     def __call__(self, batch, indices):
         out = {"ids": [], "labels": []}
@@ -153,7 +158,8 @@ class Tokenise:
             return _text_doc(self.tok, doc[1]) if doc[1].strip() else ([], [])
         if doc[0] == "instruction":
             return _instruction_doc(self.tok, doc[1], doc[2], self.train_on_prompt)
-        return _chat_doc(self.tok, doc[1], self.template, self.train_on_prompt)
+        return _chat_doc(self.tok, doc[1], self.template, self.train_on_prompt,
+                         template_file(self.tok, self.template_file))
 
     @property
     def has_template(self) -> bool:

@@ -14,7 +14,7 @@ bf16-mixed    4 + 2    4      8          fp32 masters, plus the bf16 copy autoca
 bf16          2        2      4          everything bf16; AdamW state in the parameter dtype
 ============  =======  =====  =========  ===================================================
 
-With ``dp > 1`` the stage modules are FSDP2-sharded over dp (as :func:`hfpipe.api` does, each
+With ``dp > 1`` the stage modules are FSDP2-sharded over dp (as :mod:`hfpipe.pipeline.model` does, each
 decoder layer and then the stage, no reshard after forward): fp32 masters, the sharded gradients
 kept for the optimizer and AdamW state are split ``dp`` ways, but during a schedule step torch's
 pipeline stage keeps the stage's parameters gathered in the compute dtype and accumulates their

@@ -1,0 +1,170 @@
+"""Helpers for the trust tests: a checkpoint as hfpipe saves it, and ways an attacker or bit rot changes it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+
+
+class RunsCode:
+    """Pickles to ``os.system(cmd)``: what a crafted byte item holds."""
+
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+class Evals:
+    """Pickles to ``eval(...)`` of code that runs ``cmd``."""
+
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (eval, (f"__import__('os').system({self.cmd!r})",))
+
+
+class Execs:
+    """Pickles to ``exec(...)``."""
+
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (exec, (f"import os; os.system({self.cmd!r})",))
+
+
+class Popens:
+    """Pickles to ``subprocess.Popen(cmd, shell=True)``... through ``subprocess.getoutput``."""
+
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self):
+        import subprocess
+
+        return (subprocess.getoutput, (self.cmd,))
+
+
+#: name -> payload(cmd): objects whose unpickling runs ``cmd``
+PAYLOADS = {
+    "os.system": RunsCode,
+    "eval": Evals,
+    "exec": Execs,
+    "subprocess": Popens,
+    "in-a-dict": lambda cmd: {"lr": RunsCode(cmd)},
+    "in-a-tuple": lambda cmd: (0.9, RunsCode(cmd)),
+}
+
+
+def make_checkpoint(tiny: Path, path: Path) -> Path:
+    """A checkpoint of ``tiny`` after one AdamW step, with the keys hfpipe saves and its checksums.
+
+    Model tensors, the flattened optimizer state (tensors and byte items: lr, betas, ...) and the
+    RNG state, as one rank of a pp=1 run writes them; then ``hfpipe.json`` and ``checksums.json``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.checkpoint.dcp import record_checksums
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (1, 8))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    optim = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    state = {"model." + k: v for k, v in model.state_dict().items()}
+    state.update({"optim." + k: v for k, v in optim.items()})
+    state["rng.rank0"] = torch.get_rng_state()
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    meta = {"format": 1, "step": 1, "source": str(tiny), "source_dtype": "float32", "tied": False, "config": {}}
+    (path / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(path)
+    return path
+
+
+def copy_checkpoint(ckpt: Path, dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copytree(ckpt, dst))
+
+
+def _write_metadata(ckpt: Path, metadata) -> None:
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))  # our own Metadata object: plain DCP classes
+
+
+def replace_item(ckpt: Path, fqn: str, value, *, as_bytes: bool = False, rerecord: bool = True) -> None:
+    """Store ``value`` (torch.save'd) as item ``fqn``: appended to its data file, ``.metadata`` repointed.
+
+    ``as_bytes`` also declares ``fqn`` a byte item (a tensor key turned into one). ``rerecord``:
+    the attacker also rewrites the checksum record (it is not a signature); otherwise it is stale.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from hfpipe.checkpoint.dcp import record_checksums
+    from hfpipe.checkpoint.safe_metadata import read_metadata
+
+    metadata = read_metadata(ckpt)
+    indices = [i for i in metadata.storage_data if i.fqn == fqn]
+    info = metadata.storage_data[indices[0]]
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    data = buffer.getvalue()
+    file = ckpt / info.relative_path
+    offset = file.stat().st_size
+    with open(file, "ab") as f:
+        f.write(data)
+    new = type(info)(relative_path=info.relative_path, offset=offset, length=len(data),
+                     transform_descriptors=getattr(info, "transform_descriptors", None))
+    for i in indices:
+        del metadata.storage_data[i]
+    if as_bytes:
+        metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+        metadata.storage_data[MetadataIndex(fqn)] = new
+    else:
+        metadata.storage_data[indices[0]] = new
+    _write_metadata(ckpt, metadata)
+    if rerecord:
+        record_checksums(ckpt)
+
+
+def flip(ckpt: Path, fqn: str, nbytes: int = 1, at: float = 0.5) -> None:
+    """Flip ``nbytes`` bytes of item ``fqn`` in its data file, ``at`` the given fraction of its range."""
+    from hfpipe.checkpoint.safe_metadata import read_metadata
+
+    metadata = read_metadata(ckpt)
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    start = info.offset + int(info.length * at)
+    with open(ckpt / info.relative_path, "r+b") as f:
+        f.seek(start)
+        raw = f.read(nbytes)
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in raw))
+
+
+def tree(root: Path) -> dict[str, object]:
+    """Every path under ``root`` (links not followed) with its size and content, or link target."""
+    out = {}
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            p = Path(folder) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = "-> " + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            elif p.is_file():
+                out[rel] = p.read_bytes()
+            else:
+                out[rel] = "special"
+    return out
