@@ -120,9 +120,10 @@ def test_a_pp2_1f1b_checkpoint_resumes_at_pp3_with_gpipe(base, reference, tmp_pa
 
 def test_a_full_checkpoint_is_not_resumed_as_lora(base, reference, tmp_path):
     out = copy_run(reference["out"], tmp_path / "out", upto=2)
-    from hfpipe.lora.adapters import LoraError
+    from hfpipe.train.resume_check import ResumeMismatch
 
-    with pytest.raises(LoraError, match="is a LoRA checkpoint; add --lora-rank"):
+    # the resume check names every setting that differs (here only the LoRA ones)
+    with pytest.raises(ResumeMismatch, match=r"--lora-rank 4 -> None"):
         finetune(config(base, out, resume="auto", lora_rank=None, lora_alpha=None, lora_targets="all-linear"))
 
 

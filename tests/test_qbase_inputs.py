@@ -78,12 +78,12 @@ def _rewrite(src: Path, out: Path, change) -> Path:
 
 
 def test_an_fp8_weight_without_its_scale_is_refused(fp8, tmp_path):
-    from hfpipe.pipeline.load import LoadError
+    from hfpipe.source.folder import SourceError
 
     key = "model.layers.1.mlp.up_proj.weight"
     broken = _rewrite(fp8, tmp_path / "no-scale", lambda t, c: t.pop(key + "_scale_inv", None))
-    for kind in ("fp8", "nf4"):
-        with pytest.raises(LoadError, match=f"FP8 weight '{key}' has no '{key}_scale_inv'"):
+    for kind in ("fp8", "nf4"):  # the shard's header check names it before anything is read
+        with pytest.raises(SourceError, match=f"FP8 tensor '{key}' has no '{key}_scale_inv' beside it"):
             _load(broken, kind)
 
 

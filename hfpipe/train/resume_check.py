@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 MUST_MATCH = ("model", "seq_len", "batch_size", "microbatches", "grad_accum", "dp", "seed", "dataset",
               "dataset_config", "split", "format", "packing", "columns", "roles", "chat_template",
               "train_on_prompt", "eval_fraction", "lora_rank", "lora_alpha", "lora_dropout",
-              "lora_targets", "quantize_base")
+              "lora_targets", "quantize_base", "quantize_block_size")
 #: Settings whose change applies from the resumed step on (the last three to AdamW's groups).
 MAY_CHANGE = ("lr", "min_lr", "lr_schedule", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
               "weight_decay", "betas", "eps")
