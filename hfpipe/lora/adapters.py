@@ -126,6 +126,41 @@ def _check_each_target(config, names: list[str], meta_model: nn.Module) -> None:
                             "silently missing: fix or drop the name")
 
 
+def expert_parameters(config, meta_model: nn.Module) -> tuple[set[str], set[str]]:
+    """``(experts, others)``: the fused routed-expert parameters PEFT will adapt for ``config``, and the
+    module names it keeps.
+
+    On transformers 5, PEFT rewrites a MoE model's targets before injecting (its v4 -> v5 conversion):
+    ``gate_proj``/``up_proj``/``down_proj`` (and so ``all-linear``) become the fused experts' 3-D
+    parameters, adapted through its ``target_parameters``. Asked of a copy, as PEFT will do it.
+    """
+    from peft.utils.transformers_weight_conversion import (convert_peft_config_for_transformers,
+                                                           get_model_conversion_mapping)
+
+    c = copy.deepcopy(config)
+    convert_peft_config_for_transformers(c, model=meta_model, conversions=get_model_conversion_mapping(meta_model))
+    others = c.target_modules if isinstance(c.target_modules, (set, list, tuple)) else set()
+    return set(c.target_parameters or ()), {t.rsplit(".", 1)[-1] for t in others}
+
+
+def check_expert_adapters(config, meta_model: nn.Module, *, ep: int = 1, quantize_base: str | None = None) -> None:
+    """Raise :class:`LoraError` if ``config`` adapts routed experts that ``--ep`` splits or fp8 keeps as codes.
+
+    PEFT folds an expert adapter into the whole expert stack through a parametrization: that needs every
+    expert's full-precision weight on the rank, which neither an ep shard nor FP8 codes are.
+    """
+    if ep == 1 and quantize_base != "fp8":
+        return
+    experts, others = expert_parameters(config, meta_model)
+    if not experts:
+        return
+    flag = f"--ep {ep}" if ep > 1 else "--quantize-base fp8"
+    hint = f"e.g. --lora-targets {','.join(sorted(others))}" if others else "name attention projections"
+    raise LoraError(f"{flag} with LoRA on the routed experts ({', '.join(sorted(experts))}) is not supported: PEFT "
+                    f"maps all-linear and gate_proj/up_proj/down_proj onto the fused experts of "
+                    f"{meta_model.config.model_type}; target the other layers, {hint}")
+
+
 def _targets(config) -> str:
     t = config.target_modules
     return t if isinstance(t, str) else ",".join(sorted(t or ()))

@@ -173,6 +173,8 @@ def shard_moe_layer(layer: nn.Module, dp_mesh, emesh: ExpertMesh, mp) -> None:
     from torch.distributed.tensor import Shard
 
     for experts in experts_of(layer):
+        if not _has_params(experts):
+            continue  # FP8 stacks (--quantize-base fp8) are buffers: frozen, kept whole on their ranks
         fully_shard(experts, mesh=emesh.edp_mesh, mp_policy=mp, reshard_after_forward=False,
                     shard_placement_fn=lambda p: Shard(_fsdp_dim(p, emesh.edp)))
         # Summed over edp, divided by dp: the experts' share of the dp-averaged gradient. gloo has no

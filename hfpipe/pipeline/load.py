@@ -152,7 +152,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     full_keys = set(_full_model_keys(stages[0]))
     mapper = model_key_mapper(stages[0]._hf_model)
     wanted = set(targets) - (quantizer.scales if quantizer else set())  # scales come with their weights
-    rows = _expert_rows(targets)
+    rows = _expert_rows(targets) | (quantizer.rows if quantizer else {})
     units, skipped = _plan_units(source, full_keys, wanted, mapper, adapter.num_mtp_layers(source.config), rows)
     if skipped:
         log.info("skipped %d checkpoint tensors of MTP layers the HF model does not have", skipped)
@@ -189,7 +189,7 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats, qua
         for key in _with_scales(source, unit.sources):
             needed_by_file[source.weight_map[key]].append(key)
             waiting[key].append(unit)
-        slices.update({key: unit.rows for key in unit.sliced})
+        slices.update({k: unit.rows for key in unit.sliced for k in (key, key + _SCALE_SUFFIX)})
     have: dict[str, torch.Tensor] = {}
     block = _fp8_block(source.config)
     for fname in sorted(needed_by_file):
@@ -205,9 +205,8 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats, qua
         for unit in {id(u): u for k in keys for u in waiting[k]}.values():
             wanted = _with_scales(source, unit.sources)
             if all(k in have for k in wanted):
-                keep = quantizer is not None and quantizer.keeps_stored(unit.target) and unit.converter is None
-                tensor = _finish_unit(unit, have, source, block, keep)
-                scale = have.get(unit.sources[0] + _SCALE_SUFFIX) if keep else None
+                keep = quantizer is not None and quantizer.keeps_stored(unit.target)
+                tensor, scale = _finish_unit(unit, have, source, block, keep)
                 if quantizer is None or not quantizer.place(unit.target, tensor, scale, targets[unit.target],
                                                             device, dtype):
                     _place(targets[unit.target], tensor, device, dtype, unit, source)
@@ -216,23 +215,36 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats, qua
                         have.pop(k, None)
 
 
-def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block, keep_fp8: bool = False) -> torch.Tensor:
-    """The in-memory tensor of ``unit``: FP8 dequantized (unless ``keep_fp8``), converters applied."""
-    tensors = {}
+def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block, keep_fp8: bool = False):
+    """``(tensor, scale)`` of ``unit``: converters applied, FP8 dequantized (``scale`` None).
+
+    With ``keep_fp8`` and every source FP8, the codes and the scales go through the converter
+    separately (stacked and concatenated alike: a MoE layer's per-expert weights become one stack of
+    codes and one of scales), so the checkpoint's values are kept as stored.
+    """
+    tensors, scales = {}, {}
     for key in unit.sources:
         t = have[key]
-        scale = have.get(key + _SCALE_SUFFIX)
-        if scale is None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scales[key] = have.get(key + _SCALE_SUFFIX)
+        if scales[key] is None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise LoadError(f"{source.weight_map[key]}: FP8 weight {key!r} has no {key + _SCALE_SUFFIX!r} "
                             "beside it; the checkpoint is incomplete: re-download it")
-        tensors[key] = _dequantize(t, scale, block) if scale is not None and not keep_fp8 else t
-    if unit.converter is None:
+        tensors[key] = t
+    keep_fp8 = keep_fp8 and all(s is not None for s in scales.values())
+    if not keep_fp8:
+        tensors = {k: t if scales[k] is None else _dequantize(t, scales[k], block) for k, t in tensors.items()}
+        return _convert(unit, unit.converter, tensors, source), None
+    scale_converter = copy.deepcopy(unit.converter)  # before the codes' converter has seen a tensor
+    return _convert(unit, unit.converter, tensors, source), _convert(unit, scale_converter, scales, source)
+
+
+def _convert(unit: _Unit, conv, tensors: dict, source: ModelSource) -> torch.Tensor:
+    """``tensors`` (checkpoint key -> value) through ``unit``'s converter, or the one tensor as it is."""
+    if conv is None:
         return tensors[unit.sources[0]]
-    conv = unit.converter
     for key, pattern in zip(unit.sources, unit.patterns):
         conv.add_tensor(unit.target, key, pattern, tensors[key])
-    out = conv.convert(unit.target, config=source.config)
-    return out[unit.target]
+    return conv.convert(unit.target, config=source.config)[unit.target]
 
 
 def _mark_fp32(units: list[_Unit], hf_model: nn.Module) -> None:

@@ -225,8 +225,6 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
     check_expert_parallel(source.config, ep, dp, schedule)
-    if ep > 1 and lora is not None:
-        raise PipelineError("--ep with LoRA (--lora-rank) is not supported yet; use --ep 1 for LoRA runs")
     plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
     dist = dist or init_distributed(pp, dp)
     param_dtype, compute_dtype = DTYPES[dtype]
@@ -241,9 +239,10 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         m.activation_checkpointing = activation_checkpointing
         m.hidden_dtype = compute_dtype
     if lora is not None:
-        from hfpipe.lora.adapters import add_adapters, resolve_config
+        from hfpipe.lora.adapters import add_adapters, check_expert_adapters, resolve_config
 
         lora = resolve_config(lora, modules[0]._hf_model)
+        check_expert_adapters(lora, modules[0]._hf_model, ep=ep, quantize_base=quantize and quantize.kind)
         add_adapters(modules, lora, seed=seed)
     if dp > 1 and quantize is not None:
         from hfpipe.quant.linear import check_shardable

@@ -7,7 +7,9 @@ norms, head and the LoRA adapters stay in the run's dtype.
 - ``nf4``: the linear keeps its class; its ``weight`` becomes a frozen ``NF4Tensor`` parameter
   (:mod:`hfpipe.quant.nf4`), which FSDP2 shards over dp like any parameter.
 - ``fp8``: the linear becomes an :class:`~hfpipe.quant.fp8.FP8Linear` holding the FP8 codes and
-  ``weight_scale_inv`` (the checkpoint's own when it is block-FP8, else quantized at load).
+  ``weight_scale_inv`` (the checkpoint's own when it is block-FP8, else quantized at load); a MoE layer's
+  fused routed experts become FP8 stacks (:mod:`hfpipe.quant.experts`), on their ranks under ``--ep``.
+  NF4 leaves the routed experts in the run's dtype (torchao's ``NF4Tensor`` is 2-D only).
 
 The loader (:mod:`hfpipe.pipeline.load`) hands each weight to :meth:`Quantizer.place` as soon as
 its shard is read, so only one full-precision weight exists at a time: a stage is never
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hfpipe.quant.experts import FP8ExpertStacks, fused_experts
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
 from hfpipe.quant.targets import quantized_linears
@@ -84,9 +87,12 @@ class Quantizer:
             self.block = spec.block or DEFAULT_BLOCK
         self.weights: set[str] = set()  # full-model names of the weights this quantizer places
         self.scales: set[str] = set()  # ... and of the FP8 scales it derives or reads with them
+        self.stacks: dict[str, FP8ExpertStacks] = {}  # routed-expert stacks (fp8) -> their holder
+        self.rows: dict[str, tuple[int, int]] = {}  # ... -> the experts [lo, hi) this rank reads
 
     def prepare(self, stages: list[nn.Module], dtype: torch.dtype) -> None:
-        """Swap in FP8 linears (fp8) and record which weights to quantize; stages on meta."""
+        """Swap in FP8 linears and expert stacks (fp8) and record which weights to quantize; stages on meta."""
+        self.dtype = dtype
         for stage in stages:
             for name, linear in quantized_linears(stage).items():
                 if self.spec.kind == "nf4":
@@ -98,6 +104,22 @@ class Quantizer:
                     setattr(stage.get_submodule(parent), attr, new)
                     self.scales.add(name + ".weight_scale_inv")
                 self.weights.add(name + ".weight")
+            if self.spec.kind == "fp8":
+                for name, experts in fused_experts(stage).items():
+                    self._prepare_experts(name, experts)
+
+    def _prepare_experts(self, name: str, experts: nn.Module) -> None:
+        gate_up = experts._parameters.get("gate_up_proj")
+        if self.source_block is not None and gate_up is not None and (gate_up.shape[1] // 2) % self.block:
+            raise QuantError(f"--quantize-base fp8: the checkpoint's {self.block}x{self.block} FP8 tiles do not divide "
+                             f"the experts' intermediate size {gate_up.shape[1] // 2} of {name}, so their gate and up "
+                             "tiles cannot be stacked as stored")
+        stacks = FP8ExpertStacks(experts, name, self.block)
+        for target in stacks.rows:
+            self.stacks[target] = stacks
+            self.weights.add(target)
+            self.scales.add(target + "_scale_inv")
+        self.rows.update(stacks.rows)
 
     def keeps_stored(self, target: str) -> bool:
         """Whether ``target``'s FP8 codes are kept as the checkpoint stores them (not dequantized)."""
@@ -112,6 +134,11 @@ class Quantizer:
         """
         if target not in self.weights:
             return False
+        if target in self.stacks:
+            if scale is None or not is_fp8(tensor):
+                tensor, scale = tensor.to(dtype or self.dtype), None
+            self.stacks[target].place(target, tensor, scale, device)
+            return True
         module, attr = holders[0]
         old = module._parameters.get(attr) if attr in module._parameters else module._buffers[attr]
         if tuple(tensor.shape) != tuple(old.shape):

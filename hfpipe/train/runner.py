@@ -44,10 +44,6 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
     check_expert_parallel(source.config, cfg.ep, cfg.dp, cfg.schedule)
-    if cfg.ep > 1 and cfg.lora_rank:
-        from hfpipe.config.names import ConfigError
-
-        raise ConfigError("--ep with --lora-rank is not supported yet; use --ep 1 for LoRA runs")
     check_microbatches(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches, cfg.batch_size)
     check_data_parallel(cfg.schedule, cfg.dp)
     plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),

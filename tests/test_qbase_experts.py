@@ -1,0 +1,127 @@
+"""A MoE model's routed experts stay block-FP8 on their ranks (``--quantize-base fp8``), with and without
+``--ep``, and LoRA over them equals PEFT on the same model dequantized.
+
+The oracle is the one of tests/test_qbase.py: for a checkpoint that ships FP8 (DeepSeek-V3's format: every
+expert's 2-D weight with its ``weight_scale_inv``), transformers' own ``from_pretrained`` with
+``FineGrainedFP8Config(dequantize=True)``, under PEFT's ``get_peft_model``, trained in one process on the
+whole batch. Loss and grad norm per step and every adapter after 3 steps agree within 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_ranks, tiny_checkpoint
+from test_lora_equivalence import run_and_check
+from test_qbase import FP8_BLOCK, transformers_fp8
+
+#: DeepSeek-V3's attention projections: PEFT maps gate_proj/up_proj/down_proj onto the fused routed experts
+#: (its transformers-v5 MoE conversion), which stay FP8 and take no adapter.
+DSV3_ATTENTION = dict(r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
+FP8 = {"quantize_base": "fp8"}
+
+
+def fp8_moe_checkpoint(kind: str = "deepseek_v3", layers: int = 4) -> str:
+    """A block-FP8 copy of a tiny MoE checkpoint (tiles of 32: the experts' intermediate size is 32)."""
+    import tempfile
+
+    from hfpipe.tiny import make_fp8_checkpoint
+
+    base = tiny_checkpoint(kind, num_hidden_layers=layers)
+    return str(make_fp8_checkpoint(base, tempfile.mkdtemp(prefix=f"hfpipe-fp8-{kind}-"), FP8_BLOCK, dtype=None))
+
+
+def test_fp8_experts_pp2_dp2_ep2_match_peft_on_transformers_dequantized():
+    run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_ATTENTION, dp=2, options={**FP8, "ep": 2},
+                  build=transformers_fp8, path=fp8_moe_checkpoint())
+
+
+def test_fp8_experts_pp2_match_peft_on_transformers_dequantized():
+    run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_ATTENTION, options=FP8, build=transformers_fp8,
+                  path=fp8_moe_checkpoint())
+
+
+def _storage_worker(path: str, ep: int) -> dict:
+    """Each experts module's stacks on this rank: dtype, shape, and the codes themselves."""
+    from hfpipe.api import load_pipeline
+    from hfpipe.lora.adapters import lora_config
+    from hfpipe.parallel.mesh import init_distributed
+    from hfpipe.quant.experts import fused_experts
+
+    dist = init_distributed(1, ep)
+    pm = load_pipeline(path, pp=1, dp=ep, ep=ep, schedule="gpipe", microbatches=1, dist=dist,
+                       lora=lora_config(4, targets="q_a_proj,o_proj"), **FP8)
+    out = {"params": {n: (str(p.dtype), p.dim()) for m in pm.modules for n, p in m.named_parameters()}}
+    for name, experts in fused_experts(pm.modules[0]).items():
+        out[name] = {a: experts._buffers[a].clone() for a in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj")}
+    return out
+
+
+def _checkpoint_tensors(path: str) -> dict:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_each_ep_rank_keeps_its_experts_fp8_codes_as_the_checkpoint_stores_them():
+    path = fp8_moe_checkpoint()
+    ranks = run_ranks(_storage_worker, 2, path, 2)
+    stored = _checkpoint_tensors(path)
+    experts = 8  # tiny DeepSeek-V3: 8 routed experts per MoE layer
+    for rank, got in ranks.items():
+        assert not [n for n, (_, dim) in got["params"].items() if dim == 3], "no 3-D expert parameter is left"
+        layers = [k for k in got if k != "params"]
+        assert layers, "the stage holds MoE layers"
+        for name in layers:
+            lo, hi = rank * experts // 2, (rank + 1) * experts // 2
+            codes = got[name]
+            assert codes["gate_up_proj"].dtype == torch.float8_e4m3fn and codes["gate_up_proj"].shape[0] == hi - lo
+            for key, want_of in (("gate_up_proj", lambda e, s: torch.cat([stored[f"{name}.{e}.gate_proj.{s}"],
+                                                                           stored[f"{name}.{e}.up_proj.{s}"]])),
+                                 ("down_proj", lambda e, s: stored[f"{name}.{e}.down_proj.{s}"])):
+                for i, e in enumerate(range(lo, hi)):
+                    assert torch.equal(codes[key][i].view(torch.uint8), want_of(e, "weight").view(torch.uint8)), \
+                        f"rank {rank} {name}.{key}[{e}]: codes differ from the checkpoint's"
+                    if key == "gate_up_proj":
+                        assert torch.equal(codes[key + "_scale_inv"][i], want_of(e, "weight_scale_inv"))
+
+
+def test_an_expert_saves_only_its_fp8_codes_for_backward():
+    """Just in time: autograd keeps no full-precision expert weight between forward and backward."""
+    from hfpipe.quant.experts import _DequantExpert
+    from hfpipe.quant.fp8 import dequantize_blocks, quantize_blocks
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=g)
+    q, s = quantize_blocks(w, 16)
+    x = torch.randn(5, 32, generator=g, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = _DequantExpert.apply(x, q, s, 16, False)
+    assert all(t.dtype != torch.float32 or t.numel() < w.numel() for t in saved), [t.dtype for t in saved]
+    y.sum().backward()
+    dense = dequantize_blocks(q, s, 16)
+    torch.testing.assert_close(y, x @ dense.T, atol=0, rtol=0)
+    torch.testing.assert_close(x.grad, torch.ones(5, 64) @ dense, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("flag", [{"ep": 2}, FP8])
+def test_lora_on_the_routed_experts_is_refused_in_one_line_where_they_are_split_or_fp8(flag):
+    """all-linear reaches the experts on DeepSeek-V3 (PEFT's MoE conversion): refused before loading a weight."""
+    from hfpipe.lora.adapters import LoraError, check_expert_adapters, lora_config, resolve_config
+    from hfpipe.models.meta import build_meta_model, model_config
+    from hfpipe.source.folder import ModelSource
+
+    meta = build_meta_model(model_config(ModelSource.open(str(tiny_checkpoint("deepseek_v3", num_hidden_layers=4))).config))
+    config = resolve_config(lora_config(4), meta)
+    with pytest.raises(LoraError) as e:
+        check_expert_adapters(config, meta, ep=flag.get("ep", 1), quantize_base=flag.get("quantize_base"))
+    msg = str(e.value)
+    assert "\n" not in msg and "routed experts" in msg and "--lora-targets" in msg and "o_proj" in msg
+    assert ("--ep 2" in msg) == ("ep" in flag)
+    check_expert_adapters(resolve_config(lora_config(4, targets="q_a_proj,o_proj"), meta), meta,
+                          ep=flag.get("ep", 1), quantize_base=flag.get("quantize_base"))  # attention only: fine
