@@ -42,8 +42,11 @@ def quantized_hf_model(kind: str, block: int | None = None):
                     q = quantize_nf4(linear.weight.detach(), block or DEFAULT_BLOCK)
                     linear.weight = nn.Parameter(q, requires_grad=False)
                     continue
-                new = FP8Linear(linear.in_features, linear.out_features, block, compute_dtype=dtype)
+                new = FP8Linear(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
+                                compute_dtype=dtype)
                 new.weight, new.weight_scale_inv = quantize_blocks(linear.weight.detach(), block)
+                if linear.bias is not None:
+                    new.bias = linear.bias
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, new)
         return model

@@ -4,7 +4,14 @@
 The oracle is the one of tests/test_qbase.py: for a checkpoint that ships FP8 (DeepSeek-V3's format: every
 expert's 2-D weight with its ``weight_scale_inv``), transformers' own ``from_pretrained`` with
 ``FineGrainedFP8Config(dequantize=True)``, under PEFT's ``get_peft_model``, trained in one process on the
-whole batch. Loss and grad norm per step and every adapter after 3 steps agree within 1e-5.
+whole batch; for a full-precision checkpoint quantized at load, the same model with every quantized
+weight replaced by its dequantized FP8 value (tile by tile, expert by expert), run by transformers' own
+experts kernel. Loss and grad norm per step and every adapter after 3 steps agree within 1e-5.
+
+The default run takes DeepSeek-V3's own FP8 at pp 2 x dp 2 x ep 2, where the codes are, and the refusals;
+``pytest -m slow`` runs every schedule at pp 2, an interleaved ep mesh, five more families quantized at
+load at pp 2 x dp 2 x ep 2 (GPT-OSS: transposed stacks with biases), and LoRA with --ep over a
+full-precision base.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from test_qbase import FP8_BLOCK, transformers_fp8
 DSV3_ATTENTION = dict(r=4, lora_alpha=8, lora_dropout=0.0,
                       target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
 FP8 = {"quantize_base": "fp8"}
+ATTENTION = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+LOAD_BLOCK = 16  # tiles of the checkpoints quantized at load: partial tiles at the edges of most weights
 
 
 def fp8_moe_checkpoint(kind: str = "deepseek_v3", layers: int = 4) -> str:
@@ -125,3 +134,56 @@ def test_lora_on_the_routed_experts_is_refused_in_one_line_where_they_are_split_
     assert ("--ep 2" in msg) == ("ep" in flag)
     check_expert_adapters(resolve_config(lora_config(4, targets="q_a_proj,o_proj"), meta), meta,
                           ep=flag.get("ep", 1), quantize_base=flag.get("quantize_base"))  # attention only: fine
+
+
+def quantized_moe_model(block: int):
+    """The oracle for FP8 quantized at load: decoder linears as in tests/test_qbase.py, and each routed
+    expert's matrix replaced by its dequantized FP8 value (transformers' own experts kernel runs it)."""
+    from test_qbase import quantized_hf_model
+
+    dense = quantized_hf_model("fp8", block)
+
+    def build(path: str, dtype: torch.dtype):
+        from hfpipe.quant.experts import STACKS, fused_experts
+        from hfpipe.quant.fp8 import dequantize_blocks, quantize_blocks
+
+        model = dense(path, dtype)
+        with torch.no_grad():
+            for experts in fused_experts(model).values():
+                for attr in STACKS:
+                    p = experts._parameters.get(attr)
+                    if p is not None and p.dim() == 3:
+                        p.copy_(torch.stack([dequantize_blocks(*quantize_blocks(w, block), block, dtype) for w in p]))
+        return model
+
+    return build
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_every_schedule_pp2():
+    from test_train_equivalence import ALL_SCHEDULES
+
+    run_and_check("deepseek_v3", 2, ALL_SCHEDULES, DSV3_ATTENTION, options=FP8, build=transformers_fp8,
+                  path=fp8_moe_checkpoint())
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_interleaved_pp2_dp2_ep2():
+    run_and_check("deepseek_v3", 2, ("interleaved-1f1b",), DSV3_ATTENTION, dp=2, options={**FP8, "ep": 2},
+                  build=transformers_fp8, path=fp8_moe_checkpoint())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "deepseek_v4"])
+def test_fp8_quantized_at_load_pp2_dp2_ep2(kind):
+    lora = dict(ATTENTION, target_modules=["q_a_proj", "q_b_proj", "o_b_proj"]) \
+        if kind == "deepseek_v4" else ATTENTION
+    run_and_check(kind, 2, ("1f1b",), lora, dp=2, options={**FP8, "quantize_block_size": LOAD_BLOCK, "ep": 2},
+                  build=quantized_moe_model(LOAD_BLOCK), path=str(tiny_checkpoint(kind, num_hidden_layers=4)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_lora_with_ep_over_a_full_precision_base(kind):
+    lora = DSV3_ATTENTION if kind == "deepseek_v3" else ATTENTION
+    run_and_check(kind, 2, ("1f1b",), lora, dp=2, options={"ep": 2}, path=str(tiny_checkpoint(kind, num_hidden_layers=4)))

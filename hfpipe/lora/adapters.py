@@ -78,7 +78,13 @@ def resolve_config(config, meta_model: nn.Module):
         if model_type not in defaults:
             raise LoraError(f"no default LoRA targets for {model_type!r}; pass --lora-targets")
         config.target_modules = set(defaults[model_type])
+    all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
     config = _maybe_include_all_linear_layers(config, meta_model)
+    if all_linear:  # PEFT's all-linear also takes linear subclasses that multiply otherwise (DeepSeek-V4's
+        # grouped o_a_proj, block-diagonal over head groups), and its LoRA layer then fails in forward
+        from hfpipe.quant.targets import plain_linear
+
+        config.target_modules = {t for t in config.target_modules if plain_linear(meta_model.get_submodule(t))}
     names = [n for n, _ in meta_model.named_modules()]
     _check_targets(config, names, meta_model)
     return config

@@ -1,8 +1,9 @@
 """What a quantized frozen base (``--quantize-base nf4|fp8``, LoRA runs) costs each rank.
 
 Which weights: every linear weight inside a decoder layer except a MoE router's (``mlp.gate``,
-``router``), as :mod:`hfpipe.quant` quantizes them, and the routed experts' weight stacks (they stay
-quantized on their ranks under ``--ep``). The embedding, the head, norms, routers, biases and the
+``router``), as :mod:`hfpipe.quant` quantizes them, and with ``fp8`` the routed experts' weight
+stacks (they stay FP8 on their ranks under ``--ep``; ``nf4`` leaves them in the run's dtype, as
+torchao's ``NF4Tensor`` is 2-D only). The embedding, the head, norms, routers, biases and the
 LoRA adapters stay in the run's dtype.
 
 Bytes per quantized parameter:
@@ -14,12 +15,12 @@ Bytes per quantized parameter:
 - ``fp8``: e4m3, 1 byte, plus one fp32 scale per 128 x 128 tile of each matrix (edge tiles
   partial), DeepSeek's ``weight_block_size`` (``weight_scale_inv``): 1.0002 bytes for big matrices.
 
-Under FSDP2 (dp > 1) a quantized weight is sharded and gathered as it is, quantized: a rank keeps
-its shard plus the gathered weight during a step, ``q / dp + q`` (no fp32 master: the base is
-frozen). A linear dequantizes just in time, in forward and again in backward, so one dequantized
-weight lives at a time: priced as the rank's largest quantized weight in the run's dtype, twice (a
-forward's and a backward's can overlap in a 1F1B steady state). A routed-expert stack runs as one
-grouped matmul, so its transient is the whole stack the rank holds (``E / ep`` experts).
+Under FSDP2 (dp > 1) an NF4 weight is sharded and gathered as it is, quantized: a rank keeps its
+shard plus the gathered weight during a step, ``q / dp + q`` (no fp32 master: the base is frozen).
+FP8 codes are buffers, whole on every rank: ``q``. A linear, and a routed expert, dequantizes just
+in time, in forward and again in backward, so one dequantized weight lives at a time: priced as the
+rank's largest quantized matrix in the run's dtype, twice (a forward's and a backward's can overlap
+in a 1F1B steady state).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from hfpipe.plan.memory import ACT_BYTES, param_bytes
 from hfpipe.quant.targets import ROUTERS as _SKIP  # routers stay in the run's dtype, as loading keeps them
+from hfpipe.quant.targets import plain_linear  # ... and linear subclasses with a forward of their own
 
 __all__ = ["QUANT_BYTES", "LayerQuant", "check_quant", "layer_quant", "price_ranks", "describe_quant"]
 
@@ -49,6 +51,7 @@ class LayerQuant:
     experts: int  # parameters of the routed experts' weight stacks (all experts)
     expert_tiles: int  # their 128 x 128 FP8 tiles (per expert matrix)
     largest_stack: int  # parameters of the largest routed-expert stack (all experts)
+    largest_expert: int = 0  # parameters of the largest one expert's matrix in those stacks
 
 
 def check_quant(kind: str | None, lora_rank: int | None) -> None:
@@ -89,20 +92,20 @@ def _count(config) -> tuple[LayerQuant, ...]:
 
 
 def _one_layer(layer: torch.nn.Module) -> LayerQuant:
-    lin = tiles = largest = exp = exp_tiles = stack = 0
+    lin = tiles = largest = exp = exp_tiles = stack = one = 0
     for name, module in layer.named_modules():
         routed = "experts" in name.split(".")  # not shared_experts: those run for every token
         for pname, p in module.named_parameters(recurse=False):
             if routed and p.dim() == 3 and "bias" not in pname:  # fused [E, out, in] stacks
                 exp += p.numel()
                 exp_tiles += p.shape[0] * _tiles(p.shape[1], p.shape[2])
-                stack = max(stack, p.numel())
-            elif isinstance(module, torch.nn.Linear) and pname == "weight" and not name.endswith(_SKIP):
+                stack, one = max(stack, p.numel()), max(one, p[0].numel())
+            elif plain_linear(module) and pname == "weight" and not name.endswith(_SKIP):
                 if routed:  # experts as a ModuleList of linears
                     exp, exp_tiles = exp + p.numel(), exp_tiles + _tiles(*p.shape)
                 else:
                     lin, tiles, largest = lin + p.numel(), tiles + _tiles(*p.shape), max(largest, p.numel())
-    return LayerQuant(lin, tiles, largest, exp, exp_tiles, stack)
+    return LayerQuant(lin, tiles, largest, exp, exp_tiles, stack, one)
 
 
 def _tiles(rows: int, cols: int) -> int:
@@ -148,12 +151,13 @@ def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, d
         return 1 / n + 1 if n > 1 else 1
 
     q = [per_layer[i] for i in layers]
-    lin, exp = sum(x.linear for x in q), sum(x.experts for x in q) // ep
-    # unquantized: embedding, head, norms, routers, biases (experts' over dp / ep)
+    fp8 = kind == "fp8"
+    lin, exp = sum(x.linear for x in q), sum(x.experts for x in q) // ep if fp8 else 0
+    # unquantized: embedding, head, norms, routers, biases, NF4's routed experts (experts' over dp / ep)
     base = (params - routed - lin) * full + (routed - exp) * full_e
-    base += _quantized_bytes(kind, lin, sum(x.linear_tiles for x in q)) * gathered(dp)
-    base += _quantized_bytes(kind, exp, sum(x.expert_tiles for x in q) / ep) * gathered(edp)
-    largest = max([x.largest for x in q] + [x.largest_stack // ep for x in q] + [0])
+    base += _quantized_bytes(kind, lin, sum(x.linear_tiles for x in q)) * (1 if fp8 else gathered(dp))
+    base += _quantized_bytes(kind, exp, sum(x.expert_tiles for x in q) / ep)
+    largest = max([x.largest for x in q] + [x.largest_expert for x in q if fp8] + [0])
     return base, 2 * largest * ACT_BYTES[dtype]
 
 
@@ -163,6 +167,8 @@ def describe_quant(kind: str, ranks, size) -> str:
                   "scale per 256 absmaxes; torchao)",
            "fp8": "1 B/param + one fp32 scale per 128x128 tile (e4m3, DeepSeek's block format)"}[kind]
     worst = max(r.transient_bytes for r in ranks)
-    return (f"base quantized {kind}: decoder-layer linears and routed experts at {per}; embedding, "
-            f"head, norms and routers in the run's dtype; dequantized just in time, {size(worst)} "
+    which = "decoder-layer linears and routed experts" if kind == "fp8" else "decoder-layer linears"
+    rest = "" if kind == "fp8" else ", routed experts"
+    return (f"base quantized {kind}: {which} at {per}; embedding, head, norms{rest} and routers in the run's "
+            f"dtype; dequantized just in time, {size(worst)} "
             f"transient on the busiest rank (its largest weight in the run's dtype, x2)")
