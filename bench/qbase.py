@@ -14,7 +14,11 @@ base, FP8 base (quantized at load). Per mode and stage rank it reports:
   allocator keeps cached after a free, so CPU peaks overstate the quantized runs' needs);
 - step time: median of the timed steps (first, warm-up step excluded), wall and CPU time.
 
-Run:  python bench/qbase.py [--hidden 1024] [--layers 8] [--vocab 2048] [--steps 3]
+``--moe`` benchmarks a Qwen3-MoE model instead (16 routed experts per layer, every layer MoE) at
+pp 2 x dp 2 x ep 2 (4 ranks), LoRA on attention: it adds the routed experts' bytes per rank, which
+FP8 keeps as codes and tile scales on their ranks (NF4 leaves them in the run's dtype).
+
+Run:  python bench/qbase.py [--hidden 1024] [--layers 8] [--vocab 2048] [--steps 3] [--moe]
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.nbytes
 
 
-def _stage_bytes(modules) -> tuple[int, int, int]:
-    """(frozen base bytes, of which in decoder-layer linears, adapter bytes) of this rank's stages."""
-    seen, base, linear, adapters = set(), 0, 0, 0
+def _stage_bytes(modules) -> tuple[int, int, int, int]:
+    """(frozen base bytes, of which in decoder-layer linears, of which routed experts, adapter bytes)."""
+    seen, base, linear, experts, adapters = set(), 0, 0, 0, 0
     for m in modules:
         for name, t in list(m.named_parameters()) + list(m.named_buffers()):
             if id(t) in seen:
@@ -69,13 +73,15 @@ def _stage_bytes(modules) -> tuple[int, int, int]:
                 adapters += _tensor_bytes(t)
                 continue
             base += _tensor_bytes(t)
-            if ".layers." in f".{name}" and name.endswith(("proj.weight", "proj.base_layer.weight",
-                                                             "weight_scale_inv")):
+            if ".experts." in f"{name}" and "shared" not in name:
+                experts += _tensor_bytes(t)
+            elif ".layers." in f".{name}" and name.endswith(("proj.weight", "proj.base_layer.weight",
+                                                               "weight_scale_inv")):
                 linear += _tensor_bytes(t)
-    return base, linear, adapters
+    return base, linear, experts, adapters
 
 
-def _worker(path: str, mode: str, steps: int, batch: int, seq: int) -> dict:
+def _worker(path: str, mode: str, steps: int, batch: int, seq: int, moe: bool) -> dict:
     import torch.distributed as dist
 
     from hfpipe.api import load_pipeline
@@ -83,15 +89,17 @@ def _worker(path: str, mode: str, steps: int, batch: int, seq: int) -> dict:
     from hfpipe.parallel.mesh import init_distributed
     from hfpipe.train.optim import build_optimizer
 
-    info = init_distributed(2)
+    dp = 2 if moe else 1
+    info = init_distributed(2, dp)
     cuda = info.device.type == "cuda"
     baseline = torch.cuda.memory_allocated() if cuda else _rss()
     if not cuda:
         _reset_hwm()
     quant = None if mode == "bf16" else mode
-    pm = load_pipeline(path, pp=2, schedule="1f1b", microbatches=4, dist=info, dtype="bf16",
-                       lora=lora_config(8, targets="all-linear"), quantize_base=quant)
-    base, linear, adapters = _stage_bytes(pm.modules)
+    targets = "q_proj,k_proj,v_proj,o_proj" if moe else "all-linear"
+    pm = load_pipeline(path, pp=2, dp=dp, ep=dp, schedule="1f1b", microbatches=4 // dp, dist=info, dtype="bf16",
+                       lora=lora_config(8, targets=targets), quantize_base=quant)
+    base, linear, experts, adapters = _stage_bytes(pm.modules)
     if cuda:
         load_peak, resident = torch.cuda.max_memory_allocated() - baseline, torch.cuda.memory_allocated() - baseline
         torch.cuda.reset_peak_memory_stats()
@@ -100,6 +108,7 @@ def _worker(path: str, mode: str, steps: int, batch: int, seq: int) -> dict:
         _reset_hwm()
     trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4), max_grad_norm=1.0)
     ids = torch.randint(3, pm.source.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.chunk(dp)[info.dp_rank]  # this dp rank's rows
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     times, cpu = [], []
     for _ in range(steps + 1):
@@ -110,25 +119,31 @@ def _worker(path: str, mode: str, steps: int, batch: int, seq: int) -> dict:
     peak = (torch.cuda.max_memory_allocated() if cuda else _hwm()) - baseline
     dist.barrier()
     dist.destroy_process_group()
-    return {"rank": info.rank, "base": base, "linear": linear, "adapters": adapters, "peak": peak,
+    return {"rank": info.rank, "base": base, "linear": linear, "experts": experts, "adapters": adapters, "peak": peak,
             "load_peak": load_peak, "resident": resident,
             "step_s": statistics.median(times[1:]), "cpu_s": statistics.median(cpu[1:]),
             "device": info.device.type}
 
 
-def _model(work: Path, hidden: int, layers: int, vocab: int) -> Path:
+def _model(work: Path, hidden: int, layers: int, vocab: int, moe: bool) -> Path:
     from hfpipe.tiny import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(work / "model", "llama", hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                                num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                num_key_value_heads=max(1, hidden // 256), vocab_size=vocab,
-                                max_position_embeddings=1024, max_shard_size="500MB", tokenizer=False)
+    shape = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                 num_key_value_heads=max(1, hidden // 256), vocab_size=vocab, max_position_embeddings=1024,
+                 max_shard_size="500MB", tokenizer=False)
+    if moe:  # 16 experts of a quarter of the dense MLP's width, top 2: routed experts hold most weights
+        return make_tiny_checkpoint(work / "model", "qwen3_moe", num_experts=16, num_experts_per_tok=2,
+                                    moe_intermediate_size=hidden * 11 // 16, decoder_sparse_step=1,
+                                    mlp_only_layers=[], head_dim=64, **shape)
+    return make_tiny_checkpoint(work / "model", "llama", intermediate_size=hidden * 11 // 4, **shape)
 
 
 def _run(path: Path, mode: str, args) -> list[dict]:
     from hfpipe.parallel.launch import launch
 
-    results = launch(_worker, 2, str(path), mode, args.steps, args.batch, args.seq, threads_per_rank=args.threads)
+    world = 4 if args.moe else 2
+    results = launch(_worker, world, str(path), mode, args.steps, args.batch, args.seq, args.moe,
+                     threads_per_rank=args.threads)
     return sorted(results.values(), key=lambda r: r["rank"])
 
 
@@ -138,17 +153,20 @@ def _mb(n: float) -> str:
 
 def _report(runs: dict[str, list[dict]]) -> None:
     ref = runs["bf16"]
+    ranks = range(len(ref))
+    moe = any(x["experts"] for x in ref)
     rows = []
-    for r in range(2):
+    for r in ranks:
         for what, get in (("base weight bytes", lambda x: x["base"]),
                           ("  of which decoder-layer linears", lambda x: x["linear"]),
+                          *((("  of which routed experts", lambda x: x["experts"]),) if moe else ()),
                           ("stage weight bytes (base + adapters)", lambda x: x["base"] + x["adapters"]),
                           ("memory held after load", lambda x: x["resident"]),
                           ("peak memory during load", lambda x: x["load_peak"]),
                           ("peak memory during the steps", lambda x: x["peak"])):
             rows.append((f"{what}, rank {r}", [_mb(get(runs[m][r])) for m in MODES],
                          [get(runs[m][r]) / get(ref[r]) for m in MODES[1:]]))
-    for r in range(2):
+    for r in ranks:
         rows.append((f"step CPU time (median), rank {r}", [f"{runs[m][r]['cpu_s']:.3f} s" for m in MODES],
                      [runs[m][r]["cpu_s"] / ref[r]["cpu_s"] for m in MODES[1:]]))
     wall = {m: max(x["step_s"] for x in runs[m]) for m in MODES}
@@ -159,10 +177,13 @@ def _report(runs: dict[str, list[dict]]) -> None:
     for name, values, ratios in rows:
         print(f"{name:{width}}  " + "  ".join(f"{v:>12}" for v in values) + "  "
               + "  ".join(f"{x:8.3f}" for x in ratios))
-    nf4 = max(runs["nf4"][r]["base"] / ref[r]["base"] for r in range(2))
-    fp8 = max(runs["fp8"][r]["base"] / ref[r]["base"] for r in range(2))
+    nf4 = max(runs["nf4"][r]["base"] / ref[r]["base"] for r in ranks)
+    fp8 = max(runs["fp8"][r]["base"] / ref[r]["base"] for r in ranks)
     print(f"goal base weight bytes <= 0.30 of bf16 (NF4): {'met' if nf4 <= 0.30 else 'NOT met'} ({nf4:.3f}); "
           f"<= 0.52 (FP8): {'met' if fp8 <= 0.52 else 'NOT met'} ({fp8:.3f}); device {ref[0]['device']}")
+    if moe:
+        e = max(runs["fp8"][r]["experts"] / ref[r]["experts"] for r in ranks)
+        print(f"routed experts on their ranks, FP8/bf16: {e:.3f} (codes 1 B + one fp32 scale per tile, vs 2 B)")
 
 
 def main() -> None:
@@ -176,14 +197,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--moe", action="store_true", help="Qwen3-MoE at pp 2 x dp 2 x ep 2, LoRA on attention")
     args = parser.parse_args()
     if args.layers < 8:
         parser.error("--layers must be >= 8 (the issue's bar)")
     work = Path(tempfile.mkdtemp(prefix="hfpipe-bench-qbase-", dir=args.workdir))
     try:
-        path = _model(work, args.hidden, args.layers, args.vocab)
-        print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; LoRA r=8 all-linear, "
-              f"bf16, pp=2 1f1b, batch {args.batch} x {args.seq} tokens, 4 microbatches")
+        path = _model(work, args.hidden, args.layers, args.vocab, args.moe)
+        what = ("Qwen3-MoE (16 experts, top 2), LoRA r=8 on attention, pp=2 x dp=2 x ep=2" if args.moe
+                else "Llama, LoRA r=8 all-linear, pp=2")
+        print(f"model: {what}, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+              f"bf16, 1f1b, batch {args.batch} x {args.seq} tokens, 4 microbatches in all")
         _report({mode: _run(path, mode, args) for mode in MODES})
     finally:
         shutil.rmtree(work, ignore_errors=True)

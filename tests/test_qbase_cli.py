@@ -69,3 +69,35 @@ def test_nf4_pp2_equals_pp1_small_checkpoint_and_peft_loads_the_adapter(tmp_path
 @pytest.mark.slow
 def test_fp8_pp2_equals_pp1_small_checkpoint_and_peft_loads_the_adapter(tmp_path):
     check_issue_bar("fp8", tmp_path)
+
+
+@pytest.mark.slow
+def test_fp8_moe_pp2_dp2_ep2_equals_pp1_and_peft_loads_the_adapter(tmp_path):
+    """DeepSeek-V3's own FP8 (routed experts included, kept as codes on their ranks): ``--pp 2 --dp 2
+    --ep 2 --batch-size 2`` against ``--pp 1 --batch-size 4``, LoRA on attention."""
+    from test_qbase import transformers_fp8
+    from test_qbase_experts import fp8_moe_checkpoint
+
+    model = Path(fp8_moe_checkpoint())
+    flags = ("--max-steps", 3, "--seq-len", 32, "--microbatches", 2, "--lr", 3e-3, "--lora-rank", 8,
+             "--quantize-base", "fp8", "--lora-targets", "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj",
+             "--save-every", 3)
+    runs = {}
+    for name, mesh in (("one", ("--pp", 1, "--batch-size", 4)),
+                       ("ep", ("--pp", 2, "--dp", 2, "--ep", 2, "--batch-size", 2))):
+        run = hfpipe("finetune", model, *mesh, *flags, "--output-dir", f"out-{name}", cwd=tmp_path, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (tmp_path / f"out-{name}" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in runs["ep"]] == [1, 2, 3]
+    for what in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[what] for r in runs["ep"]]),
+                                   torch.tensor([r[what] for r in runs["one"]]), atol=1e-5, rtol=0,
+                                   msg=lambda m: f"{what} ep vs pp1: {m}")
+    (ckpt,) = sorted((tmp_path / "out-ep" / "checkpoints").glob("step-*"))
+    run = hfpipe("export", ckpt, tmp_path / "adapter", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    from peft import PeftModel
+
+    peft = PeftModel.from_pretrained(transformers_fp8(str(model), torch.float32), tmp_path / "adapter")
+    lora = {n: p for n, p in peft.named_parameters() if ".lora_B." in n}
+    assert lora and any(p.abs().max() > 0 for p in lora.values()), "trained adapters were loaded"
