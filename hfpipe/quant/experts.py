@@ -25,7 +25,7 @@ from torch import nn
 from hfpipe.quant.fp8 import FP8, dequantize_blocks, quantize_blocks
 from hfpipe.quant.nf4 import QuantError
 
-__all__ = ["IMPLEMENTATION", "STACKS", "FP8ExpertStacks", "fused_experts", "experts_forward"]
+__all__ = ["IMPLEMENTATION", "STACKS", "FP8ExpertStacks", "fused_experts", "experts_forward", "routed_expert_key"]
 
 #: The name hfpipe's experts forward is registered under in transformers' ``ExpertsInterface``.
 IMPLEMENTATION = "hfpipe_fp8"
@@ -37,6 +37,11 @@ def fused_experts(module: nn.Module) -> dict[str, nn.Module]:
     """Name -> each fused-experts module of ``module`` (transformers' ``@use_experts_implementation``)."""
     return {name: m for name, m in module.named_modules()
             if hasattr(m, "has_gate") and any(_stack(m, s) is not None for s in STACKS)}
+
+
+def routed_expert_key(key: str) -> bool:
+    """Whether checkpoint key ``key`` is a routed expert's weight (per expert 2-D, or a fused 3-D stack)."""
+    return ".experts." in key and "shared_expert" not in key and not key.endswith(("bias", "_scale_inv"))
 
 
 def _stack(module: nn.Module, name: str):
@@ -92,11 +97,13 @@ class FP8ExpertStacks:
 
 
 def _first_row(t) -> int:
-    """The first expert of ``t`` this rank holds (0 unless ``t`` is an ep-sharded DTensor)."""
-    from hfpipe.parallel.expert import local_rows
+    """The first expert of ``t`` this rank holds (0 unless ``t`` is an ep-sharded DTensor). Asked of torch
+    directly, not of :func:`hfpipe.parallel.expert.local_rows`: the quantizer stays a floor below it."""
+    if getattr(t, "device_mesh", None) is None:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    span = local_rows(t)
-    return 0 if span is None else span[0]
+    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1][0]
 
 
 class _DequantExpert(torch.autograd.Function):

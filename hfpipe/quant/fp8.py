@@ -83,6 +83,8 @@ class FP8Linear(nn.Linear):
     adapters take (as for bitsandbytes' layers); the bias, if any, stays a run-dtype parameter.
     """
 
+    plain_linear = True  # x @ W.T + b, as nn.Linear: a target of all-linear (hfpipe.quant.targets)
+
     def __init__(self, in_features: int, out_features: int, block: int, bias: bool = False,
                  compute_dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=compute_dtype)

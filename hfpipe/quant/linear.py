@@ -109,11 +109,14 @@ class Quantizer:
                     self._prepare_experts(name, experts)
 
     def _prepare_experts(self, name: str, experts: nn.Module) -> None:
+        # Gate and up are one stack here but two matrices in the checkpoint (and in a merged export):
+        # their tiles must not straddle the seam, or the codes would depend on which one quantized them.
         gate_up = experts._parameters.get("gate_up_proj")
-        if self.source_block is not None and gate_up is not None and (gate_up.shape[1] // 2) % self.block:
-            raise QuantError(f"--quantize-base fp8: the checkpoint's {self.block}x{self.block} FP8 tiles do not divide "
-                             f"the experts' intermediate size {gate_up.shape[1] // 2} of {name}, so their gate and up "
-                             "tiles cannot be stacked as stored")
+        if gate_up is not None and not getattr(experts, "is_transposed", False) and (gate_up.shape[1] // 2) % self.block:
+            whose = "the checkpoint's FP8 tiles" if self.source_block else f"--quantize-block-size {self.block}"
+            raise QuantError(f"--quantize-base fp8: {whose} ({self.block}) must divide the routed experts' "
+                             f"intermediate size {gate_up.shape[1] // 2} of {name}, which stacks gate and up; "
+                             "choose a block size dividing it")
         stacks = FP8ExpertStacks(experts, name, self.block)
         for target in stacks.rows:
             self.stacks[target] = stacks

@@ -1,12 +1,14 @@
 """The base weights a quantized-base LoRA run trained on, and the dtypes a merged export writes.
 
 ``hfpipe export --merge`` of such a run merges the adapters into the base *as the run saw it*:
-each quantized linear's weight goes through the same quantization the loader applied (NF4 codes
-of the same blocks, FP8 tiles kept as stored or quantized at load) and is dequantized to fp32
-before PEFT's ``merge()`` adds the adapter delta. The merged folder is then written:
+each quantized linear's weight (and with fp8 each routed expert's matrix) goes through the same
+quantization the loader applied (NF4 codes of the same blocks, FP8 tiles kept as stored or
+quantized at load) and is dequantized to fp32 before PEFT's ``merge()`` adds the adapter delta.
+The merged folder is then written:
 
 - in bf16 (``--dtype auto``/``bf16``): the dequantized base plus the adapters, rounded once;
-- in the FP8 block format (``--dtype fp8``): every linear the run quantized, requantized per
+- in the FP8 block format (``--dtype fp8``): every linear the run quantized (and every routed
+  expert's 2-D weight), requantized per
   ``block x block`` tile with a ``weight_scale_inv``, and config.json's ``quantization_config``
   saying so, as DeepSeek-V3 ships (transformers loads it).
 
@@ -20,6 +22,7 @@ import torch
 
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, dequantize_blocks, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, quantize_nf4
+from hfpipe.quant.experts import routed_expert_key
 from hfpipe.quant.targets import quantized_linears
 
 __all__ = ["MergedBase", "MERGE_DTYPES"]
@@ -69,10 +72,15 @@ class MergedBase:
                     raise QuantError(f"--merge: FP8 weight {key!r} has no {key + _SCALE!r} in the same shard; "
                                      "the base checkpoint is incomplete")
                 t = dequantize_blocks(t, tensors[key + _SCALE], self.source_block)
-            if self.quant and key in self.linears:
-                t = self._round_trip(t, stored_fp8=is_fp8(tensors[key]))
+            if self.quant and (key in self.linears or self._fp8_expert(key)):
+                stored = is_fp8(tensors[key])  # a fused 3-D stack round-trips one expert at a time
+                t = torch.stack([self._round_trip(w, stored) for w in t]) if t.dim() == 3 else self._round_trip(t, stored)
             out[key] = t
         return out
+
+    def _fp8_expert(self, key: str) -> bool:
+        """A routed expert's weight, which an fp8 run keeps quantized (NF4 leaves the experts as they are)."""
+        return self.quant["kind"] == "fp8" and routed_expert_key(key)
 
     def _round_trip(self, w: torch.Tensor, stored_fp8: bool) -> torch.Tensor:
         kind, block = self.quant["kind"], self.quant.get("block")
@@ -93,7 +101,7 @@ class MergedBase:
         """
         out = {}
         for key, t in tensors.items():
-            if self.fp8_out and key in self.linears:
+            if self.fp8_out and (key in self.linears or (routed_expert_key(key) and t.dim() == 2)):
                 out[key], out[key + _SCALE] = quantize_blocks(t, self.out_block)
             elif t.is_floating_point() and not (self.source_block and source_dtypes.get(key) == torch.float32):
                 out[key] = t.to(torch.bfloat16)

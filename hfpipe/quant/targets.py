@@ -27,5 +27,6 @@ def quantized_linears(module: nn.Module) -> dict[str, nn.Linear]:
 def plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` that multiplies as one: a subclass with its own forward (DeepSeek-V4's grouped
     ``o_a_proj``, block-diagonal over head groups) stays in the run's dtype, as the FP8 linear would drop
-    its forward."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    its forward. A class that multiplies as ``nn.Linear`` does says so with ``plain_linear = True`` (the FP8
+    linear: all-linear is resolved on stages that already hold it)."""
+    return isinstance(module, nn.Linear) and getattr(module, "plain_linear", type(module).forward is nn.Linear.forward)
