@@ -242,8 +242,6 @@ def test_ep_that_cannot_run_is_refused_naming_the_flag(kind, ep, dp, says):
     ("mixtral", "--dp 8 --ep 8", "must divide the 4 routed experts"),
     ("mixtral", "--dp 3 --ep 2", "must divide --dp"),
     ("mixtral", "--dp 2 --ep 2 --schedule zbv --vpp 2 --microbatches 4", "zero-bubble"),
-    # all-linear reaches DeepSeek-V3's fused experts (PEFT's MoE conversion), which ep splits
-    ("deepseek_v3", "--dp 2 --ep 2 --lora-rank 4", "routed experts"),
 ])
 def test_finetune_refuses_ep_in_one_line_exit_2_writing_nothing(kind, flags, says, tmp_path):
     from typer.testing import CliRunner

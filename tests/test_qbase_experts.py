@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from _dist import run_ranks, tiny_checkpoint
-from test_lora_equivalence import run_and_check
+from test_lora_equivalence import DSV3_LORA, run_and_check
 from test_qbase import FP8_BLOCK, transformers_fp8
 
-#: DeepSeek-V3's attention projections: PEFT maps gate_proj/up_proj/down_proj onto the fused routed experts
-#: (its transformers-v5 MoE conversion), which stay FP8 and take no adapter.
+#: DeepSeek-V3's attention projections alone (PEFT maps gate_proj/up_proj/down_proj onto the fused routed
+#: experts: its transformers-v5 MoE conversion).
 DSV3_ATTENTION = dict(r=4, lora_alpha=8, lora_dropout=0.0,
                       target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
 FP8 = {"quantize_base": "fp8"}
@@ -42,7 +42,14 @@ def fp8_moe_checkpoint(kind: str = "deepseek_v3", layers: int = 4) -> str:
     return str(make_fp8_checkpoint(base, tempfile.mkdtemp(prefix=f"hfpipe-fp8-{kind}-"), FP8_BLOCK, dtype=None))
 
 
-def test_fp8_experts_pp2_dp2_ep2_match_peft_on_transformers_dequantized():
+def test_lora_on_fp8_experts_pp2_dp2_ep2_matches_peft_on_transformers_dequantized():
+    """The routed experts adapted too (PEFT's target_parameters), as FP8 codes split over ep 2."""
+    run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_LORA, dp=2, options={**FP8, "ep": 2},
+                  build=transformers_fp8, path=fp8_moe_checkpoint())
+
+
+@pytest.mark.slow
+def test_fp8_experts_attention_lora_pp2_dp2_ep2():
     run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_ATTENTION, dp=2, options={**FP8, "ep": 2},
                   build=transformers_fp8, path=fp8_moe_checkpoint())
 
@@ -101,7 +108,7 @@ def test_each_ep_rank_keeps_its_experts_fp8_codes_as_the_checkpoint_stores_them(
 
 def test_an_expert_saves_only_its_fp8_codes_for_backward():
     """Just in time: autograd keeps no full-precision expert weight between forward and backward."""
-    from hfpipe.quant.experts import _DequantExpert
+    from hfpipe.models.experts import _ExpertLinear
     from hfpipe.quant.fp8 import dequantize_blocks, quantize_blocks
 
     g = torch.Generator().manual_seed(0)
@@ -110,30 +117,12 @@ def test_an_expert_saves_only_its_fp8_codes_for_backward():
     x = torch.randn(5, 32, generator=g, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = _DequantExpert.apply(x, q, s, 16, False)
+        y = _ExpertLinear.apply(x, q, s, None, None, 1.0, 16, False)
     assert all(t.dtype != torch.float32 or t.numel() < w.numel() for t in saved), [t.dtype for t in saved]
     y.sum().backward()
     dense = dequantize_blocks(q, s, 16)
     torch.testing.assert_close(y, x @ dense.T, atol=0, rtol=0)
     torch.testing.assert_close(x.grad, torch.ones(5, 64) @ dense, atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("flag", [{"ep": 2}, FP8])
-def test_lora_on_the_routed_experts_is_refused_in_one_line_where_they_are_split_or_fp8(flag):
-    """all-linear reaches the experts on DeepSeek-V3 (PEFT's MoE conversion): refused before loading a weight."""
-    from hfpipe.lora.adapters import LoraError, check_expert_adapters, lora_config, resolve_config
-    from hfpipe.models.meta import build_meta_model, model_config
-    from hfpipe.source.folder import ModelSource
-
-    meta = build_meta_model(model_config(ModelSource.open(str(tiny_checkpoint("deepseek_v3", num_hidden_layers=4))).config))
-    config = resolve_config(lora_config(4), meta)
-    with pytest.raises(LoraError) as e:
-        check_expert_adapters(config, meta, ep=flag.get("ep", 1), quantize_base=flag.get("quantize_base"))
-    msg = str(e.value)
-    assert "\n" not in msg and "routed experts" in msg and "--lora-targets" in msg and "o_proj" in msg
-    assert ("--ep 2" in msg) == ("ep" in flag)
-    check_expert_adapters(resolve_config(lora_config(4, targets="q_a_proj,o_proj"), meta), meta,
-                          ep=flag.get("ep", 1), quantize_base=flag.get("quantize_base"))  # attention only: fine
 
 
 def quantized_moe_model(block: int):
@@ -182,8 +171,36 @@ def test_fp8_quantized_at_load_pp2_dp2_ep2(kind):
                   build=quantized_moe_model(LOAD_BLOCK), path=str(tiny_checkpoint(kind, num_hidden_layers=4)))
 
 
+EXPERTS = dict(ATTENTION, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_lora_with_ep_over_a_full_precision_base(kind):
-    lora = DSV3_ATTENTION if kind == "deepseek_v3" else ATTENTION
+@pytest.mark.parametrize("kind, lora", [("qwen3_moe", ATTENTION), ("deepseek_v3", DSV3_ATTENTION),
+                                        ("deepseek_v3", DSV3_LORA), ("qwen3_moe", EXPERTS), ("gpt_oss", EXPERTS)])
+def test_lora_with_ep_over_a_full_precision_base(kind, lora):
+    """Adapters on attention, and on the routed experts split over ep 2 (GPT-OSS: transposed stacks)."""
     run_and_check(kind, 2, ("1f1b",), lora, dp=2, options={"ep": 2}, path=str(tiny_checkpoint(kind, num_hidden_layers=4)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_lora_on_fp8_experts_quantized_at_load_pp2_dp2_ep2(kind):
+    run_and_check(kind, 2, ("1f1b",), EXPERTS, dp=2, options={**FP8, "quantize_block_size": LOAD_BLOCK, "ep": 2},
+                  build=quantized_moe_model(LOAD_BLOCK), path=str(tiny_checkpoint(kind, num_hidden_layers=4)))
+
+
+@pytest.mark.slow
+def test_lora_on_fp8_experts_pp2_every_schedule():
+    from test_train_equivalence import ALL_SCHEDULES
+
+    run_and_check("deepseek_v3", 2, ALL_SCHEDULES, DSV3_LORA, options=FP8, build=transformers_fp8,
+                  path=fp8_moe_checkpoint())
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_all_linear_adapts_what_peft_adapts_on_a_moe_model_split_over_ep(kind):
+    """PEFT's own get_peft_model(all-linear) is the oracle: on transformers 5 it adapts Mixtral's and
+    DeepSeek-V3's fused experts and routers (its MoE conversion), and so does the pipeline, at ep 2."""
+    from test_lora_equivalence import LORA
+
+    run_and_check(kind, 2, ("1f1b",), LORA, dp=2, options={"ep": 2}, path=str(tiny_checkpoint(kind, num_hidden_layers=4)))

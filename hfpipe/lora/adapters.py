@@ -59,14 +59,20 @@ def resolve_config(config, meta_model: nn.Module):
     """A copy of ``config`` whose targets are explicit, checked against the full meta model.
 
     PEFT resolves ``all-linear`` to every ``nn.Linear`` but the output head only when it sees the
-    whole ``PreTrainedModel``; a stage would keep its head. Resolving here once gives every stage
-    (and the exported ``adapter_config.json``) the set ``get_peft_model`` would use.
+    whole ``PreTrainedModel``; a stage would keep its head. On transformers 5 it also rewrites a MoE
+    model's targets first (its v4 -> v5 conversion: on Mixtral, Qwen-MoE and DeepSeek-V2/V3,
+    ``all-linear`` and ``gate_proj``/``up_proj``/``down_proj`` become the fused experts' parameters and
+    the router's weight, with ranks doubled where gate and up are fused). Doing both here, once, the
+    way ``get_peft_model`` does them, gives every stage (and the exported ``adapter_config.json``)
+    what one process adapts.
 
     Raises:
         LoraError: a setting PEFT or a pipeline cannot train exactly, or targets matching nothing.
     """
     from peft import LoraConfig
     from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+    from peft.utils.transformers_weight_conversion import (convert_peft_config_for_transformers,
+                                                           get_model_conversion_mapping)
 
     if not isinstance(config, LoraConfig):
         raise LoraError(f"lora= takes a peft.LoraConfig, got {type(config).__name__}")
@@ -79,12 +85,10 @@ def resolve_config(config, meta_model: nn.Module):
             raise LoraError(f"no default LoRA targets for {model_type!r}; pass --lora-targets")
         config.target_modules = set(defaults[model_type])
     all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
+    convert_peft_config_for_transformers(config, model=meta_model, conversions=get_model_conversion_mapping(meta_model))
     config = _maybe_include_all_linear_layers(config, meta_model)
-    if all_linear:  # PEFT's all-linear also takes linear subclasses that multiply otherwise (DeepSeek-V4's
-        # grouped o_a_proj, block-diagonal over head groups), and its LoRA layer then fails in forward
-        from hfpipe.quant.targets import plain_linear
-
-        config.target_modules = {t for t in config.target_modules if plain_linear(meta_model.get_submodule(t))}
+    if all_linear:
+        _drop_grouped_linears(config, meta_model)
     names = [n for n, _ in meta_model.named_modules()]
     _check_targets(config, names, meta_model)
     return config
@@ -132,39 +136,18 @@ def _check_each_target(config, names: list[str], meta_model: nn.Module) -> None:
                             "silently missing: fix or drop the name")
 
 
-def expert_parameters(config, meta_model: nn.Module) -> tuple[set[str], set[str]]:
-    """``(experts, others)``: the fused routed-expert parameters PEFT will adapt for ``config``, and the
-    module names it keeps.
+def _drop_grouped_linears(config, meta_model: nn.Module) -> None:
+    """Drop from an all-linear set the linear subclasses that multiply otherwise (DeepSeek-V4's grouped
+    ``o_a_proj``, block-diagonal over head groups): PEFT takes them, and its LoRA layer then fails in forward."""
+    from hfpipe.quant.targets import plain_linear
 
-    On transformers 5, PEFT rewrites a MoE model's targets before injecting (its v4 -> v5 conversion):
-    ``gate_proj``/``up_proj``/``down_proj`` (and so ``all-linear``) become the fused experts' 3-D
-    parameters, adapted through its ``target_parameters``. Asked of a copy, as PEFT will do it.
-    """
-    from peft.utils.transformers_weight_conversion import (convert_peft_config_for_transformers,
-                                                           get_model_conversion_mapping)
+    linears = {n: plain_linear(m) for n, m in meta_model.named_modules() if isinstance(m, nn.Linear)}
 
-    c = copy.deepcopy(config)
-    convert_peft_config_for_transformers(c, model=meta_model, conversions=get_model_conversion_mapping(meta_model))
-    others = c.target_modules if isinstance(c.target_modules, (set, list, tuple)) else set()
-    return set(c.target_parameters or ()), {t.rsplit(".", 1)[-1] for t in others}
+    def plain(target: str) -> bool:  # a full name, or a leaf name (as PEFT's MoE conversion leaves them)
+        hits = [p for n, p in linears.items() if n == target or n.endswith("." + target)]
+        return not hits or any(hits)
 
-
-def check_expert_adapters(config, meta_model: nn.Module, *, ep: int = 1, quantize_base: str | None = None) -> None:
-    """Raise :class:`LoraError` if ``config`` adapts routed experts that ``--ep`` splits or fp8 keeps as codes.
-
-    PEFT folds an expert adapter into the whole expert stack through a parametrization: that needs every
-    expert's full-precision weight on the rank, which neither an ep shard nor FP8 codes are.
-    """
-    if ep == 1 and quantize_base != "fp8":
-        return
-    experts, others = expert_parameters(config, meta_model)
-    if not experts:
-        return
-    flag = f"--ep {ep}" if ep > 1 else "--quantize-base fp8"
-    hint = f"e.g. --lora-targets {','.join(sorted(others))}" if others else "name attention projections"
-    raise LoraError(f"{flag} with LoRA on the routed experts ({', '.join(sorted(experts))}) is not supported: PEFT "
-                    f"maps all-linear and gate_proj/up_proj/down_proj onto the fused experts of "
-                    f"{meta_model.config.model_type}; target the other layers, {hint}")
+    config.target_modules = {t for t in config.target_modules if plain(t)}
 
 
 def _targets(config) -> str:
@@ -199,18 +182,23 @@ def add_adapters(modules: list[nn.Module], config, *, seed: int = 0) -> None:
     from peft.tuners.lora import LoraModel
     from peft.tuners.tuners_utils import BaseTunerLayer, cast_adapter_dtype
 
+    from hfpipe.lora.experts import attach_expert_adapters, stacks_as_parameters
+
     for module in modules:
         for p in module.parameters():
             p.requires_grad_(False)
         if not _has_targets(module, config):
             continue  # e.g. a stage holding only the head: nothing to adapt here
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
         with torch.random.fork_rng(devices=[]):  # injection draws random numbers; keep the run's RNG
-            LoraModel(module, copy.deepcopy(config), ADAPTER)
+            with stacks_as_parameters(module, dtype):  # FP8 expert stacks: PEFT adapts parameters
+                LoraModel(module, copy.deepcopy(config), ADAPTER)
             for name, layer in module.named_modules():
                 if isinstance(layer, BaseTunerLayer) and ADAPTER in layer.lora_A:
                     torch.manual_seed(_name_seed(seed, name))
                     layer.reset_lora_parameters(ADAPTER, config.init_lora_weights)
         cast_adapter_dtype(module, ADAPTER, autocast_adapter_dtype=True)  # fp32 adapters on a bf16 base
+        attach_expert_adapters(module)  # experts as FP8 codes or ep shards: hfpipe's experts forward adapts them
         del module.peft_config  # set by LoraModel; the PipelineModel keeps the config
 
 

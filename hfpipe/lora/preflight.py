@@ -6,7 +6,7 @@ Kept apart from :mod:`hfpipe.lora.adapters` because it also asks the quantized b
 
 from __future__ import annotations
 
-from hfpipe.lora.adapters import LoraError, check_expert_adapters, from_finetune_config, resolve_config
+from hfpipe.lora.adapters import LoraError, from_finetune_config, resolve_config
 
 __all__ = ["preflight"]
 
@@ -15,8 +15,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
     """Check a run's LoRA settings on the meta model, and that a resumed checkpoint is of the same kind.
 
     Raises:
-        LoraError: targets matching nothing, adapters on routed experts that --ep splits or fp8 keeps
-            as codes, or a LoRA/full checkpoint resumed by the other kind of run.
+        LoraError: targets matching nothing, or a LoRA/full checkpoint resumed by the other kind of run.
         QuantError: a ``--quantize-base`` block size that does not fit the model, or torchao missing.
     """
     import json
@@ -26,8 +25,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
         from hfpipe.models.meta import build_meta_model, model_config as hf_config
 
         full = build_meta_model(hf_config(model_config))
-        check_expert_adapters(resolve_config(config, full), full, ep=getattr(cfg, "ep", 1),
-                              quantize_base=getattr(cfg, "quantize_base", None))
+        resolve_config(config, full)
         if getattr(cfg, "quantize_base", None) is not None:  # block sizes and torchao, before any process starts
             from hfpipe.quant.linear import QuantSpec, Quantizer
 

@@ -239,10 +239,9 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         m.activation_checkpointing = activation_checkpointing
         m.hidden_dtype = compute_dtype
     if lora is not None:
-        from hfpipe.lora.adapters import add_adapters, check_expert_adapters, resolve_config
+        from hfpipe.lora.adapters import add_adapters, resolve_config
 
         lora = resolve_config(lora, modules[0]._hf_model)
-        check_expert_adapters(lora, modules[0]._hf_model, ep=ep, quantize_base=quantize and quantize.kind)
         add_adapters(modules, lora, seed=seed)
     if dp > 1 and quantize is not None:
         from hfpipe.quant.linear import check_shardable

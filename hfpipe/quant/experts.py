@@ -8,13 +8,8 @@ buffers in the layout of transformers' own ``FP8Experts``: the codes ``[E_local,
 experts are stacked (gate and up concatenated) as stored, so no value is rounded twice; a bf16 checkpoint's
 are quantized expert by expert as they load. With ``--ep`` a rank holds only its experts' rows.
 
-Why the forward is hfpipe's and not transformers' ``FP8Experts``: that one quantizes the activations too
-(W8A8 through a Triton/DeepGEMM kernel, CUDA only), so it neither runs on CPU nor equals the dequantized
-model that is the oracle. Each family's gating (GPT-OSS's clamped, interleaved SwiGLU; biases) is already
-written in its experts class, so the class stays transformers' and only its forward changes, through
-transformers' own hook for another experts kernel (``ExpertsInterface``, name :data:`IMPLEMENTATION`): the
-eager loop over the experts that got tokens, dequantizing one expert's weight at a time, in forward and
-again in backward (the autograd function saves only that expert's codes and scales).
+They run through hfpipe's experts forward (:mod:`hfpipe.models.experts`), which dequantizes one
+expert's weight at a time, in forward and again in backward.
 """
 
 from __future__ import annotations
@@ -22,13 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfpipe.quant.fp8 import FP8, dequantize_blocks, quantize_blocks
+from hfpipe.models.experts import first_expert, register
+from hfpipe.quant.fp8 import FP8, quantize_blocks
 from hfpipe.quant.nf4 import QuantError
 
-__all__ = ["IMPLEMENTATION", "STACKS", "FP8ExpertStacks", "fused_experts", "experts_forward", "routed_expert_key"]
+__all__ = ["STACKS", "FP8ExpertStacks", "fused_experts", "routed_expert_key"]
 
-#: The name hfpipe's experts forward is registered under in transformers' ``ExpertsInterface``.
-IMPLEMENTATION = "hfpipe_fp8"
 #: The fused 3-D weights of an experts module (transformers' names).
 STACKS = ("gate_up_proj", "up_proj", "down_proj")
 
@@ -67,16 +61,17 @@ class FP8ExpertStacks:
             if old is None or old.dim() != 3:
                 continue
             local = old.to_local() if hasattr(old, "to_local") else old
-            lo = _first_row(old)
+            lo = first_expert(old)
             self.rows[f"{name}.{attr}"] = (lo, lo + local.shape[0])
+            module._hfpipe_first_expert = lo
+            module._hfpipe_shapes = {**getattr(module, "_hfpipe_shapes", {}), attr: tuple(old.shape)}
             e, n, k = local.shape
             del module._parameters[attr]
             module.register_buffer(attr, torch.empty(e, n, k, dtype=FP8, device="meta"))
             module.register_buffer(attr + "_scale_inv", torch.empty(e, -(-n // block), -(-k // block),
                                                                     dtype=torch.float32, device="meta"))
         module.fp8_block = block
-        module.config._experts_implementation = IMPLEMENTATION
-        _register()
+        register(module)
 
     def place(self, target: str, tensor: torch.Tensor, scale: torch.Tensor | None, device) -> None:
         """Set stack ``target`` from the checkpoint's codes and ``scale`` (FP8), or quantize it here."""
@@ -94,68 +89,3 @@ class FP8ExpertStacks:
                              "weight_block_size in config.json does not match the scales")
         self.module._buffers[attr] = tensor.to(device)
         self.module._buffers[attr + "_scale_inv"] = scale.to(device=device, dtype=torch.float32)
-
-
-def _first_row(t) -> int:
-    """The first expert of ``t`` this rank holds (0 unless ``t`` is an ep-sharded DTensor). Asked of torch
-    directly, not of :func:`hfpipe.parallel.expert.local_rows`: the quantizer stays a floor below it."""
-    if getattr(t, "device_mesh", None) is None:
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1][0]
-
-
-class _DequantExpert(torch.autograd.Function):
-    """One expert's ``x @ W.T`` (``x @ W`` when stored transposed) from its FP8 codes; backward dequantizes again."""
-
-    @staticmethod
-    def forward(ctx, x, q, scale, block: int, transposed: bool):
-        ctx.save_for_backward(q, scale)
-        ctx.block, ctx.transposed = block, transposed
-        w = dequantize_blocks(q, scale, block, x.dtype)
-        return x @ w if transposed else nn.functional.linear(x, w)
-
-    @staticmethod
-    def backward(ctx, grad):  # the experts are frozen: only the input gets a gradient
-        q, scale = ctx.saved_tensors
-        w = dequantize_blocks(q, scale, ctx.block, grad.dtype)
-        return (grad @ w.T if ctx.transposed else grad @ w), None, None, None, None
-
-
-def _project(self, attr: str, e: int, x: torch.Tensor) -> torch.Tensor:
-    y = _DequantExpert.apply(x, self._buffers[attr][e], self._buffers[attr + "_scale_inv"][e], self.fp8_block,
-                             bool(getattr(self, "is_transposed", False)))
-    if getattr(self, "has_bias", False):
-        y = y + getattr(self, attr + "_bias")[e]
-    return y
-
-
-def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' eager experts loop over FP8 stacks (``self`` is the experts module).
-
-    ``top_k_index`` holds this rank's expert ids (``num_experts`` marks a slot another rank serves).
-    """
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-    with torch.no_grad():
-        mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
-    up = "gate_up_proj" if self.has_gate else "up_proj"
-    for e in hit:
-        if e == self.num_experts:
-            continue
-        pos, tok = torch.where(mask[e])
-        h = _project(self, up, e, hidden_states[tok])
-        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        h = _project(self, "down_proj", e, h)
-        if getattr(self, "has_post_expert_norm", False):
-            h = self.post_expert_norm(h)
-        out.index_add_(0, tok, (h * top_k_weights[tok, pos, None].to(h.dtype)).to(out.dtype))
-    return out.to(hidden_states.dtype)
-
-
-def _register() -> None:
-    from transformers.integrations.moe import ExpertsInterface
-
-    ExpertsInterface.register(IMPLEMENTATION, experts_forward)

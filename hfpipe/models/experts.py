@@ -1,0 +1,145 @@
+"""hfpipe's forward for a MoE layer's fused routed experts, where transformers' and PEFT's cannot run.
+
+transformers holds a layer's routed experts as fused 3-D stacks (``gate_up_proj`` ``[E, 2I, H]``,
+``down_proj`` ``[E, H, I]``, or ``up_proj``; GPT-OSS stores them transposed, with biases), and PEFT
+adapts them (``target_parameters``) by folding ``W + s * lhs @ rhs`` into the whole stack through a
+parametrization before the experts run. Two of hfpipe's settings break that:
+
+- ``--quantize-base fp8`` keeps the stacks as FP8 codes and tile scales (:mod:`hfpipe.quant.experts`);
+  transformers' own ``FP8Experts`` quantizes the activations too (W8A8, a CUDA kernel), so it neither
+  runs on CPU nor equals the dequantized model that is the oracle;
+- ``--ep`` leaves a rank ``E / ep`` experts (a DTensor shard), which PEFT's fold cannot add to.
+
+So the experts class stays transformers' (each family's gating, e.g. GPT-OSS's clamped interleaved
+SwiGLU, is written there) and only its forward changes, through transformers' own hook for another
+experts kernel (``ExpertsInterface``, name :data:`IMPLEMENTATION`): the eager loop over the experts
+that got tokens, building one expert's weight at a time: its codes dequantized (or its local rows),
+plus its adapter delta for the expert's *global* index. :class:`_ExpertLinear` saves only what the
+weight is made from (codes, scales, the expert's adapter factors) and builds it again in backward.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from hfpipe.quant.fp8 import dequantize_blocks
+
+__all__ = ["IMPLEMENTATION", "attach_adapter", "experts_forward", "first_expert", "register"]
+
+#: The name hfpipe's experts forward is registered under in transformers' ``ExpertsInterface``.
+IMPLEMENTATION = "hfpipe"
+
+
+def register(experts: nn.Module) -> None:
+    """Run ``experts`` (and every experts module sharing its config) through :func:`experts_forward`."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    experts.config._experts_implementation = IMPLEMENTATION
+
+
+def first_expert(t) -> int:
+    """The first expert of stack ``t`` this rank holds (0 unless ``t`` is an ep-sharded DTensor)."""
+    if getattr(t, "device_mesh", None) is None:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1][0]
+
+
+def attach_adapter(experts: nn.Module, wrapper: nn.Module) -> None:
+    """Let :func:`experts_forward` apply PEFT ``ParamWrapper`` ``wrapper``'s adapter on ``experts``.
+
+    The wrapper's own fold (a parametrization of the whole stack) is switched off; its parameters stay
+    where PEFT put them, under PEFT's names, so checkpoints and exports are PEFT's.
+    """
+    wrapper._activate_lora = lambda adapters: nullcontext()
+    if not hasattr(experts, "_hfpipe_adapters"):
+        experts._hfpipe_adapters = {}  # a plain dict: the wrapper is not registered as a submodule twice
+    experts._hfpipe_adapters[wrapper.parameter_name] = wrapper
+    register(experts)
+
+
+def _factors(wrapper, e: int, dtype: torch.dtype):
+    """Expert ``e``'s ``(lhs, rhs, scaling)``: PEFT's ``ParamWrapper.get_delta_factors`` for one expert,
+    cast to the compute dtype (PEFT casts to the stored weight's, FP8 codes here)."""
+    (name,) = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    a, b = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+    r = a.shape[0] // wrapper.num_experts
+    a_e, b_e = a[e * r:(e + 1) * r], b.view(b.shape[0], r, wrapper.num_experts)[:, :, e]  # (r, in), (out, r)
+    lhs, rhs = (b_e, a_e) if wrapper._did_swap_in_out_features else (a_e.T, b_e.T)
+    return lhs.to(dtype), rhs.to(dtype), wrapper.scaling[name]
+
+
+def _weight(stored, scale, block, lhs, rhs, s, dtype):
+    """One expert's weight as stored (``[out, in]``, or ``[in, out]`` transposed): dequantized, plus
+    ``s * lhs @ rhs`` folded as PEFT folds it (``baddbmm``)."""
+    w = stored.to(dtype) if scale is None else dequantize_blocks(stored, scale, block, dtype)
+    if lhs is not None:
+        w = torch.baddbmm(w[None], lhs[None], rhs[None], alpha=s)[0]
+    return w
+
+
+class _ExpertLinear(torch.autograd.Function):
+    """``x @ W.T`` (``x @ W`` transposed) of one expert; saves what ``W`` is made of, not ``W``."""
+
+    @staticmethod
+    def forward(ctx, x, stored, scale, lhs, rhs, s: float, block: int, transposed: bool):
+        ctx.save_for_backward(x, stored, scale, lhs, rhs)
+        ctx.s, ctx.block, ctx.transposed = s, block, transposed
+        w = _weight(stored, scale, block, lhs, rhs, s, x.dtype)
+        return x @ w if transposed else nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):  # the base is frozen: the input and the adapter factors get gradients
+        x, stored, scale, lhs, rhs = ctx.saved_tensors
+        w = _weight(stored, scale, ctx.block, lhs, rhs, ctx.s, grad.dtype)
+        gx = grad @ w.T if ctx.transposed else grad @ w
+        glhs = grhs = None
+        if lhs is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
+            gw = x.T @ grad if ctx.transposed else grad.T @ x  # dL/dW in the stored layout
+            glhs, grhs = ctx.s * gw @ rhs.T, ctx.s * lhs.T @ gw
+        return gx, None, None, glhs, grhs, None, None, None
+
+
+def _project(self, attr: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    stored, scale = self._buffers.get(attr), self._buffers.get(attr + "_scale_inv")
+    if stored is None:  # a full-precision stack (this rank's rows, local inside the ep forward)
+        stored = getattr(self, attr)
+    wrapper = getattr(self, "_hfpipe_adapters", {}).get(attr)
+    lhs = rhs = None
+    s = 1.0
+    if wrapper is not None:
+        lhs, rhs, s = _factors(wrapper, getattr(self, "_hfpipe_first_expert", 0) + e, x.dtype)
+    y = _ExpertLinear.apply(x, stored[e], None if scale is None else scale[e], lhs, rhs, s,
+                            getattr(self, "fp8_block", 0), bool(getattr(self, "is_transposed", False)))
+    if getattr(self, "has_bias", False):
+        y = y + getattr(self, attr + "_bias")[e]
+    return y
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' eager experts loop, one expert's weight built at a time (``self``: the experts module).
+
+    ``top_k_index`` holds this rank's expert ids (``num_experts`` marks a slot another rank serves).
+    """
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    with torch.no_grad():
+        mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+    up = "gate_up_proj" if self.has_gate else "up_proj"
+    for e in hit:
+        if e == self.num_experts:
+            continue
+        pos, tok = torch.where(mask[e])
+        h = _project(self, up, e, hidden_states[tok])
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        h = _project(self, "down_proj", e, h)
+        if getattr(self, "has_post_expert_norm", False):
+            h = self.post_expert_norm(h)
+        out.index_add_(0, tok, (h * top_k_weights[tok, pos, None].to(h.dtype)).to(out.dtype))
+    return out.to(hidden_states.dtype)
