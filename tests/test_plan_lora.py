@@ -88,3 +88,19 @@ def test_with_dp_fsdp2_shards_the_frozen_base_and_the_adapters_as_in_a_full_run(
         assert r2.optimizer_bytes == r1.optimizer_bytes // 2 == 4 * n  # AdamW moments split over dp
         assert r2.grad_bytes == 6 * n  # the step's unsharded fp32 gradient plus its shard
     assert "sharded over dp=2 by FSDP2" in format_report(lora2)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "mixtral", "llama"])
+def test_adapter_count_is_what_peft_creates_on_the_model(kind):
+    """PEFT's get_peft_model(all-linear) on the real model is the count's oracle: on transformers 5 it also
+    adapts Mixtral's and DeepSeek-V3's fused experts (one rank-r adapter per expert, rank doubled where
+    gate and up are fused) and their routers."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.plan.lora import adapter_params
+
+    config = tiny_config(kind)
+    peft = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules="all-linear"))
+    want = sum(p.numel() for n, p in peft.named_parameters() if p.requires_grad)
+    assert sum(adapter_params(config, 4).values()) == want

@@ -36,7 +36,20 @@ def adapter_params(model_config, rank: int, targets: str = "all-linear") -> dict
         key = f"layer.{part[2]}" if name.startswith("model.layers.") else (
             "embed" if isinstance(module, nn.Embedding) else "head")
         out[key] = out.get(key, 0) + rank * (shape[0] + shape[1])
+    for name, p in meta.named_parameters():  # PEFT's target_parameters: fused expert stacks, routers
+        if config.target_parameters and any(name == t or name.endswith("." + t) for t in config.target_parameters):
+            key = f"layer.{name.split('.')[2]}"
+            experts = p.shape[0] if p.dim() == 3 else 1  # one rank-r adapter per expert
+            out[key] = out.get(key, 0) + _rank(config, name) * experts * (p.shape[-2] + p.shape[-1])
     return out
+
+
+def _rank(config, name: str) -> int:
+    """The adapter rank of parameter ``name``: ``rank_pattern`` (PEFT doubles it where gate and up are fused)."""
+    import re
+
+    owner = name.rpartition(".")[0] if name.endswith(".weight") else name
+    return next((r for pat, r in (config.rank_pattern or {}).items() if re.fullmatch(pat, owner)), config.r)
 
 
 def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int = 1):
