@@ -108,14 +108,16 @@ def all_to_all_bytes(plan, costs, config, ep: int, microbatches: int, tokens: in
     return tuple(out)
 
 
-def describe_ep(config, ep: int, dp: int, a2a: tuple[int, ...], size, dtype: str) -> str:
-    """The line ``hfpipe plan`` prints about the experts' sharding and their all-to-all traffic."""
+def describe_ep(config, ep: int, dp: int, a2a: tuple[int, ...], size, dtype: str, frozen: bool = False) -> str:
+    """The line ``hfpipe plan`` prints about the experts' sharding and their all-to-all traffic
+    (``frozen``: a LoRA run's, whose experts have no gradients or optimizer state)."""
     count, top_k = routed_experts(config)
     edp = dp // ep
     w, g, o = (f"{b:g}" for b in param_bytes(dtype, edp))
     fsdp = f"FSDP2 over the {edp} ranks holding the same experts" if edp > 1 else "not sharded further"
-    return (f"experts: ep {ep}, {count // ep} of {count} routed experts per rank per MoE layer ({fsdp}: "
-            f"weights {w} B, grads {g} B, AdamW {o} B per expert parameter; rank params count these); "
+    cost = "frozen: weights only" if frozen else f"weights {w} B, grads {g} B, AdamW {o} B per expert parameter"
+    return (f"experts: ep {ep}, {count // ep} of {count} routed experts per rank per MoE layer ({fsdp}; "
+            f"{cost}; rank params count these); "
             f"shared experts and the rest FSDP2 over dp {dp}; all-to-all (top {top_k}, dispatch + "
             f"combine, forward + backward) {size(max(a2a))} per GPU per step on the busiest rank, "
             f"{size(sum(a2a) * dp)} across all {dp * len(a2a)} GPUs")

@@ -217,7 +217,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if ep > 1:
         a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing)
         ranks = tuple(dataclasses.replace(r, all_to_all_bytes=a) for r, a in zip(ranks, a2a))
-        notes.append(describe_ep(config, ep, dp, a2a, _size, dtype))
+        notes.append(describe_ep(config, ep, dp, a2a, _size, dtype, frozen=lora_rank is not None))
     if quantize_base:
         notes.append(describe_quant(quantize_base, ranks, _size))
     notes += idle_ranks(plan)
