@@ -204,3 +204,42 @@ def test_all_linear_adapts_what_peft_adapts_on_a_moe_model_split_over_ep(kind):
     from test_lora_equivalence import LORA
 
     run_and_check(kind, 2, ("1f1b",), LORA, dp=2, options={"ep": 2}, path=str(tiny_checkpoint(kind, num_hidden_layers=4)))
+
+
+@pytest.mark.slow
+def test_adapter_export_and_merges_of_lora_on_fp8_experts(tmp_path):
+    """The exported adapter on transformers' dequantized model gives the training logits; ``--merge``
+    writes every expert as PEFT's merge of it (``dequant(Q) + delta``) rounded once to bf16, and
+    ``--merge --dtype fp8`` writes the experts FP8 again, which transformers loads."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfpipe.checkpoint.export import export_checkpoint
+    from test_qbase_export import _logits, train_and_save
+    from test_train_equivalence import make_batches
+
+    path = fp8_moe_checkpoint()
+    ranks = run_ranks(train_and_save, 2, path, str(tmp_path / "ckpts"), FP8, DSV3_LORA)
+    trained = next(r["logits"] for r in ranks.values() if r["logits"] is not None)
+    ckpt = ranks[0]["ckpt"]
+    batch = make_batches(AutoConfig.from_pretrained(path).vocab_size)[0][0]
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter")
+    peft = PeftModel.from_pretrained(transformers_fp8(path, torch.float32), adapter).eval()
+    torch.testing.assert_close(_logits(peft, batch), trained, atol=1e-5, rtol=0)
+
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "merged", merge=True),
+                                                  dtype=torch.float32)
+    want = peft.merge_and_unload().state_dict()
+    experts = [k for k in want if ".mlp.experts." in k]
+    assert experts
+    for name in experts:
+        torch.testing.assert_close(merged.state_dict()[name], want[name].to(torch.bfloat16).float(), atol=0, rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
+    fp8 = export_checkpoint(ckpt, tmp_path / "merged-fp8", merge=True, dtype="fp8")
+    assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    stored = _checkpoint_tensors(str(fp8))
+    assert stored["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    reloaded = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32)
+    assert (_logits(reloaded, batch) - trained).abs().max() < 0.5

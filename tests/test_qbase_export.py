@@ -27,13 +27,13 @@ pytest.importorskip("torchao", reason="--quantize-base nf4 needs torchao (pip in
 LAYERS = 4
 
 
-def train_and_save(path: str, root: str, options: dict) -> dict:
+def train_and_save(path: str, root: str, options: dict, kw: dict = LORA) -> dict:
     """3 LoRA steps at pp 2, then a checkpoint and the logits of the first batch (loss rank)."""
     from hfpipe.api import load_pipeline
     from hfpipe.parallel.mesh import init_distributed
 
     dist = init_distributed(2, 1)
-    pm = load_pipeline(path, pp=2, dp=1, schedule="1f1b", microbatches=4, dist=dist, lora=lora_config(LORA), **options)
+    pm = load_pipeline(path, pp=2, dp=1, schedule="1f1b", microbatches=4, dist=dist, lora=lora_config(kw), **options)
     start_adapters(pm)
     opt, sched = _optimizer(pm.named_parameters())
     trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=1.0)

@@ -51,16 +51,14 @@ def write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor]
     weight_map = _weight_map(src)
     targets = _merge_targets(adapters)
     linear = [t for t in targets if t + ".weight" in weight_map]
-    experts = _FusedExperts(src, config, adapters, [t for t in targets if t not in linear])
-    if base.changes and experts.modules:
-        raise ExportError("--merge: adapters on fused MoE experts merge into an unquantized bf16/fp32 base only; "
-                          "export the adapter instead")
+    experts = _FusedExperts(src, config, adapters, [t for t in targets if t not in linear],
+                            base.as_trained if base.changes else None)
     out_map = {}
     for fname in sorted(set(weight_map.values())):
         tensors = load_file(src / fname)
         stored = {k: t.dtype for k, t in tensors.items()}
         if base.changes:
-            tensors = base.as_trained(tensors)
+            tensors = base.as_trained(_with_scales(tensors, weight_map, src))
         here = {t: tensors[t + ".weight"] for t in linear if weight_map[t + ".weight"] == fname}
         for name, merged in _merge(config, here, adapters).items():
             tensors[name + ".weight"] = merged
@@ -152,11 +150,26 @@ def _copy(config, **changes):
     return config
 
 
+def _with_scales(tensors: dict, weight_map: dict[str, str], src: Path) -> dict:
+    """``tensors`` plus the FP8 scales of its weights that another shard holds (a shard may cut a weight
+    from its ``weight_scale_inv``)."""
+    from safetensors import safe_open
+
+    missing = [k + "_scale_inv" for k in tensors if k + "_scale_inv" in weight_map and k + "_scale_inv" not in tensors]
+    out = dict(tensors)
+    for key in missing:
+        with safe_open(src / weight_map[key], "pt") as f:
+            out[key] = f.get_tensor(key)
+    return out
+
+
 class _FusedExperts:
     """Per-expert checkpoint tensors of fused expert parameters, merged one module at a time."""
 
-    def __init__(self, src: Path, config, adapters: dict[str, torch.Tensor], modules: list[str]) -> None:
+    def __init__(self, src: Path, config, adapters: dict[str, torch.Tensor], modules: list[str],
+                 as_trained=None) -> None:
         self.src, self.config, self.adapters, self.modules = src, config, adapters, modules
+        self.as_trained = as_trained  # a quantized run's base as it trained (MergedBase.as_trained), or None
         self._cache: dict[str, torch.Tensor] = {}
         self._done: set[str] = set()
         if modules:
@@ -218,7 +231,21 @@ class _FusedExperts:
         for fname, items in by_file.items():
             with safe_open(self.src / fname, "pt") as f:
                 for key, pattern in items:
-                    converter.add_tensor(target, key, pattern, f.get_tensor(key))
+                    converter.add_tensor(target, key, pattern, self._as_trained(key, f.get_tensor(key), weight_map))
         from transformers import AutoConfig
 
         return converter.convert(target, config=AutoConfig.from_pretrained(self.src, trust_remote_code=False))[target]
+
+    def _as_trained(self, key: str, tensor: torch.Tensor, weight_map: dict[str, str]) -> torch.Tensor:
+        """One expert's weight as the run saw it: its FP8 scale (from whichever shard holds it) applied,
+        and the run's quantization round-tripped."""
+        if self.as_trained is None:
+            return tensor
+        from safetensors import safe_open
+
+        tensors = {key: tensor}
+        scale = key + "_scale_inv"
+        if scale in weight_map:
+            with safe_open(self.src / weight_map[scale], "pt") as f:
+                tensors[scale] = f.get_tensor(scale)
+        return self.as_trained(tensors)[key]
