@@ -4,7 +4,8 @@
 - an NF4 block size that does not divide a weight's rows (found before any process starts);
 - an FP8 weight without its ``weight_scale_inv`` (any load, quantized or not);
 - FP8 scales that do not match config.json's ``weight_block_size``;
-- an NF4 base that cannot split into ``--dp`` equal FSDP2 shards.
+- an NF4 base that cannot split into ``--dp`` equal FSDP2 shards;
+- an FP8 tile that straddles the seam of a MoE layer's stacked gate and up experts.
 
 No fp8 setting is refused for the machine it runs on: the FP8 codes are dequantized by plain torch
 ops (CPU and CUDA alike) and stay out of every collective (FSDP2 leaves buffers alone).
@@ -122,3 +123,17 @@ def test_nf4_weights_that_cannot_split_over_dp_are_refused(tiny):  # noqa: F811
     check_shardable(modules, 2)
     with pytest.raises(QuantError, match="--dp 3: NF4 weight model.layers.0.self_attn.q_proj.weight"):
         check_shardable(modules, 3)
+
+
+def test_fp8_tiles_must_not_straddle_the_experts_gate_up_seam(tmp_path):
+    """Gate and up are one stack in memory, two matrices in the checkpoint (and in a merged export)."""
+    from _dist import tiny_checkpoint
+
+    model = tiny_checkpoint("qwen3_moe", num_hidden_layers=2)
+    size = json.loads((model / "config.json").read_text())["moe_intermediate_size"]
+    block = size * 2 // 3 if size % 3 == 0 else 24  # a tile that does not divide the intermediate size
+    assert size % block
+    assert_user_error(run("finetune", model, "--seq-len", 32, "--lora-rank", 4, "--quantize-base", "fp8",
+                          "--quantize-block-size", block, "--output-dir", tmp_path / "out"),
+                      f"--quantize-block-size {block} must divide the routed experts' intermediate size {size}")
+    assert not (tmp_path / "out").exists()

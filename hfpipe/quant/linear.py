@@ -113,8 +113,9 @@ class Quantizer:
         # their tiles must not straddle the seam, or the codes would depend on which one quantized them.
         gate_up = experts._parameters.get("gate_up_proj")
         if gate_up is not None and not getattr(experts, "is_transposed", False) and (gate_up.shape[1] // 2) % self.block:
-            whose = "the checkpoint's FP8 tiles" if self.source_block else f"--quantize-block-size {self.block}"
-            raise QuantError(f"--quantize-base fp8: {whose} ({self.block}) must divide the routed experts' "
+            whose = f"the checkpoint's FP8 tiles ({self.block})" if self.source_block else \
+                f"--quantize-block-size {self.block}"
+            raise QuantError(f"--quantize-base fp8: {whose} must divide the routed experts' "
                              f"intermediate size {gate_up.shape[1] // 2} of {name}, which stacks gate and up; "
                              "choose a block size dividing it")
         stacks = FP8ExpertStacks(experts, name, self.block)
