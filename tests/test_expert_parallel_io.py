@@ -22,16 +22,22 @@ from test_train_equivalence import HP, check_equal, make_batches
 
 # --- checkpoints ----------------------------------------------------------------------------------
 
-def _resume_worker(path: str, mesh: tuple, root: str, save: bool) -> dict:
-    """``save``: train steps 1-2, checkpoint, train step 3. Else: resume the checkpoint, train step 3."""
+def _resume_worker(path: str, mesh: tuple, root: str, save: bool, options: dict | None = None) -> dict:
+    """``save``: train steps 1-2, checkpoint, train step 3. Else: resume the checkpoint, train step 3.
+    ``options``: more ``load_pipeline`` arguments (``lora``: a ``LoraConfig``'s keywords)."""
     from hfpipe.api import load_pipeline
     from hfpipe.checkpoint.dcp import latest_checkpoint, load_checkpoint
     from hfpipe.parallel.mesh import init_distributed
 
+    options = dict(options or {})
+    if "lora" in options:
+        from test_lora_equivalence import lora_config
+
+        options["lora"] = lora_config(options["lora"])
     pp, dp, ep, schedule, micro, layout = mesh
     dist = init_distributed(pp, dp)
     pm = load_pipeline(path, pp=pp, dp=dp, ep=ep, schedule=schedule, microbatches=micro, layout=layout,
-                       method="even", dist=dist)
+                       method="even", dist=dist, **options)
     opt, sched = _optimizer(pm.named_parameters(), lr_total_steps=STEPS)
     trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
     batches = [b for (b,) in make_batches(pm.source.config.vocab_size, steps=STEPS)]

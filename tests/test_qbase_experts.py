@@ -243,3 +243,22 @@ def test_adapter_export_and_merges_of_lora_on_fp8_experts(tmp_path):
     assert stored["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
     reloaded = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32)
     assert (_logits(reloaded, batch) - trained).abs().max() < 0.5
+
+
+@pytest.mark.slow
+def test_lora_on_fp8_experts_saved_at_ep2_resumes_exactly_at_ep1_and_pp3():
+    """The adapters of the experts are whole on every rank (FSDP2 over dp), so a checkpoint saved at
+    pp 2 x dp 2 x ep 2 resumes at ep 1 and at pp 3 and its step 3 equals the uninterrupted run's."""
+    import tempfile
+
+    from test_expert_parallel import MESHES
+    from test_expert_parallel_io import _merged, _resume_worker
+    from test_train_equivalence import check_equal
+
+    path, root = fp8_moe_checkpoint(), tempfile.mkdtemp(prefix="hfpipe-resume-")
+    options = {**FP8, "lora": DSV3_LORA}
+    want = _merged(run_ranks(_resume_worker, 4, path, MESHES["pp2-dp2-ep2"], root, True, options))
+    assert any(".mlp.experts.lora_A." in k for k in want["weights"]), "the experts' adapters are checked"
+    for name, other in {"pp2-dp1-ep1": (2, 1, 1, "1f1b", 2, None), "pp3-dp2-ep2": MESHES["pp3-dp2-ep2"]}.items():
+        got = run_ranks(_resume_worker, other[0] * other[1], path, other, root, False, options)
+        check_equal(want, {r: {name: res} for r, res in got.items()}, (name,))
