@@ -180,10 +180,11 @@ def test_backward_keeps_only_the_quantized_weight(kind):
 
 
 @pytest.mark.slow
-def test_deepseek_v3_attention_and_shared_experts_nf4_pp2():
-    """MoE: attention, dense and shared-expert linears quantized; the router and the fused routed
-    experts (adapted through PEFT's target_parameters) stay in the run's dtype."""
+def test_deepseek_v3_attention_experts_and_shared_experts_nf4_pp2():
+    """MoE: attention, dense and shared-expert linears and the fused routed experts (adapted through
+    PEFT's target_parameters) quantized; the router stays in the run's dtype."""
     from test_lora_equivalence import DSV3_LORA
+    from test_qbase_experts import quantized_moe_model
 
     run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_LORA, options={"quantize_base": "nf4", "quantize_block_size": 16},
-                  build=quantized_hf_model("nf4", 16))
+                  build=quantized_moe_model(16, "nf4"))

@@ -29,6 +29,7 @@ DSV3_ATTENTION = dict(r=4, lora_alpha=8, lora_dropout=0.0,
                       target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
 FP8 = {"quantize_base": "fp8"}
 ATTENTION = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+EXPERTS = dict(ATTENTION, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 LOAD_BLOCK = 16  # tiles of the checkpoints quantized at load: partial tiles at the edges of most weights
 
 
@@ -125,16 +126,24 @@ def test_an_expert_saves_only_its_fp8_codes_for_backward():
     torch.testing.assert_close(x.grad, torch.ones(5, 64) @ dense, atol=1e-6, rtol=0)
 
 
-def quantized_moe_model(block: int):
-    """The oracle for FP8 quantized at load: decoder linears as in tests/test_qbase.py, and each routed
-    expert's matrix replaced by its dequantized FP8 value (transformers' own experts kernel runs it)."""
+def quantized_moe_model(block: int, kind: str = "fp8"):
+    """The oracle for a base quantized at load: decoder linears as in tests/test_qbase.py, and each routed
+    expert's matrix replaced by its dequantized value (NF4: gate and up apart, as two checkpoint
+    matrices), which transformers' own experts kernel runs."""
     from test_qbase import quantized_hf_model
 
-    dense = quantized_hf_model("fp8", block)
+    dense = quantized_hf_model(kind, block)
+
+    def round_trip(w: torch.Tensor) -> torch.Tensor:
+        from hfpipe.quant.fp8 import dequantize_blocks, quantize_blocks
+        from hfpipe.quant.nf4 import quantize_nf4
+
+        if kind == "nf4":
+            return quantize_nf4(w.contiguous(), block).get_original_weight()
+        return dequantize_blocks(*quantize_blocks(w, block), block, w.dtype)
 
     def build(path: str, dtype: torch.dtype):
-        from hfpipe.quant.experts import STACKS, fused_experts
-        from hfpipe.quant.fp8 import dequantize_blocks, quantize_blocks
+        from hfpipe.quant.experts import STACKS, fused_experts, split_seam
 
         model = dense(path, dtype)
         with torch.no_grad():
@@ -142,10 +151,28 @@ def quantized_moe_model(block: int):
                 for attr in STACKS:
                     p = experts._parameters.get(attr)
                     if p is not None and p.dim() == 3:
-                        p.copy_(torch.stack([dequantize_blocks(*quantize_blocks(w, block), block, dtype) for w in p]))
+                        halves = 2 if kind == "nf4" and split_seam(experts, attr) else 1
+                        p.copy_(torch.stack([torch.cat([round_trip(h) for h in w.chunk(halves)]) for w in p]))
         return model
 
     return build
+
+
+NF4 = {"quantize_base": "nf4", "quantize_block_size": LOAD_BLOCK}
+
+
+def test_nf4_experts_pp2_dp2_ep2_match_peft_on_the_same_nf4_model():
+    """NF4: one NF4Tensor per expert's matrix, on its ep rank; adapters on attention and the experts."""
+    run_and_check("qwen3_moe", 2, ("1f1b",), EXPERTS, dp=2, options={**NF4, "ep": 2},
+                  build=quantized_moe_model(LOAD_BLOCK, "nf4"), path=str(tiny_checkpoint("qwen3_moe", num_hidden_layers=4)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["deepseek_v3", "mixtral", "gpt_oss"])
+def test_nf4_experts_pp2_dp2_ep2(kind):
+    lora = DSV3_LORA if kind == "deepseek_v3" else EXPERTS
+    run_and_check(kind, 2, ("1f1b",), lora, dp=2, options={**NF4, "ep": 2},
+                  build=quantized_moe_model(LOAD_BLOCK, "nf4"), path=str(tiny_checkpoint(kind, num_hidden_layers=4)))
 
 
 @pytest.mark.slow
@@ -169,9 +196,6 @@ def test_fp8_quantized_at_load_pp2_dp2_ep2(kind):
         if kind == "deepseek_v4" else ATTENTION
     run_and_check(kind, 2, ("1f1b",), lora, dp=2, options={**FP8, "quantize_block_size": LOAD_BLOCK, "ep": 2},
                   build=quantized_moe_model(LOAD_BLOCK), path=str(tiny_checkpoint(kind, num_hidden_layers=4)))
-
-
-EXPERTS = dict(ATTENTION, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
 
 @pytest.mark.slow
@@ -207,10 +231,12 @@ def test_all_linear_adapts_what_peft_adapts_on_a_moe_model_split_over_ep(kind):
 
 
 @pytest.mark.slow
-def test_adapter_export_and_merges_of_lora_on_fp8_experts(tmp_path):
-    """The exported adapter on transformers' dequantized model gives the training logits; ``--merge``
-    writes every expert as PEFT's merge of it (``dequant(Q) + delta``) rounded once to bf16, and
-    ``--merge --dtype fp8`` writes the experts FP8 again, which transformers loads."""
+@pytest.mark.parametrize("kind", ["fp8", "nf4"])
+def test_adapter_export_and_merges_of_lora_on_quantized_experts(kind, tmp_path):
+    """The exported adapter on the oracle's model (DeepSeek-V3's own FP8 dequantized by transformers;
+    NF4 quantized at load) gives the training logits; ``--merge`` writes every expert as PEFT's merge
+    of it (``dequant(Q) + delta``) rounded once to bf16, and ``--merge --dtype fp8`` writes the
+    experts FP8, which transformers loads."""
     import json
 
     from peft import PeftModel
@@ -220,28 +246,28 @@ def test_adapter_export_and_merges_of_lora_on_fp8_experts(tmp_path):
     from test_qbase_export import _logits, train_and_save
     from test_train_equivalence import make_batches
 
-    path = fp8_moe_checkpoint()
-    ranks = run_ranks(train_and_save, 2, path, str(tmp_path / "ckpts"), FP8, DSV3_LORA)
+    path = fp8_moe_checkpoint() if kind == "fp8" else str(tiny_checkpoint("deepseek_v3", num_hidden_layers=4))
+    build = transformers_fp8 if kind == "fp8" else quantized_moe_model(LOAD_BLOCK, "nf4")
+    ranks = run_ranks(train_and_save, 2, path, str(tmp_path / "ckpts"), FP8 if kind == "fp8" else NF4, DSV3_LORA)
     trained = next(r["logits"] for r in ranks.values() if r["logits"] is not None)
     ckpt = ranks[0]["ckpt"]
     batch = make_batches(AutoConfig.from_pretrained(path).vocab_size)[0][0]
     adapter = export_checkpoint(ckpt, tmp_path / "adapter")
-    peft = PeftModel.from_pretrained(transformers_fp8(path, torch.float32), adapter).eval()
+    peft = PeftModel.from_pretrained(build(path, torch.float32), adapter).eval()
     torch.testing.assert_close(_logits(peft, batch), trained, atol=1e-5, rtol=0)
 
     merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "merged", merge=True),
                                                   dtype=torch.float32)
-    want = peft.merge_and_unload().state_dict()
-    experts = [k for k in want if ".mlp.experts." in k]
-    assert experts
-    for name in experts:
-        torch.testing.assert_close(merged.state_dict()[name], want[name].to(torch.bfloat16).float(), atol=0, rtol=0,
+    want = _merged_experts(peft)  # PEFT's merge() of each expert stack (NF4 linears take no in-place add)
+    assert want
+    for name, w in want.items():
+        torch.testing.assert_close(merged.state_dict()[name], w.to(torch.bfloat16).float(), atol=0, rtol=0,
                                    msg=lambda m: f"{name}: {m}")
     fp8 = export_checkpoint(ckpt, tmp_path / "merged-fp8", merge=True, dtype="fp8")
     assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     stored = _checkpoint_tensors(str(fp8))
     assert stored["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
-    reloaded = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32)
+    reloaded = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32).float()  # CPU: dequantized at load
     assert (_logits(reloaded, batch) - trained).abs().max() < 0.5
 
 
@@ -262,3 +288,17 @@ def test_lora_on_fp8_experts_saved_at_ep2_resumes_exactly_at_ep1_and_pp3():
     for name, other in {"pp2-dp1-ep1": (2, 1, 1, "1f1b", 2, None), "pp3-dp2-ep2": MESHES["pp3-dp2-ep2"]}.items():
         got = run_ranks(_resume_worker, other[0] * other[1], path, other, root, False, options)
         check_equal(want, {r: {name: res} for r, res in got.items()}, (name,))
+
+
+def _merged_experts(peft) -> dict[str, torch.Tensor]:
+    """Full-model name -> PEFT's merge of each adapted expert stack: the stack plus the wrapper's delta."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    out = {}
+    for name, wrapper in peft.base_model.model.named_modules():
+        if isinstance(wrapper, ParamWrapper) and ".mlp.experts" in name:
+            base = wrapper.get_base_layer()
+            owner = name.split(".mlp.experts")[0] + ".mlp.experts"
+            out[f"{owner}.{wrapper.parameter_name}"] = (getattr(base, wrapper.parameter_name)
+                                                        + wrapper.get_delta_weight("default")).detach()
+    return out

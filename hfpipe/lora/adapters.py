@@ -182,23 +182,18 @@ def add_adapters(modules: list[nn.Module], config, *, seed: int = 0) -> None:
     from peft.tuners.lora import LoraModel
     from peft.tuners.tuners_utils import BaseTunerLayer, cast_adapter_dtype
 
-    from hfpipe.lora.experts import attach_expert_adapters, stacks_as_parameters
-
     for module in modules:
         for p in module.parameters():
             p.requires_grad_(False)
         if not _has_targets(module, config):
             continue  # e.g. a stage holding only the head: nothing to adapt here
-        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
         with torch.random.fork_rng(devices=[]):  # injection draws random numbers; keep the run's RNG
-            with stacks_as_parameters(module, dtype):  # FP8 expert stacks: PEFT adapts parameters
-                LoraModel(module, copy.deepcopy(config), ADAPTER)
+            LoraModel(module, copy.deepcopy(config), ADAPTER)
             for name, layer in module.named_modules():
                 if isinstance(layer, BaseTunerLayer) and ADAPTER in layer.lora_A:
                     torch.manual_seed(_name_seed(seed, name))
                     layer.reset_lora_parameters(ADAPTER, config.init_lora_weights)
         cast_adapter_dtype(module, ADAPTER, autocast_adapter_dtype=True)  # fp32 adapters on a bf16 base
-        attach_expert_adapters(module)  # experts as FP8 codes or ep shards: hfpipe's experts forward adapts them
         del module.peft_config  # set by LoraModel; the PipelineModel keeps the config
 
 

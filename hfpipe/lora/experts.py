@@ -22,14 +22,14 @@ __all__ = ["stacks_as_parameters", "attach_expert_adapters"]
 
 
 @contextmanager
-def stacks_as_parameters(module: nn.Module, dtype: torch.dtype):
-    """While PEFT injects: each FP8 stack stands as a parameter of its global shape and ``dtype``.
+def stacks_as_parameters(modules: list[nn.Module], dtype: torch.dtype):
+    """While PEFT injects: each quantized expert stack stands as a parameter of its global shape and ``dtype``.
 
     PEFT looks for ``target_parameters`` among parameters and reads their shape, dtype and device, never
     their values; the placeholder is one zero broadcast to the shape (no memory). The buffers come back after.
     """
     swapped = []
-    for m in module.modules():
+    for m in (sub for module in modules for sub in module.modules()):
         for attr, shape in getattr(m, "_hfpipe_shapes", {}).items():
             codes = m._buffers.pop(attr)
             m._parameters[attr] = nn.Parameter(torch.zeros((), dtype=dtype, device=codes.device).expand(shape),
@@ -43,15 +43,15 @@ def stacks_as_parameters(module: nn.Module, dtype: torch.dtype):
             m._buffers[attr] = codes
 
 
-def attach_expert_adapters(module: nn.Module) -> int:
-    """Hand every PEFT ``ParamWrapper`` on FP8 or ep-sharded experts to hfpipe's experts forward.
+def attach_expert_adapters(modules: list[nn.Module]) -> int:
+    """Hand every PEFT ``ParamWrapper`` on quantized or ep-sharded experts to hfpipe's experts forward.
 
     Returns the number of adapters handed over.
     """
     from peft.tuners.lora.layer import ParamWrapper
 
     count = 0
-    for wrapper in module.modules():
+    for wrapper in (sub for module in modules for sub in module.modules()):
         if not isinstance(wrapper, ParamWrapper):
             continue
         experts = wrapper.get_base_layer()

@@ -5,9 +5,9 @@ transformers holds a layer's routed experts as fused 3-D stacks (``gate_up_proj`
 adapts them (``target_parameters``) by folding ``W + s * lhs @ rhs`` into the whole stack through a
 parametrization before the experts run. Two of hfpipe's settings break that:
 
-- ``--quantize-base fp8`` keeps the stacks as FP8 codes and tile scales (:mod:`hfpipe.quant.experts`);
-  transformers' own ``FP8Experts`` quantizes the activations too (W8A8, a CUDA kernel), so it neither
-  runs on CPU nor equals the dequantized model that is the oracle;
+- ``--quantize-base`` keeps the stacks quantized (:mod:`hfpipe.quant.experts`): FP8 codes and tile
+  scales, or one NF4 tensor per expert; transformers' own ``FP8Experts`` quantizes the activations too
+  (W8A8, a CUDA kernel), so it neither runs on CPU nor equals the dequantized model that is the oracle;
 - ``--ep`` leaves a rank ``E / ep`` experts (a DTensor shard), which PEFT's fold cannot add to.
 
 So the experts class stays transformers' (each family's gating, e.g. GPT-OSS's clamped interleaved
@@ -75,9 +75,12 @@ def _factors(wrapper, e: int, dtype: torch.dtype):
 
 
 def _weight(stored, scale, block, lhs, rhs, s, dtype):
-    """One expert's weight as stored (``[out, in]``, or ``[in, out]`` transposed): dequantized, plus
-    ``s * lhs @ rhs`` folded as PEFT folds it (``baddbmm``)."""
-    w = stored.to(dtype) if scale is None else dequantize_blocks(stored, scale, block, dtype)
+    """One expert's weight as stored (``[out, in]``, or ``[in, out]`` transposed): dequantized (FP8 codes
+    and scales, or a tuple of NF4 row blocks), plus ``s * lhs @ rhs`` folded as PEFT folds it (``baddbmm``)."""
+    if isinstance(stored, tuple):
+        w = torch.cat([p.get_original_weight() for p in stored]).to(dtype)
+    else:
+        w = stored.to(dtype) if scale is None else dequantize_blocks(stored, scale, block, dtype)
     if lhs is not None:
         w = torch.baddbmm(w[None], lhs[None], rhs[None], alpha=s)[0]
     return w
@@ -88,15 +91,16 @@ class _ExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, stored, scale, lhs, rhs, s: float, block: int, transposed: bool):
-        ctx.save_for_backward(x, stored, scale, lhs, rhs)
-        ctx.s, ctx.block, ctx.transposed = s, block, transposed
+        nf4 = isinstance(stored, tuple)  # the module's own NF4 tensors: held by reference, not saved
+        ctx.save_for_backward(x, None if nf4 else stored, scale, lhs, rhs)
+        ctx.nf4, ctx.s, ctx.block, ctx.transposed = stored if nf4 else None, s, block, transposed
         w = _weight(stored, scale, block, lhs, rhs, s, x.dtype)
         return x @ w if transposed else nn.functional.linear(x, w)
 
     @staticmethod
     def backward(ctx, grad):  # the base is frozen: the input and the adapter factors get gradients
         x, stored, scale, lhs, rhs = ctx.saved_tensors
-        w = _weight(stored, scale, ctx.block, lhs, rhs, ctx.s, grad.dtype)
+        w = _weight(ctx.nf4 or stored, scale, ctx.block, lhs, rhs, ctx.s, grad.dtype)
         gx = grad @ w.T if ctx.transposed else grad @ w
         glhs = grhs = None
         if lhs is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
@@ -106,8 +110,11 @@ class _ExpertLinear(torch.autograd.Function):
 
 
 def _project(self, attr: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    nf4 = getattr(self, "_hfpipe_nf4", {}).get(attr)
     stored, scale = self._buffers.get(attr), self._buffers.get(attr + "_scale_inv")
-    if stored is None:  # a full-precision stack (this rank's rows, local inside the ep forward)
+    if nf4 is not None:  # one expert's NF4 tensors (hfpipe.quant.experts)
+        stored = nf4
+    elif stored is None:  # a full-precision stack (this rank's rows, local inside the ep forward)
         stored = getattr(self, attr)
     wrapper = getattr(self, "_hfpipe_adapters", {}).get(attr)
     lhs = rhs = None
@@ -115,7 +122,7 @@ def _project(self, attr: str, e: int, x: torch.Tensor) -> torch.Tensor:
     if wrapper is not None:
         lhs, rhs, s = _factors(wrapper, getattr(self, "_hfpipe_first_expert", 0) + e, x.dtype)
     y = _ExpertLinear.apply(x, stored[e], None if scale is None else scale[e], lhs, rhs, s,
-                            getattr(self, "fp8_block", 0), bool(getattr(self, "is_transposed", False)))
+                            getattr(self, "quant_block", 0), bool(getattr(self, "is_transposed", False)))
     if getattr(self, "has_bias", False):
         y = y + getattr(self, attr + "_bias")[e]
     return y

@@ -240,9 +240,12 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         m.hidden_dtype = compute_dtype
     if lora is not None:
         from hfpipe.lora.adapters import add_adapters, resolve_config
+        from hfpipe.lora.experts import attach_expert_adapters, stacks_as_parameters
 
         lora = resolve_config(lora, modules[0]._hf_model)
-        add_adapters(modules, lora, seed=seed)
+        with stacks_as_parameters(modules, param_dtype):  # quantized expert stacks: PEFT adapts parameters
+            add_adapters(modules, lora, seed=seed)
+        attach_expert_adapters(modules)  # quantized or ep-split experts: hfpipe's experts forward adapts them
     if dp > 1 and quantize is not None:
         from hfpipe.quant.linear import check_shardable
 

@@ -1,10 +1,9 @@
 """What a quantized frozen base (``--quantize-base nf4|fp8``, LoRA runs) costs each rank.
 
 Which weights: every linear weight inside a decoder layer except a MoE router's (``mlp.gate``,
-``router``), as :mod:`hfpipe.quant` quantizes them, and with ``fp8`` the routed experts' weight
-stacks (they stay FP8 on their ranks under ``--ep``; ``nf4`` leaves them in the run's dtype, as
-torchao's ``NF4Tensor`` is 2-D only). The embedding, the head, norms, routers, biases and the
-LoRA adapters stay in the run's dtype.
+``router``), as :mod:`hfpipe.quant` quantizes them, and the routed experts' weight stacks (they
+stay quantized on their ranks under ``--ep``). The embedding, the head, norms, routers, biases and
+the LoRA adapters stay in the run's dtype.
 
 Bytes per quantized parameter:
 
@@ -15,9 +14,9 @@ Bytes per quantized parameter:
 - ``fp8``: e4m3, 1 byte, plus one fp32 scale per 128 x 128 tile of each matrix (edge tiles
   partial), DeepSeek's ``weight_block_size`` (``weight_scale_inv``): 1.0002 bytes for big matrices.
 
-Under FSDP2 (dp > 1) an NF4 weight is sharded and gathered as it is, quantized: a rank keeps its
+Under FSDP2 (dp > 1) an NF4 linear is sharded and gathered as it is, quantized: a rank keeps its
 shard plus the gathered weight during a step, ``q / dp + q`` (no fp32 master: the base is frozen).
-FP8 codes are buffers, whole on every rank: ``q``. A linear, and a routed expert, dequantizes just
+FP8 codes are buffers, whole on every rank: ``q``; so are the routed experts of either kind. A linear, and a routed expert, dequantizes just
 in time, in forward and again in backward, so one dequantized weight lives at a time: priced as the
 rank's largest quantized matrix in the run's dtype, twice (a forward's and a backward's can overlap
 in a 1F1B steady state).
@@ -152,12 +151,12 @@ def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, d
 
     q = [per_layer[i] for i in layers]
     fp8 = kind == "fp8"
-    lin, exp = sum(x.linear for x in q), sum(x.experts for x in q) // ep if fp8 else 0
-    # unquantized: embedding, head, norms, routers, biases, NF4's routed experts (experts' over dp / ep)
+    lin, exp = sum(x.linear for x in q), sum(x.experts for x in q) // ep
+    # unquantized: embedding, head, norms, routers, biases (experts' over dp / ep)
     base = (params - routed - lin) * full + (routed - exp) * full_e
     base += _quantized_bytes(kind, lin, sum(x.linear_tiles for x in q)) * (1 if fp8 else gathered(dp))
-    base += _quantized_bytes(kind, exp, sum(x.expert_tiles for x in q) / ep)
-    largest = max([x.largest for x in q] + [x.largest_expert for x in q if fp8] + [0])
+    base += _quantized_bytes(kind, exp, sum(x.expert_tiles for x in q) / ep)  # whole on their ranks
+    largest = max([x.largest for x in q] + [x.largest_expert for x in q] + [0])
     return base, 2 * largest * ACT_BYTES[dtype]
 
 
@@ -167,8 +166,6 @@ def describe_quant(kind: str, ranks, size) -> str:
                   "scale per 256 absmaxes; torchao)",
            "fp8": "1 B/param + one fp32 scale per 128x128 tile (e4m3, DeepSeek's block format)"}[kind]
     worst = max(r.transient_bytes for r in ranks)
-    which = "decoder-layer linears and routed experts" if kind == "fp8" else "decoder-layer linears"
-    rest = "" if kind == "fp8" else ", routed experts"
-    return (f"base quantized {kind}: {which} at {per}; embedding, head, norms{rest} and routers in the run's "
-            f"dtype; dequantized just in time, {size(worst)} "
+    return (f"base quantized {kind}: decoder-layer linears and routed experts at {per}; embedding, head, norms "
+            f"and routers in the run's dtype; dequantized just in time, {size(worst)} "
             f"transient on the busiest rank (its largest weight in the run's dtype, x2)")

@@ -1,4 +1,4 @@
-"""Routed MoE experts kept block-FP8 on their ranks (``--quantize-base fp8`` on a MoE model).
+"""Routed MoE experts kept quantized on their ranks (``--quantize-base fp8|nf4`` on a MoE model).
 
 transformers holds a MoE layer's routed experts as fused 3-D parameters (``gate_up_proj`` ``[E, 2I, H]``
 and ``down_proj`` ``[E, H, I]``, or ``up_proj``; GPT-OSS stores them transposed), which its conversion
@@ -6,10 +6,11 @@ tables build from the checkpoint's per-expert 2-D weights. Under ``--quantize-ba
 buffers in the layout of transformers' own ``FP8Experts``: the codes ``[E_local, N, K]`` and
 ``<name>_scale_inv`` ``[E_local, ceil(N/b), ceil(K/b)]``, one tile grid per expert. A checkpoint's own FP8
 experts are stacked (gate and up concatenated) as stored, so no value is rounded twice; a bf16 checkpoint's
-are quantized expert by expert as they load. With ``--ep`` a rank holds only its experts' rows.
+are quantized expert by expert as they load. ``nf4`` keeps one torchao ``NF4Tensor`` per expert's
+matrix (:class:`ExpertStacks`). With ``--ep`` a rank holds only its experts' rows.
 
-They run through hfpipe's experts forward (:mod:`hfpipe.models.experts`), which dequantizes one
-expert's weight at a time, in forward and again in backward.
+They run through hfpipe's experts forward (:mod:`hfpipe.models.experts`, which the quantizer
+registers), dequantizing one expert's weight at a time, in forward and again in backward.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfpipe.models.experts import first_expert, register
 from hfpipe.quant.fp8 import FP8, quantize_blocks
-from hfpipe.quant.nf4 import QuantError
+from hfpipe.quant.nf4 import QuantError, check_nf4, quantize_nf4
 
-__all__ = ["STACKS", "FP8ExpertStacks", "fused_experts", "routed_expert_key"]
+__all__ = ["STACKS", "ExpertStacks", "fused_experts", "routed_expert_key", "split_seam"]
 
 #: The fused 3-D weights of an experts module (transformers' names).
 STACKS = ("gate_up_proj", "up_proj", "down_proj")
@@ -44,17 +44,30 @@ def _stack(module: nn.Module, name: str):
     return t if t is not None and t.dim() == 3 else None
 
 
-class FP8ExpertStacks:
-    """Swaps one experts module's 3-D weights for FP8 buffers (on meta) and fills them while loading.
+def split_seam(module: nn.Module, attr: str) -> bool:
+    """Whether stack ``attr`` of ``module`` is gate and up stacked row-wise (``[gate; up]`` per expert): two
+    matrices in the checkpoint, so NF4 quantizes the halves apart, as a merged export meets them."""
+    return attr == "gate_up_proj" and getattr(module, "is_concatenated", True) and not getattr(module, "is_transposed", False)
+
+
+class ExpertStacks:
+    """Swaps one experts module's 3-D weights for quantized storage (on meta) and fills it while loading.
+
+    - ``fp8``: two buffers per stack, the codes and ``<name>_scale_inv`` (see the module docstring);
+    - ``nf4``: torchao's ``NF4Tensor`` is 2-D and cannot be sliced, so each expert's matrix is one
+      ``NF4Tensor`` (two for a gate/up stack: :func:`split_seam`), kept in ``module._hfpipe_nf4``; the
+      stack's name holds a zero broadcast to its local shape (no memory), so loading finds it.
 
     Args:
         module: A fused-experts module (its stacks may be ep-sharded DTensors: only local rows are kept).
         name: Its full-model name.
-        block: The FP8 tile edge.
+        kind: ``fp8`` or ``nf4``.
+        block: The FP8 tile edge, or the NF4 block.
+        first_expert: Asked of each stack: the first expert this rank holds.
     """
 
-    def __init__(self, module: nn.Module, name: str, block: int) -> None:
-        self.module, self.block = module, block
+    def __init__(self, module: nn.Module, name: str, kind: str, block: int, first_expert) -> None:
+        self.module, self.kind, self.block = module, kind, block
         self.rows: dict[str, tuple[int, int]] = {}  # full-model weight name -> the experts [lo, hi) held here
         for attr in STACKS:
             old = module._parameters.get(attr)
@@ -67,11 +80,15 @@ class FP8ExpertStacks:
             module._hfpipe_shapes = {**getattr(module, "_hfpipe_shapes", {}), attr: tuple(old.shape)}
             e, n, k = local.shape
             del module._parameters[attr]
+            if kind == "nf4":
+                for half in ((n // 2, k), (n // 2, k)) if split_seam(module, attr) else ((n, k),):
+                    check_nf4(f"{name}.{attr}", half, block)
+                module.register_buffer(attr, torch.zeros((), dtype=torch.uint8, device="meta").expand(e, n, k))
+                continue
             module.register_buffer(attr, torch.empty(e, n, k, dtype=FP8, device="meta"))
             module.register_buffer(attr + "_scale_inv", torch.empty(e, -(-n // block), -(-k // block),
                                                                     dtype=torch.float32, device="meta"))
-        module.fp8_block = block
-        register(module)
+        module.quant_block = block
 
     def place(self, target: str, tensor: torch.Tensor, scale: torch.Tensor | None, device) -> None:
         """Set stack ``target`` from the checkpoint's codes and ``scale`` (FP8), or quantize it here."""
@@ -80,6 +97,12 @@ class FP8ExpertStacks:
         if tuple(tensor.shape) != want:
             raise QuantError(f"{target}: the checkpoint gives shape {tuple(tensor.shape)}, this rank holds {want}; "
                              "config.json does not match the weights")
+        if self.kind == "nf4":  # one expert (or half) at a time: one full-precision matrix is the transient
+            halves = 2 if split_seam(self.module, attr) else 1
+            nf4 = [tuple(quantize_nf4(h.to(device).contiguous(), self.block) for h in w.chunk(halves)) for w in tensor]
+            self.module._hfpipe_nf4 = {**getattr(self.module, "_hfpipe_nf4", {}), attr: nf4}
+            self.module._buffers[attr] = torch.zeros((), dtype=torch.uint8, device=device).expand(*want)
+            return
         if scale is None:  # full precision: one expert at a time, so one fp32 expert is the transient
             parts = [quantize_blocks(w.to(device), self.block) for w in tensor]
             tensor, scale = torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])

@@ -8,8 +8,8 @@ norms, head and the LoRA adapters stay in the run's dtype.
   (:mod:`hfpipe.quant.nf4`), which FSDP2 shards over dp like any parameter.
 - ``fp8``: the linear becomes an :class:`~hfpipe.quant.fp8.FP8Linear` holding the FP8 codes and
   ``weight_scale_inv`` (the checkpoint's own when it is block-FP8, else quantized at load); a MoE layer's
-  fused routed experts become FP8 stacks (:mod:`hfpipe.quant.experts`), on their ranks under ``--ep``.
-  NF4 leaves the routed experts in the run's dtype (torchao's ``NF4Tensor`` is 2-D only).
+  fused routed experts become FP8 stacks (:mod:`hfpipe.quant.experts`), on their ranks under ``--ep``;
+  with ``nf4`` one ``NF4Tensor`` per expert's matrix.
 
 The loader (:mod:`hfpipe.pipeline.load`) hands each weight to :meth:`Quantizer.place` as soon as
 its shard is read, so only one full-precision weight exists at a time: a stage is never
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hfpipe.quant.experts import FP8ExpertStacks, fused_experts
+from hfpipe.models.experts import first_expert, register
+from hfpipe.quant.experts import ExpertStacks, fused_experts
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
 from hfpipe.quant.targets import quantized_linears
@@ -87,7 +88,7 @@ class Quantizer:
             self.block = spec.block or DEFAULT_BLOCK
         self.weights: set[str] = set()  # full-model names of the weights this quantizer places
         self.scales: set[str] = set()  # ... and of the FP8 scales it derives or reads with them
-        self.stacks: dict[str, FP8ExpertStacks] = {}  # routed-expert stacks (fp8) -> their holder
+        self.stacks: dict[str, ExpertStacks] = {}  # routed-expert stacks -> their holder
         self.rows: dict[str, tuple[int, int]] = {}  # ... -> the experts [lo, hi) this rank reads
 
     def prepare(self, stages: list[nn.Module], dtype: torch.dtype) -> None:
@@ -104,25 +105,27 @@ class Quantizer:
                     setattr(stage.get_submodule(parent), attr, new)
                     self.scales.add(name + ".weight_scale_inv")
                 self.weights.add(name + ".weight")
-            if self.spec.kind == "fp8":
-                for name, experts in fused_experts(stage).items():
-                    self._prepare_experts(name, experts)
+            for name, experts in fused_experts(stage).items():
+                self._prepare_experts(name, experts)
 
     def _prepare_experts(self, name: str, experts: nn.Module) -> None:
         # Gate and up are one stack here but two matrices in the checkpoint (and in a merged export):
         # their tiles must not straddle the seam, or the codes would depend on which one quantized them.
         gate_up = experts._parameters.get("gate_up_proj")
-        if gate_up is not None and not getattr(experts, "is_transposed", False) and (gate_up.shape[1] // 2) % self.block:
+        if self.spec.kind == "fp8" and gate_up is not None and not getattr(experts, "is_transposed", False) \
+                and (gate_up.shape[1] // 2) % self.block:
             whose = f"the checkpoint's FP8 tiles ({self.block})" if self.source_block else \
                 f"--quantize-block-size {self.block}"
             raise QuantError(f"--quantize-base fp8: {whose} must divide the routed experts' "
                              f"intermediate size {gate_up.shape[1] // 2} of {name}, which stacks gate and up; "
                              "choose a block size dividing it")
-        stacks = FP8ExpertStacks(experts, name, self.block)
+        stacks = ExpertStacks(experts, name, self.spec.kind, self.block, first_expert)
+        register(experts)  # hfpipe's experts forward: one expert dequantized at a time
         for target in stacks.rows:
             self.stacks[target] = stacks
             self.weights.add(target)
-            self.scales.add(target + "_scale_inv")
+            if self.spec.kind == "fp8":
+                self.scales.add(target + "_scale_inv")
         self.rows.update(stacks.rows)
 
     def keeps_stored(self, target: str) -> bool:

@@ -1,7 +1,7 @@
 """The base weights a quantized-base LoRA run trained on, and the dtypes a merged export writes.
 
 ``hfpipe export --merge`` of such a run merges the adapters into the base *as the run saw it*:
-each quantized linear's weight (and with fp8 each routed expert's matrix) goes through the same
+each quantized linear's weight (and each routed expert's matrix) goes through the same
 quantization the loader applied (NF4 codes of the same blocks, FP8 tiles kept as stored or
 quantized at load) and is dequantized to fp32 before PEFT's ``merge()`` adds the adapter delta.
 The merged folder is then written:
@@ -22,7 +22,7 @@ import torch
 
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, dequantize_blocks, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, quantize_nf4
-from hfpipe.quant.experts import routed_expert_key
+from hfpipe.quant.experts import fused_experts, routed_expert_key, split_seam
 from hfpipe.quant.targets import quantized_linears
 
 __all__ = ["MergedBase", "MERGE_DTYPES"]
@@ -54,6 +54,8 @@ class MergedBase:
         self.source_block = int((qc.get("weight_block_size") or [FP8_DEFAULT_BLOCK])[0]) if qc else None
         self.quant = quant
         self.linears = {name + ".weight" for name in quantized_linears(meta_model)}
+        self.split_stacks = {f"{name}.gate_up_proj" for name, m in fused_experts(meta_model).items()
+                             if split_seam(m, "gate_up_proj")}
         self.fp8_out = dtype == "fp8"
         self.bf16 = dtype == "bf16" or (dtype == "auto" and (quant is not None or qc is not None))
         self.changes = self.fp8_out or self.bf16  # else the plain merge: the base's files, keys, dtypes
@@ -72,15 +74,20 @@ class MergedBase:
                     raise QuantError(f"--merge: FP8 weight {key!r} has no {key + _SCALE!r} in the same shard; "
                                      "the base checkpoint is incomplete")
                 t = dequantize_blocks(t, tensors[key + _SCALE], self.source_block)
-            if self.quant and (key in self.linears or self._fp8_expert(key)):
-                stored = is_fp8(tensors[key])  # a fused 3-D stack round-trips one expert at a time
-                t = torch.stack([self._round_trip(w, stored) for w in t]) if t.dim() == 3 else self._round_trip(t, stored)
+            if self.quant and (key in self.linears or self._quantized_expert(key)):
+                t = self._round_trip_stack(key, t, is_fp8(tensors[key])) if t.dim() == 3 else \
+                    self._round_trip(t, is_fp8(tensors[key]))
             out[key] = t
         return out
 
-    def _fp8_expert(self, key: str) -> bool:
-        """A routed expert's weight, which an fp8 run keeps quantized (NF4 leaves the experts as they are)."""
-        return self.quant["kind"] == "fp8" and routed_expert_key(key)
+    def _quantized_expert(self, key: str) -> bool:
+        """A routed expert's weight (kept quantized by the run)."""
+        return routed_expert_key(key)
+
+    def _round_trip_stack(self, key: str, t: torch.Tensor, stored_fp8: bool) -> torch.Tensor:
+        """A fused-layout checkpoint's 3-D stack, one expert at a time (NF4: gate and up apart, as loaded)."""
+        halves = 2 if self.quant["kind"] == "nf4" and key in self.split_stacks else 1
+        return torch.stack([torch.cat([self._round_trip(h, stored_fp8) for h in w.chunk(halves)]) for w in t])
 
     def _round_trip(self, w: torch.Tensor, stored_fp8: bool) -> torch.Tensor:
         kind, block = self.quant["kind"], self.quant.get("block")
