@@ -8,10 +8,11 @@ whole batch; for a full-precision checkpoint quantized at load, the same model w
 weight replaced by its dequantized FP8 value (tile by tile, expert by expert), run by transformers' own
 experts kernel. Loss and grad norm per step and every adapter after 3 steps agree within 1e-5.
 
-The default run takes DeepSeek-V3's own FP8 at pp 2 x dp 2 x ep 2, where the codes are, and the refusals;
-``pytest -m slow`` runs every schedule at pp 2, an interleaved ep mesh, five more families quantized at
-load at pp 2 x dp 2 x ep 2 (GPT-OSS: transposed stacks with biases), and LoRA with --ep over a
-full-precision base.
+The default run takes DeepSeek-V3's own FP8 at pp 2 x dp 2 x ep 2 with adapters on the experts, where
+each rank's codes are, NF4 experts at ep 2, and all-linear as PEFT resolves it; ``pytest -m slow`` runs
+every schedule at pp 2, an interleaved ep mesh, five more families quantized at load at pp 2 x dp 2 x
+ep 2 (GPT-OSS: transposed stacks with biases), LoRA with --ep over a full-precision base, merges and
+a resume at another ep and pp.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def test_fp8_experts_attention_lora_pp2_dp2_ep2():
                   build=transformers_fp8, path=fp8_moe_checkpoint())
 
 
+@pytest.mark.slow
 def test_fp8_experts_pp2_match_peft_on_transformers_dequantized():
     run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_ATTENTION, options=FP8, build=transformers_fp8,
                   path=fp8_moe_checkpoint())
@@ -221,7 +223,7 @@ def test_lora_on_fp8_experts_pp2_every_schedule():
                   path=fp8_moe_checkpoint())
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", [pytest.param("mixtral", marks=pytest.mark.slow), "deepseek_v3"])
 def test_all_linear_adapts_what_peft_adapts_on_a_moe_model_split_over_ep(kind):
     """PEFT's own get_peft_model(all-linear) is the oracle: on transformers 5 it adapts Mixtral's and
     DeepSeek-V3's fused experts and routers (its MoE conversion), and so does the pipeline, at ep 2."""

@@ -92,7 +92,7 @@ class _ExpertLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, stored, scale, lhs, rhs, s: float, block: int, transposed: bool):
         nf4 = isinstance(stored, tuple)  # the module's own NF4 tensors: held by reference, not saved
-        ctx.save_for_backward(x, None if nf4 else stored, scale, lhs, rhs)
+        ctx.save_for_backward(None if lhs is None else x, None if nf4 else stored, scale, lhs, rhs)  # x: for dW
         ctx.nf4, ctx.s, ctx.block, ctx.transposed = stored if nf4 else None, s, block, transposed
         w = _weight(stored, scale, block, lhs, rhs, s, x.dtype)
         return x @ w if transposed else nn.functional.linear(x, w)

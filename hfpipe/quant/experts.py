@@ -39,7 +39,7 @@ def routed_expert_key(key: str) -> bool:
 
 
 def _stack(module: nn.Module, name: str):
-    """``module``'s fused weight ``name``: a 3-D parameter, or its FP8 buffer once quantized."""
+    """``module``'s fused weight ``name``: a 3-D parameter, or its buffer once quantized."""
     t = module._parameters.get(name, module._buffers.get(name))
     return t if t is not None and t.dim() == 3 else None
 
