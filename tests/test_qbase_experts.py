@@ -1,12 +1,13 @@
-"""A MoE model's routed experts stay block-FP8 on their ranks (``--quantize-base fp8``), with and without
-``--ep``, and LoRA over them equals PEFT on the same model dequantized.
+"""A MoE model's routed experts stay quantized on their ranks (``--quantize-base fp8|nf4``), with and
+without ``--ep``, and LoRA over them (and over ep-split experts of a full-precision base) equals PEFT on
+the same model dequantized.
 
 The oracle is the one of tests/test_qbase.py: for a checkpoint that ships FP8 (DeepSeek-V3's format: every
 expert's 2-D weight with its ``weight_scale_inv``), transformers' own ``from_pretrained`` with
 ``FineGrainedFP8Config(dequantize=True)``, under PEFT's ``get_peft_model``, trained in one process on the
 whole batch; for a full-precision checkpoint quantized at load, the same model with every quantized
-weight replaced by its dequantized FP8 value (tile by tile, expert by expert), run by transformers' own
-experts kernel. Loss and grad norm per step and every adapter after 3 steps agree within 1e-5.
+weight replaced by its dequantized value (FP8 tile by tile, NF4 block by block, expert by expert), run
+by transformers' own experts kernel. Loss and grad norm per step and every adapter after 3 steps agree within 1e-5.
 
 The default run takes DeepSeek-V3's own FP8 at pp 2 x dp 2 x ep 2 with adapters on the experts, where
 each rank's codes are, NF4 experts at ep 2, and all-linear as PEFT resolves it; ``pytest -m slow`` runs
