@@ -92,7 +92,8 @@ class Quantizer:
         self.rows: dict[str, tuple[int, int]] = {}  # ... -> the experts [lo, hi) this rank reads
 
     def prepare(self, stages: list[nn.Module], dtype: torch.dtype) -> None:
-        """Swap in FP8 linears and expert stacks (fp8) and record which weights to quantize; stages on meta."""
+        """Swap in FP8 linears (fp8) and quantized expert stacks, and record which weights to quantize;
+        stages on meta."""
         self.dtype = dtype
         for stage in stages:
             for name, linear in quantized_linears(stage).items():
