@@ -137,9 +137,10 @@ def _model(work: Path, hidden: int, layers: int, vocab: int, moe: bool) -> Path:
     shape = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
                  num_key_value_heads=max(1, hidden // 256), vocab_size=vocab, max_position_embeddings=1024,
                  max_shard_size="500MB", tokenizer=False)
-    if moe:  # 16 experts of a quarter of the dense MLP's width, top 2: routed experts hold most weights
+    if moe:  # 16 experts of 3/4 of the hidden width (NF4's 64 and FP8's 128 divide it), top 2: routed
+        # experts hold most weights
         return make_tiny_checkpoint(work / "model", "qwen3_moe", num_experts=16, num_experts_per_tok=2,
-                                    moe_intermediate_size=hidden * 11 // 16, decoder_sparse_step=1,
+                                    moe_intermediate_size=hidden * 3 // 4, decoder_sparse_step=1,
                                     mlp_only_layers=[], head_dim=64, **shape)
     return make_tiny_checkpoint(work / "model", "llama", intermediate_size=hidden * 11 // 4, **shape)
 

@@ -67,8 +67,10 @@ def check_nf4(name: str, shape, block: int) -> None:
     if block <= 0 or block % 2:
         raise QuantError(f"--quantize-block-size {block}: NF4 needs an even, positive block size (e.g. 64)")
     if len(shape) != 2 or shape[1] % block:
+        fits = [b for b in (128, 64, 32, 16, 8) if shape[-1] % b == 0][:2]
+        hint = f" (e.g. {' or '.join(map(str, fits))})" if fits else ""
         raise QuantError(f"--quantize-block-size {block} does not divide the rows of {name} "
-                         f"(shape {tuple(shape)}); pick a block size dividing {shape[-1]} (e.g. 64 or 32)")
+                         f"(shape {tuple(shape)}); pick a block size dividing {shape[-1]}{hint}")
 
 
 def quantize_nf4(w: torch.Tensor, block: int = DEFAULT_BLOCK):
