@@ -151,6 +151,9 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def _setup_logging(level: str) -> None:
+    from hfpipe.train.logs import quiet_import_noise
+
+    quiet_import_noise(level)
     logger = logging.getLogger("hfpipe")
     logger.setLevel(level.upper())
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):

@@ -68,3 +68,13 @@ def test_quickstart_lora_runs_offline_and_passes_against_peft(tmp_path):
                    "4/4 checking the export: PEFT in this process", "(PASS)", "after fine-tuning:"):
         assert marker in run.stdout, (marker, run.stdout)
     assert (tmp_path / "qs" / "run-lora" / "hf" / "adapter_model.safetensors").is_file()
+
+
+def test_a_lora_command_opens_without_torchaos_import_noise(tiny, tmp_path):  # noqa: F811
+    """PEFT imports torchao whenever it is installed (the qlora extra); torchao's import-time warnings
+    (CUDA-only kernels that do not load here, torch's enum deprecation) stay out of hfpipe's output."""
+    from test_e2e import hfpipe
+
+    run = hfpipe("plan", tiny, "--pp", 2, "--lora-rank", 4, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Failed to load" not in run.stderr and "_pytree" not in run.stderr, run.stderr[-2000:]

@@ -17,13 +17,26 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["LINES", "check_sinks", "format_line", "next_commands", "open_sinks"]
+__all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "format_line", "next_commands", "open_sinks", "quiet_import_noise"]
 
 log = logging.getLogger(__name__)
 #: Logger of the plain progress lines; the reporting rank raises it to INFO (see Reporter).
 LINES = logging.getLogger("hfpipe.train.lines")
 
 _EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens")
+
+#: Third-party loggers whose import-time warnings say nothing about a run: torchao 0.18, which PEFT
+#: imports whenever it is installed (the ``qlora`` extra), logs that its CUDA-only kernels
+#: (``_C_mxfp8``, ``_C_cutlass_90a``) do not load on this build, and torch 2.13 warns about two enums
+#: torchao registers. Four such lines would open every LoRA run's output, once per rank.
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def quiet_import_noise(level: str) -> None:
+    """Keep :data:`IMPORT_NOISE` to errors, unless hfpipe itself logs at debug level."""
+    if str(level).upper() != "DEBUG":
+        for name in IMPORT_NOISE:
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class _Jsonl:

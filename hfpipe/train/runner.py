@@ -220,8 +220,12 @@ def _setup_logging(rank: int) -> None:
     A worker launched by the CLI inherits nothing; one run under torchrun may already carry
     the CLI's handler on the ``hfpipe`` logger, which is then reused rather than doubled.
     """
+    from hfpipe.train.logs import quiet_import_noise
+
+    level = os.environ.get("HFPIPE_LOG_LEVEL", "INFO" if rank == 0 else "WARNING")
+    quiet_import_noise(level)
     logger = logging.getLogger("hfpipe")
-    logger.setLevel(os.environ.get("HFPIPE_LOG_LEVEL", "INFO" if rank == 0 else "WARNING"))
+    logger.setLevel(level)
     fmt = logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
     if not logger.handlers:
         logger.addHandler(logging.StreamHandler())
