@@ -16,10 +16,10 @@ Bytes per quantized parameter:
 
 Under FSDP2 (dp > 1) an NF4 linear is sharded and gathered as it is, quantized: a rank keeps its
 shard plus the gathered weight during a step, ``q / dp + q`` (no fp32 master: the base is frozen).
-FP8 codes are buffers, whole on every rank: ``q``; so are the routed experts of either kind. A linear, and a routed expert, dequantizes just
-in time, in forward and again in backward, so one dequantized weight lives at a time: priced as the
-rank's largest quantized matrix in the run's dtype, twice (a forward's and a backward's can overlap
-in a 1F1B steady state).
+FP8 codes are buffers, whole on every rank: ``q``; so are the routed experts of either kind. A
+linear, and a routed expert, dequantizes just in time, in forward and again in backward, so one
+dequantized weight lives at a time: priced as the rank's largest quantized matrix in the run's
+dtype, twice (a forward's and a backward's can overlap in a 1F1B steady state).
 """
 
 from __future__ import annotations

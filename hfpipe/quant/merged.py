@@ -8,9 +8,8 @@ The merged folder is then written:
 
 - in bf16 (``--dtype auto``/``bf16``): the dequantized base plus the adapters, rounded once;
 - in the FP8 block format (``--dtype fp8``): every linear the run quantized (and every routed
-  expert's 2-D weight), requantized per
-  ``block x block`` tile with a ``weight_scale_inv``, and config.json's ``quantization_config``
-  saying so, as DeepSeek-V3 ships (transformers loads it).
+  expert's 2-D weight), requantized per ``block x block`` tile with a ``weight_scale_inv``, and
+  config.json's ``quantization_config`` saying so, as DeepSeek-V3 ships (transformers loads it).
 
 Either way the merged model differs from training by rounding: training ran ``dequant(Q(W)) x +
 B A x`` with the adapters in fp32, the folder holds ``round(dequant(Q(W)) + B A)``.
@@ -20,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from hfpipe.quant.experts import fused_experts, routed_expert_key, split_seam
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, dequantize_blocks, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, quantize_nf4
-from hfpipe.quant.experts import fused_experts, routed_expert_key, split_seam
 from hfpipe.quant.targets import quantized_linears
 
 __all__ = ["MergedBase", "MERGE_DTYPES"]
@@ -71,7 +70,7 @@ class MergedBase:
                 continue
             if is_fp8(t):
                 if key + _SCALE not in tensors:
-                    raise QuantError(f"--merge: FP8 weight {key!r} has no {key + _SCALE!r} in the same shard; "
+                    raise QuantError(f"--merge: FP8 weight {key!r} has no {key + _SCALE!r} in the checkpoint; "
                                      "the base checkpoint is incomplete")
                 t = dequantize_blocks(t, tensors[key + _SCALE], self.source_block)
             if self.quant and (key in self.linears or self._quantized_expert(key)):
