@@ -152,6 +152,34 @@ def flip(ckpt: Path, fqn: str, nbytes: int = 1, at: float = 0.5) -> None:
         f.write(bytes(b ^ 0xFF for b in raw))
 
 
+def flip_file(path: Path) -> None:
+    """Flip one bit in the middle of the whole file ``path`` (a damaged ``.metadata``)."""
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+#: What :func:`plant` can put where hfpipe would create a file.
+PLANTS = ("symlink", "dangling-symlink", "hard-link", "fifo", "folder")
+
+
+def plant(kind: str, at: Path, victim: Path) -> None:
+    """Put a ``kind`` of :data:`PLANTS` at ``at``: a link to ``victim`` (or to a file beside it), a FIFO
+    or a folder."""
+    if kind == "symlink":
+        at.symlink_to(victim)
+    elif kind == "dangling-symlink":
+        at.symlink_to(victim.parent / "made-through-the-link")
+    elif kind == "hard-link":
+        os.link(victim, at)
+    elif kind == "fifo":
+        os.mkfifo(at)
+    elif kind == "folder":
+        at.mkdir()
+    else:
+        raise ValueError(f"no plant {kind!r}; one of {PLANTS}")
+
+
 def tree(root: Path) -> dict[str, object]:
     """Every path under ``root`` (links not followed) with its size and content, or link target."""
     out = {}

@@ -4,7 +4,7 @@ a rendezvous nobody answers, a full disk under an asynchronous save.
 Each run is ``hfpipe finetune`` as its own process, through a wrapper that can hold the launcher in
 its checks or the workers in their loading (each touches a marker file first), so a signal lands
 exactly there. The spec: one line, exit 143 / 130 / 129, nothing written, no worker left behind.
-Only the export's Ctrl-C (in-process) is in the default run; the rest are ``slow``.
+Only the export's Ctrl-C and SIGTERM (in-process) are in the default run; the rest are ``slow``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from _dist import tiny_checkpoint
+from test_faults import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,14 +81,6 @@ def start(model: Path, tmp: Path, **env) -> tuple[subprocess.Popen, Path]:
     proc = subprocess.Popen([sys.executable, str(script), "finetune", *args], cwd=REPO, env=environ, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     return proc, out
-
-
-def wait_for(proc, ready, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run did not get there in time"
-        time.sleep(0.05)
 
 
 def descendants(pid: int) -> list[int]:
@@ -180,7 +173,8 @@ def test_kill_9_of_the_launcher_leaves_no_worker_running(model, tmp_path):
     assert not [p for p in workers if alive(p)]
 
 
-def test_ctrl_c_during_an_export_removes_its_temporary_folder(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_a_signal_during_an_export_removes_its_temporary_folder(model, tmp_path, monkeypatch, sig, code):
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -196,16 +190,16 @@ def test_ctrl_c_during_an_export_removes_its_temporary_folder(model, tmp_path, m
                                                   "source_dtype": "float32", "tied": False, "config": {}}))
     write_config = export._write_config
 
-    def interrupted_midway(tmp, *args):  # the shards are written; Ctrl-C lands before the config
-        os.kill(os.getpid(), signal.SIGINT)
+    def interrupted_midway(tmp, *args):  # the shards are written; the signal lands before the config
+        os.kill(os.getpid(), sig)
         write_config(tmp, *args)
 
     monkeypatch.setattr(export, "_write_config", interrupted_midway)
     work = tmp_path / "work"
     work.mkdir()
-    with pytest.raises(StartupInterrupted) as stopped:  # the console: "error: stopped by SIGINT ...", 130
+    with pytest.raises(StartupInterrupted) as stopped:  # the console: "error: stopped by SIG..." in one line
         export.export_checkpoint(ckpt, work / "hf", progress=False)
-    assert stopped.value.code == 130
+    assert stopped.value.code == code
     assert list(work.iterdir()) == []  # no hf, no .hf.tmp-*, no lock
 
 

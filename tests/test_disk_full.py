@@ -64,34 +64,3 @@ def test_a_save_onto_a_full_disk_says_so_and_leaves_no_partial_checkpoint(model,
     assert line.startswith(f"error: disk full while saving {out / 'checkpoints' / 'step-00000001'} (this rank writes about ")
     assert "the partial checkpoint was removed" in line
     assert not any((out / "checkpoints").glob("*step-*"))
-
-
-def test_sigterm_during_an_export_removes_its_temporary_folder(model, tmp_path, monkeypatch):
-    import os
-    import signal
-
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
-
-    from hfpipe.checkpoint import export
-
-    ckpt = tmp_path / "ckpt"
-    weights = AutoModelForCausalLM.from_pretrained(model).state_dict()
-    dcp.save({"model." + k: v for k, v in weights.items()}, checkpoint_id=ckpt, no_dist=True)
-    (ckpt / "hfpipe.json").write_text(json.dumps({"format": 1, "step": 1, "source": str(model),
-                                                  "source_dtype": "float32", "tied": False, "config": {}}))
-    write_config = export._write_config
-
-    def terminated_midway(tmp, *args):  # the shards are written; the signal lands before the config
-        os.kill(os.getpid(), signal.SIGTERM)
-        write_config(tmp, *args)
-
-    monkeypatch.setattr(export, "_write_config", terminated_midway)
-    work = tmp_path / "work"
-    work.mkdir()
-    from hfpipe.parallel.signals import StartupInterrupted
-
-    with pytest.raises(StartupInterrupted) as stopped:  # the CLI says it in one line, exit 143
-        export.export_checkpoint(ckpt, work / "hf", progress=False)
-    assert stopped.value.code == 143
-    assert list(work.iterdir()) == []  # no hf, no .hf.tmp-*, no lock

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from _trust import PAYLOADS, RunsCode, copy_checkpoint, flip, make_checkpoint, replace_item, tree
+from _trust import PAYLOADS, RunsCode, copy_checkpoint, flip, flip_file, make_checkpoint, plant, replace_item, tree
 from hfpipe.checkpoint.checksums import DamagedCheckpointError
 from hfpipe.checkpoint.dcp import CheckpointError, check_stored_data, resolve_resume
 from hfpipe.checkpoint.dcp_reader import _DcpReader
@@ -168,24 +168,11 @@ def test_every_dcp_read_in_hfpipe_goes_through_the_safe_loader():
 # --- 2. locks and created files never follow a link --------------------------------------------
 
 
-def _plant(kind: str, at: Path, victim: Path) -> None:
-    if kind == "symlink":
-        at.symlink_to(victim)
-    elif kind == "dangling symlink":
-        at.symlink_to(victim.parent / "created-through-the-link")
-    elif kind == "hard link":
-        os.link(victim, at)
-    elif kind == "fifo":
-        os.mkfifo(at)
-    elif kind == "folder":
-        at.mkdir()
+LOCK_PLANTS = {"symlink": "is a symbolic link", "dangling-symlink": "is a symbolic link",
+               "hard-link": r"has \d+ hard links", "fifo": "is not a regular file", "folder": "is not a regular file"}
 
 
-LOCK_PLANTS = {"symlink": "is a symbolic link", "dangling symlink": "is a symbolic link",
-               "hard link": r"has \d+ hard links", "fifo": "is not a regular file", "folder": "is not a regular file"}
-
-
-@pytest.mark.parametrize("kind", _cases(list(LOCK_PLANTS), ["symlink", "hard link"]))
+@pytest.mark.parametrize("kind", _cases(list(LOCK_PLANTS), ["symlink", "hard-link"]))
 def test_a_planted_lock_file_is_refused_and_clobbers_nothing(tmp_path, kind):
     from hfpipe.parallel.lock import FolderLock, LockFileError, run_lock
 
@@ -194,7 +181,7 @@ def test_a_planted_lock_file_is_refused_and_clobbers_nothing(tmp_path, kind):
     out = tmp_path / "out"
     out.mkdir()
     for lock in (run_lock(out), FolderLock(tmp_path / ".hf.lock", tmp_path / "hf", "OUT")):
-        _plant(kind, lock.file, victim)
+        plant(kind, lock.file, victim)
         before = tree(tmp_path)
         for call in (lock.check, lock.acquire):
             with pytest.raises(LockFileError, match=f"its lock file {re.escape(str(lock.file))} {LOCK_PLANTS[kind]}; "
@@ -290,18 +277,12 @@ RECORD_DAMAGE = {
                                   r"checksums.json named by hfpipe.json cannot be read \(Too many levels of symbolic links\)"),
     "unknown algorithm": (lambda c: _edit_meta(c, lambda m: {**m, "checksums": {**m["checksums"], "algorithm": "md5"}}),
                           "not one this hfpipe reads"),
-    "metadata flipped": (lambda c: _flip_file(c / ".metadata"), r"\.metadata is damaged"),
+    "metadata flipped": (lambda c: flip_file(c / ".metadata"), r"\.metadata is damaged"),
 }
 
 
 def _edit_meta(c: Path, fn) -> None:
     (c / "hfpipe.json").write_text(json.dumps(fn(json.loads((c / "hfpipe.json").read_text()))))
-
-
-def _flip_file(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x01
-    path.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("damage", _cases(list(RECORD_DAMAGE), ["record edited", "metadata flipped"]))

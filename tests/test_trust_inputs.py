@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from _trust import PAYLOADS, copy_checkpoint, flip, make_checkpoint, replace_item, tree
+from _trust import PAYLOADS, copy_checkpoint, flip, flip_file, make_checkpoint, plant, replace_item, tree
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
 
@@ -55,27 +55,8 @@ CKPT = {
     "flip-betas": lambda c, m: flip(c, BETAS, at=0.9),
     "record-deleted": lambda c, m: (c / "checksums.json").unlink(),
     "record-edited": lambda c, m: (c / "checksums.json").write_text((c / "checksums.json").read_text().replace("a", "b", 1)),
-    "metadata-flipped": lambda c, m: _flip_file(c / ".metadata"),
+    "metadata-flipped": lambda c, m: flip_file(c / ".metadata"),
 }
-
-
-def _flip_file(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x01
-    path.write_bytes(bytes(raw))
-
-
-def _plant(kind: str, at: Path, victim: Path) -> None:
-    if kind == "symlink":
-        at.symlink_to(victim)
-    elif kind == "dangling-symlink":
-        at.symlink_to(victim.parent / "made-through-the-link")
-    elif kind == "hard-link":
-        os.link(victim, at)
-    elif kind == "fifo":
-        os.mkfifo(at)
-    else:
-        at.mkdir()
 
 
 LOCKS = {"symlink": "is a symbolic link", "dangling-symlink": "is a symbolic link", "hard-link": "has 2 hard links",
@@ -248,7 +229,7 @@ def _setup(line: str, tiny: Path, ckpt: Path, root: Path, marker: Path) -> dict[
             (root if which == "export" else out).mkdir(exist_ok=True)
             lock = {"run": out / ".hfpipe.parallel.lock", "node1": out / ".hfpipe.node1.lock",
                     "export": root / ".lockout.lock"}[which]
-            _plant(kind, lock, victim)
+            plant(kind, lock, victim)
             subst.update({token: str(out), "{lockfile}": str(lock)})
         elif token.startswith("{force:"):
             _out_folder(token[7:-1], root / "forced", root)
