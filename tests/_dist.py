@@ -1,4 +1,4 @@
-"""Helpers for tests that run real gloo processes on localhost."""
+"""Helpers for tests that run real gloo processes on localhost, build tiny checkpoints and read them."""
 
 from __future__ import annotations
 
@@ -23,3 +23,13 @@ def tiny_checkpoint(kind: str, **overrides) -> Path:
 
     out = Path(tempfile.mkdtemp(prefix=f"hfpipe-{kind}-"))
     return make_tiny_checkpoint(out, kind, **overrides)
+
+
+def folder_tensors(folder) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``folder``, by key."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(path))
+    return out

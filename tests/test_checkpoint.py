@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from _dist import run_ranks, tiny_checkpoint
+from _dist import run_ranks, tiny_checkpoint, folder_tensors as tensors
 from hfpipe.checkpoint.dcp import CheckpointError, latest_checkpoint, load_checkpoint, resolve_resume
 from hfpipe.checkpoint.export import export_checkpoint
 from hfpipe.config.run import FinetuneConfig
@@ -87,13 +86,6 @@ def copy_run(out, dst, upto: int) -> Path:
         if int(ckpt.name.removeprefix("step-")) <= upto:
             shutil.copytree(ckpt, Path(dst) / "checkpoints" / ckpt.name)
     return Path(dst)
-
-
-def tensors(folder) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
 
 
 # --- the runs ---------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from _dist import folder_tensors as tensors
 from hfpipe.checkpoint import export as export_mod
 from hfpipe.checkpoint.export import ExportError, export_checkpoint, read_checkpoint_meta
 from hfpipe.checkpoint.hf_writer import ShardWriter
@@ -45,13 +46,6 @@ def make_dcp_checkpoint(src: Path, ckpt: Path, *, edit=None, source_dtype: str =
     meta = {"format": 1, "step": 10, "source": str(src), "source_dtype": source_dtype, "tied": tied, "config": {}}
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
     return ckpt
-
-
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
 
 
 @pytest.fixture(scope="module")

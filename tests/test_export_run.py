@@ -7,23 +7,15 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from _dist import folder_tensors as tensors
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
 
 runner = CliRunner()
-
-
-def tensors(folder: Path) -> dict:
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
 
 
 def umask() -> int:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from _dist import folder_tensors
 from hfpipe.pipeline.load import LoadError, load_rank_stages
 from hfpipe.models.adapter import UnsupportedModelError
 from hfpipe.plan.split import Plan, StageSpec, plan_pipeline
@@ -219,13 +220,6 @@ def dequantise(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.float() * torch.kron(scale_inv, torch.ones(BLOCK, BLOCK))[:rows, :cols]
 
 
-def read_folder(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
-
-
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory):
     """(FP8 folder, folder of its independently dequantised fp32 weights) of a DeepSeek-V3.
@@ -235,7 +229,7 @@ def fp8(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     base = make_tiny_checkpoint(root / "base", "deepseek_v3", hidden_size=160, intermediate_size=288, tokenizer=False)
     src = make_fp8_checkpoint(base, root / "fp8", block=BLOCK)
-    tensors = read_folder(src)
+    tensors = folder_tensors(src)
     plain = {k: dequantise(t, tensors[k + "_scale_inv"]) if k + "_scale_inv" in tensors else t.float()
              for k, t in tensors.items() if not k.endswith("_scale_inv")}
     deq = shutil.copytree(base, root / "deq", ignore=shutil.ignore_patterns("*.safetensors", INDEX))
@@ -250,9 +244,9 @@ def test_fp8_builder_writes_deepseek_v3_block_fp8(fp8, tiny):
                                           "weight_block_size": [BLOCK, BLOCK]}
     index = json.loads((src / INDEX).read_text())["weight_map"]
     assert len(set(index.values())) > 1
-    tensors = read_folder(src)
+    tensors = folder_tensors(src)
     assert sorted(index) == sorted(tensors)
-    base = read_folder(src.parent / "base")
+    base = folder_tensors(src.parent / "base")
     quantised = {k for k, t in tensors.items() if t.dtype == torch.float8_e4m3fn}
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in quantised
     assert not {k for k in quantised if "norm" in k or "mlp.gate.weight" in k or not k.startswith("model.layers.")}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import run_ranks, tiny_checkpoint
+from _dist import folder_tensors, run_ranks, tiny_checkpoint
 from test_lora_equivalence import DSV3_LORA, run_and_check
 from test_qbase import FP8_BLOCK, transformers_fp8
 
@@ -79,18 +79,10 @@ def _storage_worker(path: str, ep: int) -> dict:
     return out
 
 
-def _checkpoint_tensors(path: str) -> dict:
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
 def test_each_ep_rank_keeps_its_experts_fp8_codes_as_the_checkpoint_stores_them():
     path = fp8_moe_checkpoint()
     ranks = run_ranks(_storage_worker, 2, path, 2)
-    stored = _checkpoint_tensors(path)
+    stored = folder_tensors(path)
     experts = 8  # tiny DeepSeek-V3: 8 routed experts per MoE layer
     for rank, got in ranks.items():
         assert not [n for n, (_, dim) in got["params"].items() if dim == 3], "no 3-D expert parameter is left"
@@ -268,7 +260,7 @@ def test_adapter_export_and_merges_of_lora_on_quantized_experts(kind, tmp_path):
                                    msg=lambda m: f"{name}: {m}")
     fp8 = export_checkpoint(ckpt, tmp_path / "merged-fp8", merge=True, dtype="fp8")
     assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
-    stored = _checkpoint_tensors(str(fp8))
+    stored = folder_tensors(str(fp8))
     assert stored["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
     reloaded = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32).float()  # CPU: dequantized at load
     assert (_logits(reloaded, batch) - trained).abs().max() < 0.5

@@ -13,7 +13,6 @@ whole matrix is ``-m slow``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
