@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from _measure import rss
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -69,11 +71,6 @@ def _step(stage, loss_fn, hidden, labels, chunk: int) -> tuple[float, float]:
     return seconds
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def _child(a) -> dict:
     import torch
 
@@ -88,7 +85,7 @@ def _child(a) -> dict:
     loss_fn.denominator = float(a.seq)
     chunk = chunk_tokens(a.vocab, a.chunk)
     if a.mode in ("plain", "chunked"):
-        before = _rss()
+        before = rss()
         _step(stage, loss_fn, hidden, labels, chunk if a.mode == "chunked" else 0)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
         return {"peak": peak, "chunk": chunk}

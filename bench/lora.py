@@ -21,23 +21,17 @@ Run:  python bench/lora.py [--hidden 1024] [--layers 4] [--vocab 16384] [--steps
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from _measure import rss, timed_steps
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _rss() -> int:
-    """Resident bytes of this process now."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _worker(path: str, mode: str, out: str, steps: int, batch: int, seq: int) -> dict:
@@ -50,7 +44,7 @@ def _worker(path: str, mode: str, out: str, steps: int, batch: int, seq: int) ->
     from hfpipe.train.optim import build_optimizer
 
     dist_info = init_distributed(2)
-    baseline = _rss()
+    baseline = rss()
     lora = lora_config(16, alpha=32, targets="all-linear") if mode == "lora" else None
     pm = load_pipeline(path, pp=2, schedule="1f1b", microbatches=4, dist=dist_info, lora=lora)
     optimizer = build_optimizer(pm.modules, lr=1e-4)
@@ -58,12 +52,7 @@ def _worker(path: str, mode: str, out: str, steps: int, batch: int, seq: int) ->
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, pm.source.config.vocab_size, (batch, seq), generator=g)
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    times, cpu = [], []
-    for _ in range(steps + 1):
-        t0, c0 = time.perf_counter(), time.process_time()
-        trainer.step(data)
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+    times, cpu = timed_steps(trainer, data, steps)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline  # before the save's copies
     ckpt = pm.save_checkpoint(out, steps, optimizer)
     size = sum(p.stat().st_size for p in Path(ckpt).iterdir()) if dist_info.rank == 0 else None

@@ -24,21 +24,16 @@ Run:  python bench/qbase.py [--hidden 1024] [--layers 8] [--vocab 2048] [--steps
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from _measure import rss, timed_steps
+
 MODES = ("bf16", "nf4", "fp8")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _hwm() -> int:
@@ -98,7 +93,7 @@ def _worker(path: str, mode: str, steps: int, batch: int, seq: int, moe: bool) -
     dp = 2 if moe else 1
     info = init_distributed(2, dp)
     cuda = info.device.type == "cuda"
-    baseline = torch.cuda.memory_allocated() if cuda else _rss()
+    baseline = torch.cuda.memory_allocated() if cuda else rss()
     if not cuda:
         _reset_hwm()
     quant = None if mode == "bf16" else mode
@@ -110,18 +105,13 @@ def _worker(path: str, mode: str, steps: int, batch: int, seq: int, moe: bool) -
         load_peak, resident = torch.cuda.max_memory_allocated() - baseline, torch.cuda.memory_allocated() - baseline
         torch.cuda.reset_peak_memory_stats()
     else:
-        load_peak, resident = _hwm() - baseline, _rss() - baseline
+        load_peak, resident = _hwm() - baseline, rss() - baseline
         _reset_hwm()
     trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4), max_grad_norm=1.0)
     ids = torch.randint(3, pm.source.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     ids = ids.chunk(dp)[info.dp_rank]  # this dp rank's rows
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    times, cpu = [], []
-    for _ in range(steps + 1):
-        t0, c0 = time.perf_counter(), time.process_time()
-        trainer.step(data)
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+    times, cpu = timed_steps(trainer, data, steps)
     peak = (torch.cuda.max_memory_allocated() if cuda else _hwm()) - baseline
     dist.barrier()
     dist.destroy_process_group()
