@@ -298,12 +298,18 @@ def shard_of(folder: Path, key: str) -> str:
     return json.loads((folder / INDEX).read_text())["weight_map"][key]
 
 
+def drop_from_its_shard(folder: Path, key: str) -> str:
+    """Remove tensor ``key`` from the shard the index names for it (the index keeps it); return the shard."""
+    shard = shard_of(folder, key)
+    tensors = load_file(folder / shard)
+    del tensors[key]
+    save_file(tensors, folder / shard, metadata={"format": "pt"})
+    return shard
+
+
 def test_missing_tensor_names_the_key_and_the_index(llama):
     key = "model.layers.3.mlp.up_proj.weight"
-    shard = shard_of(llama, key)
-    tensors = load_file(llama / shard)
-    del tensors[key]
-    save_file(tensors, llama / shard, metadata={"format": "pt"})
+    drop_from_its_shard(llama, key)
     edit_json(llama / INDEX, lambda ix: ix["weight_map"].pop(key))
     with pytest.raises(LoadError, match=rf"{INDEX}: tensor '{key}' is missing .*incomplete or does not match"):
         load_all_ranks(llama, 2)
@@ -311,10 +317,7 @@ def test_missing_tensor_names_the_key_and_the_index(llama):
 
 def test_tensor_listed_in_the_index_but_absent_from_its_shard_says_re_download(llama):
     key = "model.layers.3.mlp.up_proj.weight"
-    shard = shard_of(llama, key)
-    tensors = load_file(llama / shard)
-    del tensors[key]
-    save_file(tensors, llama / shard, metadata={"format": "pt"})
+    shard = drop_from_its_shard(llama, key)
     with pytest.raises(LoadError, match=rf"{shard}: tensor '{key}' is not in this file .*re-download"):
         load_all_ranks(llama, 2)
 
