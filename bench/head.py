@@ -39,8 +39,8 @@ def _stage(a):
     from transformers import LlamaConfig
 
     from hfpipe.models.registry import adapter_for
-    from hfpipe.plan.spec import StageSpec
-    from hfpipe.pipeline.stage import build_stage_modules
+    from hfpipe.models.spec import StageSpec
+    from hfpipe.models.stage import build_stage_modules
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,

@@ -98,7 +98,7 @@ def _rank(folder: Path, pp: int, rank: int, dtype: str) -> dict:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.build import load_rank_stages
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
     from hfpipe.models.meta import build_meta_model
@@ -163,18 +163,18 @@ def _ep_rank(folder: str, ep: int, dtype: str) -> dict:
     """One of ``ep`` ranks (spawned): load every layer with this rank's experts only."""
     import torch
 
-    from hfpipe.parallel.expert import init_expert_mesh
+    from hfpipe.parallel.dims import ParallelDims
     from hfpipe.parallel.mesh import init_distributed
-    from hfpipe.pipeline.load import load_rank_stages
-    from hfpipe.pipeline.stage import build_meta_model
+    from hfpipe.pipeline.build import load_rank_stages
+    from hfpipe.models.stage import build_meta_model
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
 
-    info = init_distributed(1, ep)
+    info = init_distributed(ParallelDims(pp=1, dp=ep, ep=ep))
     src = ModelSource.open(folder)
     plan = plan_pipeline(src.config, 1)
     build_meta_model(src.config)
-    mesh = init_expert_mesh(info, ep)
+    mesh = info.expert_mesh()
     m = _measure(lambda: load_rank_stages(src, plan, 0, torch.device("cpu"), getattr(torch, DTYPES[dtype]),
                                           expert_mesh=mesh))
     (stage,), stats = m.pop("out")

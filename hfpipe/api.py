@@ -10,8 +10,8 @@ Inside ``torchrun --nproc-per-node 4 train.py``::
         out = trainer.step(batch)             # out.loss, out.grad_norm: same on every rank
     pm.save_pretrained("out/hf")              # an HF folder from_pretrained loads
 
-The machinery is :mod:`hfpipe.pipeline.model`; this face adds ``save_pretrained``, the one method
-that exports (and so needs :mod:`hfpipe.checkpoint`, which the run loop reaches on its own).
+The machinery is :mod:`hfpipe.pipeline.model`; this face adds ``trainer`` (:mod:`hfpipe.train.step`, which
+stands on the pipeline) and ``save_pretrained``, the one method that exports.
 """
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ __all__ = ["PipelineModel", "load_pipeline", "DTYPES"]
 
 class PipelineModel(_model.PipelineModel):
     """This rank's part of a pipelined model (see :class:`hfpipe.pipeline.model.PipelineModel`)."""
+
+    def trainer(self, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0):
+        """A :class:`hfpipe.train.step.PipelineTrainer` whose ``step(batch)`` returns loss and grad norm on
+        every rank."""
+        from hfpipe.train.step import trainer_for
+
+        return trainer_for(self, optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm)
 
     def save_pretrained(self, out: str, *, dtype: str = "auto", max_shard_size: str = "5GB",
                         force: bool = False):

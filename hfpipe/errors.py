@@ -5,11 +5,20 @@ A floor module: it imports nothing from hfpipe, so any layer can raise these and
 keeps its own subclass where only it raises it (``ConfigError``, ``SourceError``, ...).
 """
 
-__all__ = ["ExportError", "HfpipeError", "PlanError"]
+__all__ = ["ConfigError", "ExportError", "HfpipeError", "ParallelError", "PlanError"]
 
 
 class HfpipeError(ValueError):
     """A problem with the user's input, told in one line that names the flag or file to fix."""
+
+
+class ConfigError(HfpipeError):
+    """An invalid configuration value or file; the message names the flag or key to fix."""
+
+
+class ParallelError(ConfigError):
+    """A mesh, degree or schedule combination that cannot run (one validator raises it for the CLI,
+    the API and ``plan`` alike: :mod:`hfpipe.parallel.rules`)."""
 
 
 class PlanError(HfpipeError):

@@ -24,7 +24,6 @@ __all__ = ["VerifyResult", "verify"]
 
 log = logging.getLogger(__name__)
 
-_MULTI_STAGE = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -77,19 +76,20 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     """
     from hfpipe.parallel.launch import launch
     from hfpipe.models.support import get_adapter
-    from hfpipe.pipeline.schedule import PipelineError, check_microbatches, schedule_style
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
+    from hfpipe.pipeline.schedule import PipelineError
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
 
     from hfpipe.data.config import check_seq_len, context_limit
     from hfpipe.lora.folder import read_adapter_folder
-    from hfpipe.config.options import require_positive, require_tolerance
+    from hfpipe.config.options import require_tolerance
 
     if seq_len is not None and seq_len < 2:  # one token has no next-token logits to compare over
         raise PipelineError(f"--seq-len must be >= 2, got {seq_len}")
     if batch is not None and batch < 1:
         raise PipelineError(f"--batch-size must be >= 1, got {batch}")
-    require_positive(pp=pp)
     require_tolerance(tolerance)
     adapter = read_adapter_folder(hf_dir)  # a PEFT LoRA folder: its base, with the adapters on top
     adapter_dir = str(hf_dir) if adapter else None
@@ -98,11 +98,11 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     if seq_len is None:  # a small model's context may be shorter than the default sample
         seq_len = min(_SEQ_LEN, context_limit(source.config) or _SEQ_LEN)
     check_seq_len(seq_len, source.config)
-    vpp = 2 if schedule in _MULTI_STAGE else 1
-    microbatches = pp * vpp
+    layout = check_layout(ParallelDims(pp=pp), schedule)
+    microbatches = layout.microbatches
     batch = batch or max(2, microbatches)
-    check_microbatches(schedule, pp, vpp, microbatches, batch)
-    plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), seq_len=seq_len)
+    check_layout(layout.dims, schedule, batch_size=batch)
+    plan = plan_pipeline(source.config, pp, vpp=layout.vpp, style=layout.style, seq_len=seq_len)
     _check_shards(source)
     inputs = _sample_batch(source.config, batch, seq_len)
     reference = _reference_logits(source.folder, inputs, trust_remote_code, adapter_dir)

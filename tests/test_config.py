@@ -250,7 +250,7 @@ def test_single_stage_schedules_keep_vpp_one(schedule):
 def test_microbatches_default_to_stage_count():
     c = FinetuneConfig(model="m", pp=4, schedule="interleaved-1f1b", batch_size=16)
     assert c.microbatches is None and c.num_microbatches == 8
-    assert FinetuneConfig(model="m", pp=4, microbatches=2, batch_size=4).num_microbatches == 2
+    assert FinetuneConfig(model="m", pp=4, schedule="gpipe", microbatches=2, batch_size=4).num_microbatches == 2
 
 
 # -- field docs and bundled model configs ----------------------------------------------------------

@@ -160,16 +160,16 @@ def test_a_rank_whose_experts_get_no_token_still_matches(kind, tmp_path):
 def _experts_worker(path: str, tokens: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                     probe: torch.Tensor) -> dict:
     """Each of 2 ranks runs its tokens through layer 2's sharded experts (pp 1, dp 2, ep 2)."""
-    from hfpipe.parallel.expert import init_expert_mesh
+    from hfpipe.parallel.dims import ParallelDims
     from hfpipe.parallel.mesh import init_distributed
-    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.build import load_rank_stages
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
 
-    dist = init_distributed(1, 2)
+    dist = init_distributed(ParallelDims(pp=1, dp=2, ep=2))
     source = ModelSource.open(path)
     (stage,), stats = load_rank_stages(source, plan_pipeline(source.config, 1), 0, dist.device,
-                                       expert_mesh=init_expert_mesh(dist, 2))
+                                       expert_mesh=dist.expert_mesh())
     local = [v.to_local() if hasattr(v, "to_local") else v for v in stage.state_dict().values()]
     experts = stage.model.layers["2"].mlp.experts
     r = dist.dp_rank
@@ -229,11 +229,14 @@ def test_all_to_all_dispatch_and_combine_equal_the_experts_module_with_a_rank_re
     ("mixtral", 2, 2, "zero-bubble"),
 ])
 def test_ep_that_cannot_run_is_refused_naming_the_flag(kind, ep, dp, says):
-    from hfpipe.parallel.expert import ExpertParallelError, check_expert_parallel
+    from hfpipe.errors import ParallelError
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
     from hfpipe.tiny import tiny_config
 
-    with pytest.raises(ExpertParallelError, match=says) as e:
-        check_expert_parallel(tiny_config(kind), ep, dp, "zbv" if says == "zero-bubble" else "1f1b")
+    with pytest.raises(ParallelError, match=says) as e:
+        check_layout(ParallelDims(pp=2, dp=dp, ep=ep), "zbv" if says == "zero-bubble" else "1f1b",
+                     microbatches=4, model_config=tiny_config(kind))
     assert "--ep" in str(e.value) and "\n" not in str(e.value)
 
 

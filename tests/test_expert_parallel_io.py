@@ -88,16 +88,16 @@ def _merged(ranks: dict) -> dict:
 
 def _load_worker(path: str, ep: int) -> dict:
     """Load every layer at pp 1, dp = ep: this rank's tensors (experts: its rows) and what it read."""
-    from hfpipe.parallel.expert import init_expert_mesh
+    from hfpipe.parallel.dims import ParallelDims
     from hfpipe.parallel.mesh import init_distributed
-    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.build import load_rank_stages
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
 
-    dist = init_distributed(1, ep)
+    dist = init_distributed(ParallelDims(pp=1, dp=ep, ep=ep))
     source = ModelSource.open(path)
     (stage,), stats = load_rank_stages(source, plan_pipeline(source.config, 1), 0, dist.device,
-                                       expert_mesh=init_expert_mesh(dist, ep))
+                                       expert_mesh=dist.expert_mesh())
     tensors = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in stage.state_dict().items()}
     return {"tensors": tensors, "bytes": stats.bytes_read, "keys": stats.keys_read}
 
@@ -127,7 +127,7 @@ def _share(path: Path, tensors: dict) -> int:
 def test_a_rank_reads_only_its_experts_in_either_key_layout(layout):
     """At ep 2 each rank's tensors equal the one-process load's, experts cut to its rows, and the
     bytes it read are exactly its share (per-expert keys of the other rank's experts never read)."""
-    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.build import load_rank_stages
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
 
@@ -150,7 +150,7 @@ def test_a_rank_reads_only_its_experts_in_either_key_layout(layout):
 def test_fp8_block_scaled_experts_load_sharded(tmp_path):
     """A DeepSeek-V3 block-FP8 checkpoint at ep 2: each rank's dequantised experts are the one-process
     load's rows, and the other rank's FP8 experts and scales are never read."""
-    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.build import load_rank_stages
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
     from hfpipe.tiny import make_fp8_checkpoint

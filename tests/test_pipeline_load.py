@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _dist import folder_tensors
-from hfpipe.pipeline.load import LoadError, load_rank_stages
+from hfpipe.pipeline.build import load_rank_stages
+from hfpipe.pipeline.load import LoadError
 from hfpipe.models.adapter import UnsupportedModelError
 from hfpipe.plan.split import Plan, StageSpec, plan_pipeline
 from hfpipe.source.folder import ModelSource, SourceError

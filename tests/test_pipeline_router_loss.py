@@ -1,4 +1,4 @@
-"""MoE router aux loss (``output_router_logits``) pipelined equals transformers' (hfpipe.pipeline.router_loss).
+"""MoE router aux loss (``output_router_logits``) pipelined equals transformers' (hfpipe.models.router_loss).
 
 The oracle is transformers' own ``*ForCausalLM`` with ``output_router_logits=True``: its ``loss``
 (token loss + ``router_aux_loss_coef * aux_loss``) and ``aux_loss``. The pipeline computes the
@@ -208,7 +208,7 @@ def test_sums_reproduce_load_balancing_loss_func():
     """Per-layer sums added stage by stage, finished once: transformers' function, masked or not."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from hfpipe.pipeline.router_loss import RouterLossSpec, finish_router_loss, layer_sums
+    from hfpipe.models.router_loss import RouterLossSpec, finish_router_loss, layer_sums
 
     g = torch.Generator().manual_seed(0)
     spec = RouterLossSpec(torch.nn.Linear, 0, num_experts=6, top_k=2, coef=0.3, layers=5)
@@ -225,7 +225,7 @@ def test_sums_reproduce_load_balancing_loss_func():
 
 
 def test_a_microbatch_of_padding_only_adds_zero_with_finite_gradients():
-    from hfpipe.pipeline.router_loss import RouterLossSpec, finish_router_loss, layer_sums
+    from hfpipe.models.router_loss import RouterLossSpec, finish_router_loss, layer_sums
 
     spec = RouterLossSpec(torch.nn.Linear, 0, num_experts=4, top_k=2, coef=1.0, layers=1)
     logits = torch.randn(6, 4, requires_grad=True)
@@ -240,8 +240,8 @@ def test_stage_chain_equals_transformers_loss_and_gradients(kind):
     """Three stage modules run in one process (no schedule): HF's loss and every gradient, exactly."""
     from hfpipe.models.support import get_adapter
     from hfpipe.pipeline.schedule import TokenLoss
-    from hfpipe.pipeline.stage import PipelineStageModule
-    from hfpipe.plan.spec import StageSpec
+    from hfpipe.models.stage import PipelineStageModule
+    from hfpipe.models.spec import StageSpec
 
     model = _hf_model(kind)
     batch = _batches(model.config.vocab_size, 3)[0]
@@ -333,7 +333,7 @@ def test_router_aux_loss_other_schedules(schedule):
 
 def _sums_dtype_worker(path: str) -> list:
     from hfpipe.api import load_pipeline
-    from hfpipe.pipeline.router_loss import RouterSums
+    from hfpipe.models.router_loss import RouterSums
 
     seen, start = [], RouterSums.start
 

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from hfpipe.cli.main import app
 from hfpipe.plan.report import load_model_config, param_bytes, plan_report
+from hfpipe.errors import ParallelError
 from hfpipe.plan.split import PlanError, plan_pipeline
 from hfpipe.tiny import tiny_config
 
@@ -73,11 +74,11 @@ def test_all_to_all_bytes_are_four_per_moe_layer_and_microbatch_plus_recompute(a
 
 
 def test_a_dense_model_or_an_ep_not_dividing_the_experts_is_refused():
-    with pytest.raises(PlanError, match=r"--ep 2: llama is a dense model .*leave out --ep"):
+    with pytest.raises(ParallelError, match=r"--ep 2: llama is a dense model .*leave out --ep"):
         plan_report(tiny_config("llama"), pp=2, dp=2, ep=2, seq_len=16)
-    with pytest.raises(PlanError, match=r"--ep 3 must divide the 8 routed experts .*use one of 2, 4, 8"):
+    with pytest.raises(ParallelError, match=r"--ep 3 must divide the 8 routed experts .*use one of 2, 4, 8"):
         plan_report(tiny_config("deepseek_v3"), pp=2, dp=3, ep=3, seq_len=16)
-    with pytest.raises(PlanError, match=r"--ep \(4\) must divide --dp \(2\)"):
+    with pytest.raises(ParallelError, match=r"--ep \(4\) must divide --dp \(2\)"):
         plan_report(tiny_config("deepseek_v3"), pp=2, dp=2, ep=4, seq_len=16)
 
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hfpipe.config.run import bundled_config_dir
 from hfpipe.models.adapter import UnsupportedModelError
-from hfpipe.pipeline.schedule import PipelineError
+from hfpipe.errors import ParallelError
 from hfpipe.plan.split import PlanError
 from hfpipe.plan.actions import schedule_actions, timeline
 from hfpipe.plan.report import BYTES_PER_PARAM, format_report, load_model_config, plan_report
@@ -143,9 +143,9 @@ def test_multi_stage_schedules_get_two_stages_per_rank():
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"pp": 9}, PlanError, "reduce --pp"),
-    ({"pp": 2, "schedule": "nope"}, PipelineError, "unknown"),
-    ({"pp": 4, "microbatches": 2}, PipelineError, "at least as many microbatches"),
-    ({"pp": 2, "batch_size": 3}, PipelineError, "multiple of the microbatch count"),
+    ({"pp": 2, "schedule": "nope"}, ParallelError, "unknown"),
+    ({"pp": 4, "microbatches": 2}, ParallelError, "at least as many microbatches"),
+    ({"pp": 2, "batch_size": 3}, ParallelError, r"--batch-size \(3\) must be a multiple of --microbatches"),
     ({"pp": 2, "dtype": "fp8"}, PlanError, "--dtype"),
     ({"pp": 2, "layout": "Et|tL"}, PlanError, "add 6 't'"),
 ])

@@ -44,7 +44,7 @@ def test_nf4_block_size_must_divide_every_weight_row(tiny):  # noqa: F811
 
 
 def _load(folder: Path, kind: str = "fp8", block=None):
-    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.build import load_rank_stages
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.quant.linear import QuantSpec
     from hfpipe.source.folder import ModelSource

@@ -57,7 +57,7 @@ def _reference(path, batches) -> dict[str, torch.Tensor]:
 
 def _logits_worker(paths: dict[str, str], pp: int) -> dict:
     from hfpipe.parallel.mesh import init_distributed
-    from hfpipe.pipeline.load import load_rank_stages
+    from hfpipe.pipeline.build import load_rank_stages
     from hfpipe.pipeline.schedule import Pipeline
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource

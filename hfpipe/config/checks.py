@@ -3,7 +3,8 @@
 Kept apart from the dataclass so that the fields (and their help) read as one list. Each check
 raises :class:`~hfpipe.config.run.ConfigError` naming the flag to change; :func:`check` runs them
 all, in order: types first (a YAML ``"4"`` for an int is refused, not guessed), then choices,
-finiteness, ranges, the vpp a schedule implies, microbatches, evaluation/reporting, LoRA.
+finiteness, ranges, the parallel layout (:func:`hfpipe.parallel.rules.check_layout`: the vpp a schedule
+implies, microbatches), evaluation/reporting, LoRA.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 import yaml
 
-from hfpipe.config.names import INTERLEAVED_SCHEDULES, QUANTIZE_BASE, SCHEDULES, V_SCHEDULES, ConfigError
+from hfpipe.config.names import QUANTIZE_BASE, SCHEDULES, ConfigError
+from hfpipe.parallel.dims import ParallelDims
+from hfpipe.parallel.rules import check_layout
 
 __all__ = ["REPORTS", "check", "check_keys", "load_yaml", "yaml_problem"]
 
@@ -29,7 +32,7 @@ _CHOICES = {
     "dtype": ("fp32", "bf16-mixed", "bf16"),
     "activation_checkpointing": ("none", "full", "selective"),
 }
-_AT_LEAST_ONE = ("pp", "dp", "ep", "vpp", "seq_len", "batch_size", "grad_accum", "epochs", "keep", "log_every")
+_AT_LEAST_ONE = ("seq_len", "batch_size", "grad_accum", "epochs", "keep", "log_every")
 _NONE_OR_AT_LEAST_ONE = ("microbatches", "max_steps", "save_every", "threads_per_rank")
 _AT_LEAST_ZERO = ("warmup_steps", "seed", "min_lr", "weight_decay")
 
@@ -43,8 +46,7 @@ def check(c: "FinetuneConfig") -> None:
     _check_finite(c)
     _check_ranges(c)
     _check_bounds(c)
-    _fit_vpp(c)
-    _check_microbatches(c)
+    _check_layout(c)
     _check_eval_and_reports(c)
     _check_lora(c)
 
@@ -123,6 +125,7 @@ def _check_finite(c: "FinetuneConfig") -> None:
 
 
 def _check_ranges(c: "FinetuneConfig") -> None:
+    ParallelDims(pp=c.pp, dp=c.dp, ep=c.ep)  # the degrees, checked where every layout is
     for name in _AT_LEAST_ONE + _NONE_OR_AT_LEAST_ONE:
         value = getattr(c, name)
         if value is not None and value < 1:
@@ -140,9 +143,6 @@ def _check_ranges(c: "FinetuneConfig") -> None:
         raise ConfigError(f"--min-lr ({c.min_lr}) must be <= --lr ({c.lr})")
     if not all(0.0 <= b < 1.0 for b in c.betas):
         raise ConfigError(f"--betas must both be in [0, 1), got {list(c.betas)}")
-    if c.dp % c.ep:
-        raise ConfigError(f"--ep ({c.ep}) must divide --dp ({c.dp}): experts are sharded over ep "
-                          f"ranks of the data-parallel group")
 
 
 #: Largest values the workers can hold: ints go into int64 tensors, the seed into numpy and torch
@@ -164,24 +164,12 @@ def _check_bounds(c: "FinetuneConfig") -> None:
         raise ConfigError(f"--timeout must be at most {_TIMEOUT_MAX:.0f} seconds (a year), got {c.timeout:g}")
 
 
-def _fit_vpp(c: "FinetuneConfig") -> None:
-    """Give each schedule the stages per rank it needs; vpp left at 1 becomes 2 where needed."""
-    if c.schedule in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp == 1:
-        c.vpp = 2
-    if c.schedule in V_SCHEDULES and c.vpp != 2:
-        raise ConfigError(f"--vpp must be 2 for --schedule {c.schedule} (a V of two stages), got {c.vpp}")
-    if c.schedule not in V_SCHEDULES + INTERLEAVED_SCHEDULES and c.vpp != 1:
-        raise ConfigError(
-            f"--vpp must be 1 for --schedule {c.schedule}, got {c.vpp}; "
-            f"use --schedule interleaved-1f1b for several stages per rank"
-        )
-
-
-def _check_microbatches(c: "FinetuneConfig") -> None:
-    m = c.num_microbatches
-    if c.batch_size % m:
-        origin = f"({m})" if c.microbatches else f"({m}, the default pp * vpp)"
-        raise ConfigError(f"--batch-size ({c.batch_size}) must be a multiple of --microbatches {origin}")
+def _check_layout(c: "FinetuneConfig") -> None:
+    """The parallel layout's rules (hfpipe.parallel.rules, as the API and plan check them); vpp left at 1
+    becomes the 2 a multi-stage schedule needs."""
+    layout = check_layout(ParallelDims(pp=c.pp, dp=c.dp, ep=c.ep), c.schedule, vpp=c.vpp,
+                          microbatches=c.microbatches, batch_size=c.batch_size)
+    c.vpp = layout.vpp
 
 
 REPORTS = ("jsonl", "tensorboard", "wandb", "none")

@@ -19,6 +19,7 @@ from typing import Any
 from hfpipe.source.config import bundled_config_dir
 from hfpipe.config.checks import check, check_keys, load_yaml
 from hfpipe.config.names import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError
+from hfpipe.parallel.rules import schedule_style
 
 __all__ = [
     "ConfigError",
@@ -185,6 +186,13 @@ class FinetuneConfig:
         check(self)
 
     @property
+    def dims(self):
+        """The parallel degrees (:class:`hfpipe.parallel.dims.ParallelDims`)."""
+        from hfpipe.parallel.dims import ParallelDims
+
+        return ParallelDims(pp=self.pp, dp=self.dp, ep=self.ep)
+
+    @property
     def num_microbatches(self) -> int:
         """`microbatches`, or its default pp * vpp."""
         return self.microbatches or self.pp * self.vpp
@@ -197,7 +205,7 @@ class FinetuneConfig:
     @property
     def pipeline_style(self) -> str:
         """How stages sit on ranks: "v" for zbv and dualpipev, "loop" otherwise."""
-        return "v" if self.schedule in V_SCHEDULES else "loop"
+        return schedule_style(self.schedule)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-ready values; ``from_dict(c.to_dict())`` gives back an equal config."""

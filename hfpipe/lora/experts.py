@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hfpipe.models.experts import attach_adapter, first_expert
+from hfpipe.models.experts import attach_adapter, peek_state
 
 __all__ = ["stacks_as_parameters", "attach_expert_adapters"]
 
@@ -30,7 +30,8 @@ def stacks_as_parameters(modules: list[nn.Module], dtype: torch.dtype):
     """
     swapped = []
     for m in (sub for module in modules for sub in module.modules()):
-        for attr, shape in getattr(m, "_hfpipe_shapes", {}).items():
+        state = peek_state(m)
+        for attr, shape in (state.shapes if state else {}).items():
             codes = m._buffers.pop(attr)
             m._parameters[attr] = nn.Parameter(torch.zeros((), dtype=dtype, device=codes.device).expand(shape),
                                                requires_grad=False)
@@ -55,10 +56,9 @@ def attach_expert_adapters(modules: list[nn.Module]) -> int:
         if not isinstance(wrapper, ParamWrapper):
             continue
         experts = wrapper.get_base_layer()
-        if not (getattr(experts, "_hfpipe_shapes", None) or getattr(experts, "_is_expert_parallel", False)):
+        state = peek_state(experts)
+        if not ((state and state.shapes) or getattr(experts, "_is_expert_parallel", False)):
             continue  # a whole full-precision stack: PEFT's own fold is exact and stays
-        if not hasattr(experts, "_hfpipe_first_expert"):
-            experts._hfpipe_first_expert = first_expert(experts._parameters[wrapper.parameter_name])
-        attach_adapter(experts, wrapper)
+        attach_adapter(experts, wrapper)  # its ExpertsState reads the first expert off the ep shard
         count += 1
     return count

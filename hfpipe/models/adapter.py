@@ -17,7 +17,7 @@ import torch
 __all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "MOE_REFUSALS", "Softcap", "UnsupportedModelError"]
 
 # The MoE router aux loss is carried through the pipeline for the families of the tested table
-# (hfpipe.pipeline.router_loss); a family proven at load was compared on its logits only, so it
+# (hfpipe.models.router_loss); a family proven at load was compared on its logits only, so it
 # refuses the aux loss, with the reason and the fix.
 _MOE_AUX = (
     "hfpipe carries the router aux loss only for the families of its tested table; "

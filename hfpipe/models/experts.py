@@ -21,16 +21,60 @@ weight is made from (codes, scales, the expert's adapter factors) and builds it 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
-from hfpipe.quant.fp8 import dequantize_blocks
-
-__all__ = ["IMPLEMENTATION", "attach_adapter", "experts_forward", "first_expert", "register"]
+__all__ = ["IMPLEMENTATION", "ExpertsState", "attach_adapter", "experts_forward", "experts_state", "first_expert",
+           "peek_state", "register"]
 
 #: The name hfpipe's experts forward is registered under in transformers' ``ExpertsInterface``.
 IMPLEMENTATION = "hfpipe"
+#: The fused 3-D weights of an experts module (transformers' names).
+STACKS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class ExpertsState:
+    """hfpipe's state on one transformers experts module: one dataclass under one attribute, ``_hfpipe``.
+
+    Attributes:
+        first: The global index of the first expert this rank holds (0 unless ep-sharded).
+        shapes: Stack name -> its global shape, for a stack the quantizer swapped for codes.
+        nf4: Stack name -> one tuple of torchao ``NF4Tensor`` per local expert (``--quantize-base nf4``).
+        adapters: Stack name -> the PEFT ``ParamWrapper`` whose adapter this forward applies.
+        block: The FP8 tile edge of the stacks' scales (0: none).
+        dequantize: ``(codes, scales, block, dtype) -> weight`` for FP8 stacks, set by the quantizer
+            (:mod:`hfpipe.quant`), so that this module need not know the format.
+    """
+
+    first: int = 0
+    shapes: dict = field(default_factory=dict)
+    nf4: dict = field(default_factory=dict)
+    adapters: dict = field(default_factory=dict)
+    block: int = 0
+    dequantize: Callable | None = None
+
+
+def peek_state(module: nn.Module) -> ExpertsState | None:
+    """``module``'s :class:`ExpertsState`, or ``None`` if hfpipe has none on it."""
+    return module.__dict__.get("_hfpipe")
+
+
+def experts_state(module: nn.Module) -> ExpertsState:
+    """``module``'s :class:`ExpertsState`, created on first use: the one place it is set.
+
+    The first expert is read off the stacks as they stand then (an ep shard's DTensor), before a
+    quantizer swaps them for codes. A plain attribute: the adapters in it are not submodules twice.
+    """
+    state = peek_state(module)
+    if state is None:
+        stack = next((t for n in STACKS if (t := module._parameters.get(n)) is not None and t.dim() == 3), None)
+        state = ExpertsState(first=0 if stack is None else first_expert(stack))
+        module.__dict__["_hfpipe"] = state
+    return state
 
 
 def register(experts: nn.Module) -> None:
@@ -57,9 +101,7 @@ def attach_adapter(experts: nn.Module, wrapper: nn.Module) -> None:
     where PEFT put them, under PEFT's names, so checkpoints and exports are PEFT's.
     """
     wrapper._activate_lora = lambda adapters: nullcontext()
-    if not hasattr(experts, "_hfpipe_adapters"):
-        experts._hfpipe_adapters = {}  # a plain dict: the wrapper is not registered as a submodule twice
-    experts._hfpipe_adapters[wrapper.parameter_name] = wrapper
+    experts_state(experts).adapters[wrapper.parameter_name] = wrapper
     register(experts)
 
 
@@ -74,13 +116,13 @@ def _factors(wrapper, e: int, dtype: torch.dtype):
     return lhs.to(dtype), rhs.to(dtype), wrapper.scaling[name]
 
 
-def _weight(stored, scale, block, lhs, rhs, s, dtype):
+def _weight(stored, scale, block, dequantize, lhs, rhs, s, dtype):
     """One expert's weight as stored (``[out, in]``, or ``[in, out]`` transposed): dequantized (FP8 codes
     and scales, or a tuple of NF4 row blocks), plus ``s * lhs @ rhs`` folded as PEFT folds it (``baddbmm``)."""
     if isinstance(stored, tuple):
         w = torch.cat([p.get_original_weight() for p in stored]).to(dtype)
     else:
-        w = stored.to(dtype) if scale is None else dequantize_blocks(stored, scale, block, dtype)
+        w = stored.to(dtype) if scale is None else dequantize(stored, scale, block, dtype)
     if lhs is not None:
         w = torch.baddbmm(w[None], lhs[None], rhs[None], alpha=s)[0]
     return w
@@ -90,39 +132,41 @@ class _ExpertLinear(torch.autograd.Function):
     """``x @ W.T`` (``x @ W`` transposed) of one expert; saves what ``W`` is made of, not ``W``."""
 
     @staticmethod
-    def forward(ctx, x, stored, scale, lhs, rhs, s: float, block: int, transposed: bool):
+    def forward(ctx, x, stored, scale, lhs, rhs, s: float, block: int, dequantize, transposed: bool):
         nf4 = isinstance(stored, tuple)  # the module's own NF4 tensors: held by reference, not saved
         ctx.save_for_backward(None if lhs is None else x, None if nf4 else stored, scale, lhs, rhs)  # x: for dW
         ctx.nf4, ctx.s, ctx.block, ctx.transposed = stored if nf4 else None, s, block, transposed
-        w = _weight(stored, scale, block, lhs, rhs, s, x.dtype)
+        ctx.dequantize = dequantize
+        w = _weight(stored, scale, block, dequantize, lhs, rhs, s, x.dtype)
         return x @ w if transposed else nn.functional.linear(x, w)
 
     @staticmethod
     def backward(ctx, grad):  # the base is frozen: the input and the adapter factors get gradients
         x, stored, scale, lhs, rhs = ctx.saved_tensors
-        w = _weight(ctx.nf4 or stored, scale, ctx.block, lhs, rhs, ctx.s, grad.dtype)
+        w = _weight(ctx.nf4 or stored, scale, ctx.block, ctx.dequantize, lhs, rhs, ctx.s, grad.dtype)
         gx = grad @ w.T if ctx.transposed else grad @ w
         glhs = grhs = None
         if lhs is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
             gw = x.T @ grad if ctx.transposed else grad.T @ x  # dL/dW in the stored layout
             glhs, grhs = ctx.s * gw @ rhs.T, ctx.s * lhs.T @ gw
-        return gx, None, None, glhs, grhs, None, None, None
+        return gx, None, None, glhs, grhs, None, None, None, None
 
 
 def _project(self, attr: str, e: int, x: torch.Tensor) -> torch.Tensor:
-    nf4 = getattr(self, "_hfpipe_nf4", {}).get(attr)
+    state = experts_state(self)
+    nf4 = state.nf4.get(attr)
     stored, scale = self._buffers.get(attr), self._buffers.get(attr + "_scale_inv")
     if nf4 is not None:  # one expert's NF4 tensors (hfpipe.quant.experts)
         stored = nf4
     elif stored is None:  # a full-precision stack (this rank's rows, local inside the ep forward)
         stored = getattr(self, attr)
-    wrapper = getattr(self, "_hfpipe_adapters", {}).get(attr)
+    wrapper = state.adapters.get(attr)
     lhs = rhs = None
     s = 1.0
     if wrapper is not None:
-        lhs, rhs, s = _factors(wrapper, getattr(self, "_hfpipe_first_expert", 0) + e, x.dtype)
-    y = _ExpertLinear.apply(x, stored[e], None if scale is None else scale[e], lhs, rhs, s,
-                            getattr(self, "quant_block", 0), bool(getattr(self, "is_transposed", False)))
+        lhs, rhs, s = _factors(wrapper, state.first + e, x.dtype)
+    y = _ExpertLinear.apply(x, stored[e], None if scale is None else scale[e], lhs, rhs, s, state.block,
+                            state.dequantize, bool(getattr(self, "is_transposed", False)))
     if getattr(self, "has_bias", False):
         y = y + getattr(self, attr + "_bias")[e]
     return y

@@ -14,7 +14,7 @@ __all__ = ["ADAPTERS"]
 ADAPTERS = (
     Adapter(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "starcoder2",
              "glm", "glm4", "ernie4_5", "helium", "arcee", "apertus", "ministral", "seed_oss", "exaone4")),
-    # With output_router_logits, their aux loss is carried through the pipeline (hfpipe.pipeline.router_loss).
+    # With output_router_logits, their aux loss is carried through the pipeline (hfpipe.models.router_loss).
     Adapter(("qwen3_moe", "qwen2_moe", "mixtral")),
     # GPT-OSS builds its masks without position_ids: packed documents see each other, as in HF.
     Adapter(("gpt_oss",), mask_kwargs={"position_ids": None}),

@@ -108,8 +108,8 @@ def _capture(model, batch):
 
 def compare_staged(model, adapter: Adapter | None = None) -> tuple[str, float] | None:
     """Run ``model`` as HF and stage by stage; ``(part, max diff)`` of the first part that differs."""
-    from hfpipe.plan.spec import StageSpec
-    from hfpipe.pipeline.stage import PipelineStageModule
+    from hfpipe.models.spec import StageSpec
+    from hfpipe.models.stage import PipelineStageModule
 
     n = len(model.model.layers)
     specs = [StageSpec(0, (), True, False)] + [StageSpec(i + 1, (i,), False, False) for i in range(n)]

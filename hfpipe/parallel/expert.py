@@ -12,8 +12,9 @@ Where hfpipe differs from ``transformers.distributed``, and why:
 
 - transformers applies the plan to a whole model and derives its meshes from a ``DistributedConfig``.
   A pipeline stage holds only some layers, so the plan is expanded to the stage's own parameter names,
-  and the meshes are cut from hfpipe's (dp, pp) layout: an ep group is ``ep`` consecutive dp ranks at
-  one pipeline rank, and the ``dp / ep`` ranks holding the same experts form the "edp" group.
+  and the meshes are hfpipe's expert view of its world (:mod:`hfpipe.parallel.dims`): an ep group is
+  ``ep`` consecutive dp ranks at one pipeline rank, and the ``dp / ep`` ranks holding the same experts
+  form the "edp" group.
 - FSDP2 (:func:`shard_moe_layer`) wraps attention and the MoE block as separate units and the experts as a
   unit of their own over edp. Their gradients are summed over edp and divided by dp, as the dense
   parameters' are averaged over dp.
@@ -23,106 +24,12 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from hfpipe.errors import HfpipeError
-
-__all__ = ["ExpertMesh", "ExpertParallelError", "check_expert_parallel", "count_experts", "init_expert_mesh",
-           "shard_experts", "shard_moe_layer", "experts_of", "local_rows"]
+__all__ = ["shard_experts", "shard_moe_layer", "experts_of", "local_rows"]
 
 log = logging.getLogger(__name__)
-
-_EXPERT_ATTRS = ("n_routed_experts", "num_local_experts", "num_experts")
-
-
-class ExpertParallelError(HfpipeError):
-    """``--ep`` cannot run with this model or mesh (the message names the flag and the fix)."""
-
-
-def count_experts(config) -> int | None:
-    """Routed experts per MoE layer, or ``None`` for a model without an expert-parallel plan."""
-    if not getattr(config, "base_model_ep_plan", None):
-        return None
-    for attr in _EXPERT_ATTRS:
-        n = getattr(config, attr, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
-
-
-# Schedules that split backward into input and weight passes (zero bubble). Under FSDP (dp > 1, which ep
-# needs) torch 2.13 leaves the sharded gradients empty with them: measured, a dense Llama at pp 2 x dp 2
-# with zbv or dualpipev reports grad norm 0.0 and does not train, with or without ep.
-SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
-
-
-def check_expert_parallel(config, ep: int, dp: int, schedule: str | None = None) -> None:
-    """Raise :class:`ExpertParallelError` unless ``--ep ep`` can run on this model at ``--dp dp``."""
-    if ep == 1:
-        return
-    if schedule in SPLIT_BACKWARD:
-        raise ExpertParallelError(f"--ep {ep} with --schedule {schedule}: zero-bubble schedules leave FSDP's "
-                                  "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b "
-                                  "or looped-bfs")
-    if ep < 1:
-        raise ExpertParallelError(f"--ep must be at least 1, got {ep}")
-    if dp % ep:
-        raise ExpertParallelError(f"--ep ({ep}) must divide --dp ({dp}): experts are sharded over ep ranks "
-                                  "of the data-parallel group; raise --dp or lower --ep")
-    experts = count_experts(config)
-    if experts is None:
-        raise ExpertParallelError(f"--ep {ep}: the {config.model_type} model has no routed experts to shard "
-                                  "(a dense model, or no expert-parallel plan in transformers); use --ep 1")
-    if experts % ep:
-        raise ExpertParallelError(f"--ep ({ep}) must divide the {experts} routed experts per layer of this "
-                                  f"{config.model_type} model; choose a divisor of {experts}")
-
-
-@dataclass
-class ExpertMesh:
-    """This rank's place among the expert-parallel ranks.
-
-    Attributes:
-        ep: Ranks one layer's experts are sharded over.
-        edp: Replicas of each expert shard (``dp // ep``).
-        dp: The data-parallel size (the gradient divisor).
-        mesh: DeviceMesh ``("pp", "edp", "ep", "tp")`` over the world; ``tp`` has size 1 (transformers'
-            all-to-all asks which ranks share a batch: none do here).
-    """
-
-    ep: int
-    edp: int
-    dp: int
-    mesh: object
-
-    @property
-    def ep_mesh(self):
-        return self.mesh["ep"]
-
-    @property
-    def edp_mesh(self):
-        return self.mesh["edp"]
-
-    @property
-    def tp_mesh(self):
-        return self.mesh["tp"]
-
-
-def init_expert_mesh(dist_info, ep: int) -> ExpertMesh:
-    """Cut the expert meshes from the (dp, pp) layout (collective: every rank calls it).
-
-    Global rank ``r = dp_rank * pp + pp_rank`` and ``dp_rank = edp_rank * ep + ep_rank``, so an ep group is
-    ``ep`` consecutive dp replicas at one pipeline rank.
-    """
-    from torch.distributed.device_mesh import DeviceMesh
-
-    pp, dp = dist_info.pp, dist_info.dp
-    ranks = torch.arange(pp * dp).view(dp, pp).T.reshape(pp, dp // ep, ep, 1)  # (pp, edp, ep, tp)
-    mesh = DeviceMesh(dist_info.device.type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
-    return ExpertMesh(ep, dp // ep, dp, mesh)
 
 
 def _plan_patterns(config) -> list[tuple[re.Pattern, str]]:
@@ -134,8 +41,9 @@ def _plan_patterns(config) -> list[tuple[re.Pattern, str]]:
     return out
 
 
-def shard_experts(modules, emesh: ExpertMesh) -> int:
-    """Shard the routed experts of meta-device stage ``modules`` over the ep mesh (before loading).
+def shard_experts(modules, expert_mesh) -> int:
+    """Shard the routed experts of meta-device stage ``modules`` over the ep dimension of ``expert_mesh``
+    (:meth:`hfpipe.parallel.mesh.Dist.expert_mesh`), before loading.
 
     Runs transformers' own ``apply_expert_parallelism`` with the plan expanded to each stage's names:
     parameters first (which sets each experts module's local ``num_experts``), then the dispatch. Returns
@@ -151,7 +59,8 @@ def shard_experts(modules, emesh: ExpertMesh) -> int:
         for regex, style in patterns:  # plan order: the parameters before their module
             plan.update({n: style for n in names if regex.match(n)})
         count += sum(1 for s in plan.values() if s == "ep_dispatch_experts")
-        apply_expert_parallelism(stage, emesh.ep_mesh, emesh.tp_mesh, plan, ep_implementation="all_to_all")
+        # tp: which ranks share a batch, for transformers' all-to-all (size 1 until tensor parallelism lands)
+        apply_expert_parallelism(stage, expert_mesh["ep"], expert_mesh["tp"], plan, ep_implementation="all_to_all")
     return count
 
 
@@ -160,33 +69,36 @@ def experts_of(layer: nn.Module) -> list[nn.Module]:
     return [m for m in layer.modules() if getattr(m, "_is_expert_parallel", False)]
 
 
-def shard_moe_layer(layer: nn.Module, dp_mesh, emesh: ExpertMesh, mp) -> None:
+def shard_moe_layer(layer: nn.Module, fsdp_mesh, expert_mesh, mp, divide_factor: int) -> None:
     """FSDP2 for one decoder layer with sharded experts (called before the layer's own ``fully_shard``).
 
     The experts are a unit over edp. Attention and the MoE block are units of their own over dp: then the
     layer's reduce-scatters never fire between the MoE block's two backward all-to-alls, which
     deadlocks when ranks of one ep group wait in different collectives. The experts shard on dim 1 (or
     the first later dim edp divides): dim 0 is already split over ep, and a second split of it would need
-    a strided placement.
+    a strided placement. ``divide_factor`` is what the dense gradients are averaged over
+    (:attr:`hfpipe.parallel.dims.ParallelDims.grad_divide_factor`).
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    edp_mesh = expert_mesh["edp"]
+    edp = edp_mesh.size()
     for experts in experts_of(layer):
         if not _has_params(experts):
             continue  # FP8 stacks (--quantize-base fp8) are buffers: frozen, kept whole on their ranks
-        fully_shard(experts, mesh=emesh.edp_mesh, mp_policy=mp, reshard_after_forward=False,
-                    shard_placement_fn=lambda p: Shard(_fsdp_dim(p, emesh.edp)))
+        fully_shard(experts, mesh=edp_mesh, mp_policy=mp, reshard_after_forward=False,
+                    shard_placement_fn=lambda p: Shard(_fsdp_dim(p, edp)))
         # Summed over edp, divided by dp: the experts' share of the dp-averaged gradient. gloo has no
         # pre-multiplied sum, so with edp > 1 FSDP must sum and divide after. Not with edp == 1: torch
         # 2.13 then divides twice (once copying the unreduced gradient, once after), and without
         # force-sum it divides once and never issues the (absent) collective.
-        experts.set_gradient_divide_factor(float(emesh.dp))
-        if emesh.edp > 1:
+        experts.set_gradient_divide_factor(float(divide_factor))
+        if edp > 1:
             experts.set_force_sum_reduction_for_comms(True)
     for name, child in layer.named_children():
         if experts_of(child) or ("attn" in name and _has_params(child)):
-            fully_shard(child, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+            fully_shard(child, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=False)
 
 
 def _fsdp_dim(param, edp: int) -> int:

@@ -1,4 +1,7 @@
-"""Process groups, device choice and the (dp, pp) mesh. No global state: a :class:`Dist` is passed."""
+"""Process groups, device choice and the world mesh of :class:`~hfpipe.parallel.dims.ParallelDims`.
+
+No global state: a :class:`Dist` is passed.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +9,20 @@ import datetime
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from hfpipe.errors import HfpipeError
+from hfpipe.errors import ParallelError
+from hfpipe.parallel.dims import EXPERT_DIMS, MESH_DIMS, ParallelDims
 
 __all__ = ["Dist", "LaunchError", "first_host", "init_distributed", "pick_device", "in_launched_env", "launched_node"]
 
 log = logging.getLogger(__name__)
 
 
-class LaunchError(HfpipeError):
+class LaunchError(ParallelError):
     """The processes started do not fit the requested mesh, or the launch options are incomplete."""
 
 
@@ -71,42 +75,106 @@ def first_host(nodelist: str) -> str:
 
 @dataclass
 class Dist:
-    """This process's place in the (dp, pp) mesh.
+    """This rank's place in the world mesh, and the process groups each reduction runs over.
+
+    The layout is :class:`~hfpipe.parallel.dims.ParallelDims`'s (``pp, dp, cp, tp``, tp innermost); this
+    object only builds its groups, by the name of what each is for.
 
     Attributes:
         rank: Global rank.
-        world: World size.
         device: The device this rank computes on.
-        pp, dp: Mesh sizes.
-        pp_rank, dp_rank: Coordinates in the mesh.
-        pp_group, dp_group: Process groups along each dimension (``dp_group`` is ``None`` if dp == 1).
-        mesh: The DeviceMesh ``("dp", "pp")``.
+        dims: The degrees of every axis.
+        mesh: The world DeviceMesh, dimensions :data:`~hfpipe.parallel.dims.MESH_DIMS`.
     """
 
     rank: int
-    world: int
     device: torch.device
-    pp: int
-    dp: int
-    pp_rank: int
-    dp_rank: int
-    pp_group: object
-    dp_group: object
+    dims: ParallelDims
     mesh: object
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def world(self) -> int:
+        return self.dims.world
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.dims.coords(self.rank)["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.coords(self.rank)["dp"]
+
+    @property
+    def pp_group(self):
+        """The pipeline: activations and gradients between stages, the loss broadcast."""
+        return self.mesh.get_group("pp")
+
+    @property
+    def batch_group(self):
+        """Ranks that saw different tokens of one step (dp, and cp once it lands): losses and token
+        counts are summed over it. ``None`` when this rank is alone in it."""
+        return None if self.dims.dp * self.dims.cp == 1 else self._submesh(self.dims.batch_dims).get_group()
+
+    dp_group = batch_group  # the name the run loop and evaluation used before cp
+
+    @property
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards a stage's parameters over (it averages their gradients over it)."""
+        return self._submesh(self.dims.fsdp_dims)
+
+    def _submesh(self, names: tuple[str, ...]):
+        if len(names) == 1:
+            return self.mesh[names[0]]
+        key = "_".join(names)
+        if key not in self._cache:
+            self._cache[key] = self.mesh[names]._flatten(key)
+        return self._cache[key]
 
     def pp_peer(self, pp_rank: int) -> int:
-        """Global rank of the pipeline rank ``pp_rank`` in this rank's dp replica."""
-        return self.dp_rank * self.pp + pp_rank
+        """Global rank of the pipeline rank ``pp_rank`` in this rank's replica."""
+        return self.dims.pp_peer(self.rank, pp_rank)
+
+    def expert_mesh(self):
+        """The world's ranks as :data:`~hfpipe.parallel.dims.EXPERT_DIMS` (collective on first use)."""
+        if "expert" not in self._cache:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = torch.arange(self.dims.world).view(self.dims.expert_shape)
+            self._cache["expert"] = DeviceMesh(self.device.type, ranks, mesh_dim_names=EXPERT_DIMS)
+        return self._cache["expert"]
+
+    def tied_group(self, first: int, last: int):
+        """This rank's {first, last} pipeline-rank pair for a tied embedding's two copies, or ``None``
+        (collective: every rank creates every pair's group, in the same order)."""
+        mine = None
+        for ranks in self.dims.tied_pairs(first, last):
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
 
 
-def init_distributed(pp: int, dp: int = 1, *, timeout_s: float = 600.0) -> Dist:
-    """Join (or create, for a single process) the default group and build the mesh.
+def init_distributed(dims: ParallelDims | int, dp: int = 1, *, timeout_s: float = 600.0) -> Dist:
+    """Join (or create, for a single process) the default group and build the world mesh.
+
+    ``dims`` is the :class:`ParallelDims`, or (as before it existed) the pipeline size with ``dp`` beside it.
 
     Raises:
-        ValueError: the world size is not pp * dp.
+        LaunchError: the world size is not the product of the degrees.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    if not isinstance(dims, ParallelDims):
+        dims = ParallelDims(pp=dims, dp=dp)
     _env_from_slurm()
     if "RANK" not in os.environ:  # a plain single process: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -116,12 +184,12 @@ def init_distributed(pp: int, dp: int = 1, *, timeout_s: float = 600.0) -> Dist:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != pp * dp:
-        raise LaunchError(f"--pp {pp} x --dp {dp} = {pp * dp} processes, but {world} were started; "
-                         "start pp*dp processes or change --pp/--dp")
-    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    dp_group = mesh.get_group("dp") if dp > 1 else None
-    return Dist(rank, world, device, pp, dp, rank % pp, rank // pp, mesh.get_group("pp"), dp_group, mesh)
+    if world != dims.world:
+        sizes = " x ".join(f"--{n} {getattr(dims, n)}" for n in MESH_DIMS if getattr(dims, n) > 1 or n == "pp")
+        raise LaunchError(f"{sizes} = {dims.world} processes, but {world} were started; "
+                          "start that many processes or change the degrees")
+    mesh = init_device_mesh(device.type, dims.shape, mesh_dim_names=MESH_DIMS)
+    return Dist(rank, device, dims, mesh)
 
 
 def _free_port() -> int:

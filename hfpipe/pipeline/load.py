@@ -21,7 +21,6 @@ from torch import nn
 
 from hfpipe.models.conversion import model_key_mapper
 from hfpipe.models.registry import adapter_for
-from hfpipe.quant.linear import Quantizer
 from hfpipe.source.safetensors_io import SafetensorsError, read_tensors
 from hfpipe.source.folder import ModelSource, SourceError
 
@@ -134,7 +133,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     """Fill the meta-device ``stages`` of one rank with their tensors from ``source``.
 
     Args:
-        stages: This rank's :class:`hfpipe.pipeline.stage.PipelineStageModule` objects (meta device).
+        stages: This rank's :class:`hfpipe.models.stage.PipelineStageModule` objects (meta device).
         source: The opened checkpoint.
         device: Where the tensors go.
         dtype: Floating dtype of the stage parameters; ``None`` keeps each meta parameter's dtype.
@@ -159,7 +158,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
     stats = LoadStats(skipped_mtp=skipped)
     _mark_fp32(units, stages[0]._hf_model)
     _read_and_place(units, source, targets, device, dtype, stats, quantizer)
-    from hfpipe.pipeline.stage import rebuild_buffers
+    from hfpipe.models.stage import rebuild_buffers
 
     for stage in stages:
         rebuild_buffers(stage, device)
@@ -325,32 +324,3 @@ def _check_materialised(stage: nn.Module) -> None:
     for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
         if t.is_meta:
             raise LoadError(f"{name} was not loaded from the checkpoint; the checkpoint does not match the model")
-
-
-def load_rank_stages(source: ModelSource, plan, pp_rank: int, device: torch.device,
-                     dtype: torch.dtype | None = None, quantize=None, expert_mesh=None):
-    """Build and load the stage modules ``plan`` gives to pipeline rank ``pp_rank``.
-
-    Returns:
-        ``(modules, stats)``: the rank's :class:`hfpipe.pipeline.stage.PipelineStageModule` list in
-        increasing stage index, on ``device``, and the :class:`LoadStats` of the read.
-        ``quantize`` (a :class:`hfpipe.quant.linear.QuantSpec`) keeps the base linears quantized. With
-        ``expert_mesh`` (a :class:`hfpipe.parallel.expert.ExpertMesh`) the routed experts are sharded
-        over ep first, and only this rank's experts are read.
-    """
-    from hfpipe.models.meta import model_config
-    from hfpipe.pipeline.stage import build_stage_modules
-
-    config = model_config(source.config)
-    modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype or torch.float32,
-                                  adapter=adapter_for(config))
-    if expert_mesh is not None:
-        from hfpipe.parallel.expert import shard_experts
-
-        shard_experts(modules, expert_mesh)
-    quantizer = None
-    if quantize is not None:
-        quantizer = Quantizer(quantize, source.config)
-        quantizer.prepare(modules, dtype or torch.float32)
-    stats = load_stage_weights(modules, source, device, dtype, quantizer)
-    return modules, stats

@@ -1,7 +1,7 @@
-"""This rank's part of a pipelined model: :func:`load_pipeline` builds it, :class:`PipelineModel` trains and saves it.
+"""This rank's part of a pipelined model: :func:`load_pipeline` builds it, :class:`PipelineModel` runs and saves it.
 
 The run loop (:mod:`hfpipe.train.runner`) and ``verify`` stand on this module; the public face,
-:mod:`hfpipe.api`, adds ``save_pretrained`` (which exports through :mod:`hfpipe.checkpoint`) on top.
+:mod:`hfpipe.api`, adds ``trainer`` (:mod:`hfpipe.train.step`, a floor above) and ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from hfpipe.parallel.expert import check_expert_parallel, experts_of, init_expert_mesh, shard_moe_layer
-from hfpipe.parallel.mesh import Dist, init_distributed
-from hfpipe.pipeline.load import load_rank_stages
 from hfpipe.models.support import get_adapter
-from hfpipe.pipeline.schedule import Pipeline, PipelineError, check_data_parallel, check_microbatches, schedule_style
+from hfpipe.parallel.dims import ParallelDims, check_degrees
+from hfpipe.parallel.mesh import Dist, init_distributed
+from hfpipe.parallel.rules import check_layout
+from hfpipe.pipeline.build import StageOptions, build_rank_stages
+from hfpipe.pipeline.inputs import check_batches
+from hfpipe.pipeline.params import unique_parameters
+from hfpipe.pipeline.schedule import Pipeline, PipelineError
 from hfpipe.plan.split import Plan, plan_pipeline
 from hfpipe.source.folder import ModelSource
-from hfpipe.train.step import PipelineTrainer, tied_groups
 
 __all__ = ["PipelineModel", "load_pipeline", "DTYPES"]
 
@@ -70,21 +72,11 @@ class PipelineModel:
         parameter *group*, ``[{"params": []}]``: any torch optimizer accepts it (an empty list it
         refuses), so the same optimizer line runs on every rank and its steps do nothing there.
         """
-        from hfpipe.train.optim import unique_parameters
-
         params = [p for _, p in unique_parameters(self.modules)]
         return params or [{"params": []}]
 
     def named_parameters(self):
-        from hfpipe.train.optim import unique_parameters
-
         return unique_parameters(self.modules)
-
-    def trainer(self, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0) -> PipelineTrainer:
-        """A :class:`PipelineTrainer` whose ``step(batch)`` returns loss and grad norm on every rank."""
-        return PipelineTrainer(self.pipe, self.dist, optimizer, scheduler=scheduler,
-                               max_grad_norm=max_grad_norm, tied_group=self.tied_group,
-                               loss_rank=self.loss_rank, vocab_size=self.vocab_size)
 
     @property
     def vocab_size(self) -> int | None:
@@ -95,8 +87,6 @@ class PipelineModel:
 
     def forward(self, batch: dict) -> torch.Tensor | None:
         """Logits on the loss rank, ``None`` elsewhere (no gradients)."""
-        from hfpipe.train.step import check_batches
-
         check_batches([batch], self.vocab_size, "forward", labels=False)
         return self.pipe.forward(batch)
 
@@ -161,8 +151,8 @@ def _default_pp(dp: int) -> int:
 
 _CHECKPOINTING = ("none", "full", "selective")
 #: load_pipeline's counts: (lowest value, whether None means "the default").
-_COUNTS = {"pp": (1, True), "dp": (1, False), "vpp": (1, True), "microbatches": (1, True), "seed": (0, False),
-           "loss_chunk_tokens": (0, True)}
+#: (The degrees pp, dp and ep are checked by hfpipe.parallel.dims, phrased for this call.)
+_COUNTS = {"vpp": (1, True), "microbatches": (1, True), "seed": (0, False), "loss_chunk_tokens": (0, True)}
 
 
 def _check_arguments(*, activation_checkpointing: str, **counts) -> None:
@@ -212,51 +202,40 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
             checkpoint's own tiles, else 128).
         model_class: The :class:`PipelineModel` subclass to return (:mod:`hfpipe.api` passes its own).
     """
-    _check_arguments(pp=pp, dp=dp, vpp=vpp, microbatches=microbatches, seed=seed,
-                     loss_chunk_tokens=loss_chunk_tokens, activation_checkpointing=activation_checkpointing)
+    check_degrees("load_pipeline", **({} if pp is None else {"pp": pp}), dp=dp, ep=ep)
+    _check_arguments(vpp=vpp, microbatches=microbatches, seed=seed, loss_chunk_tokens=loss_chunk_tokens,
+                     activation_checkpointing=activation_checkpointing)
     quantize = _quant_spec(quantize_base, quantize_block_size, lora)
-    pp = pp or _default_pp(dp)
-    vpp = vpp or (1 if schedule in ("gpipe", "1f1b") else 2)
-    microbatches = microbatches or pp * vpp
-    check_microbatches(schedule, pp, vpp, microbatches)
-    check_data_parallel(schedule, dp)
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+    dims = ParallelDims(pp=pp or (dist.pp if dist else _default_pp(dp)), dp=dp, ep=ep)
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
-    check_expert_parallel(source.config, ep, dp, schedule)
-    plan = plan_pipeline(source.config, pp, vpp=vpp, style=schedule_style(schedule), method=method, layout=layout)
-    dist = dist or init_distributed(pp, dp)
+    checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, model_config=source.config)
+    plan = plan_pipeline(source.config, dims.pp, vpp=checked.vpp, style=checked.style, method=method, layout=layout)
+    dist = _with_dims(dist, dims) if dist else init_distributed(dims)
     param_dtype, compute_dtype = DTYPES[dtype]
     if quantize is not None:
         quantize = dataclasses.replace(quantize, dtype=str(param_dtype).removeprefix("torch."))
-    emesh = init_expert_mesh(dist, ep) if ep > 1 else None
-    modules, stats = load_rank_stages(source, plan, dist.pp_rank, dist.device, param_dtype, quantize,
-                                     expert_mesh=emesh)
+    options = StageOptions(param_dtype, compute_dtype, activation_checkpointing, lora, seed, quantize)
+    modules, stats, lora = build_rank_stages(source, plan, dist, options)
     log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
              stats.bytes_read / 1e6, len(stats.files_opened))
-    for m in modules:
-        m.activation_checkpointing = activation_checkpointing
-        m.hidden_dtype = compute_dtype
-    if lora is not None:
-        from hfpipe.lora.adapters import add_adapters, resolve_config
-        from hfpipe.lora.experts import attach_expert_adapters, stacks_as_parameters
-
-        lora = resolve_config(lora, modules[0]._hf_model)
-        with stacks_as_parameters(modules, param_dtype):  # quantized expert stacks: PEFT adapts parameters
-            add_adapters(modules, lora, seed=seed)
-        attach_expert_adapters(modules)  # quantized or ep-split experts: hfpipe's experts forward adapts them
-    if dp > 1 and quantize is not None:
-        from hfpipe.quant.linear import check_shardable
-
-        check_shardable(modules, dp)
-    if dp > 1 or compute_dtype != param_dtype:
-        _shard(modules, dist, compute_dtype, emesh)
+    first, last = plan.rank_of_stage(0), plan.rank_of_stage(len(plan.stages) - 1)
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
-    group = tied_groups(plan, dist, tied)
-    pipe = Pipeline(modules, len(plan.stages), schedule, microbatches, dist.pp_group, dist.device,
+    # one rank holding both ends already shares one parameter between them
+    group = dist.tied_group(first, last) if tied and first != last else None
+    pipe = Pipeline(modules, len(plan.stages), schedule, checked.microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=loss_chunk_tokens)
     return (model_class or PipelineModel)(source, plan, dist, modules, pipe, group, lora, quantize, ep)
+
+
+def _with_dims(dist: Dist, dims: ParallelDims) -> Dist:
+    """A caller's ``dist`` (its world must fit ``dims``) carrying the degrees it was not built with (ep)."""
+    if dist.dims.shape != dims.shape:
+        raise PipelineError(f"load_pipeline(dist=...): its mesh {dist.dims.shape} (pp, dp, cp, tp) differs from "
+                            f"pp={dims.pp}, dp={dims.dp}; build it with init_distributed(ParallelDims(...))")
+    return dist if dist.dims == dims else dataclasses.replace(dist, dims=dims, _cache={})
 
 
 def _quant_spec(kind: str | None, block: int | None, lora):
@@ -270,29 +249,3 @@ def _quant_spec(kind: str | None, block: int | None, lora):
     from hfpipe.quant.linear import QuantSpec
 
     return QuantSpec(kind, block)
-
-
-def _shard(modules, dist: Dist, compute_dtype: torch.dtype, emesh=None) -> None:
-    """FSDP2 over the dp mesh dimension: each decoder layer, then the stage.
-
-    With sharded experts (``emesh``), a MoE layer's experts, attention and MoE block are units of their
-    own first (:func:`hfpipe.parallel.expert.shard_moe_layer`).
-
-    Also how bf16-mixed works: FSDP2 keeps fp32 sharded masters (and so fp32 optimizer state)
-    and casts to bf16 for compute, reducing gradients in fp32. No reshard after forward:
-    under pipelining a stage runs forward for several microbatches before their backward.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = dist.mesh["dp"]
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    # A stage's float inputs are hidden states, already in the compute dtype, and the fp32 router
-    # sums of MoE aux losses (hfpipe.pipeline.router_loss), which must stay fp32: bf16 counts
-    # tokens exactly only up to 256.
-    stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for m in modules:
-        for layer in m.model.layers.values():
-            if emesh is not None and experts_of(layer):
-                shard_moe_layer(layer, mesh, emesh, mp)
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=False)

@@ -1,7 +1,7 @@
 """Run stage modules through torch.distributed.pipelining schedules.
 
 torch's schedules do the ordering, the send/recv and the backward; this module only chooses the
-schedule, checks microbatch counts up front in the user's terms, keeps the loss exact (summed
+schedule (its counts are checked up front by hfpipe.parallel.rules), keeps the loss exact (summed
 cross-entropy over a known global token count, ``scale_grads=False``), and resizes the stages
 when the batch shape changes (hfpipe.pipeline.shapes), since torch's stages size their receive
 buffers on first use.
@@ -18,90 +18,19 @@ from torch.distributed.pipelining import PipelineStage
 from hfpipe.errors import HfpipeError
 from hfpipe.pipeline.head_loss import chunk_tokens, chunked_loss_sum
 from hfpipe.pipeline.shapes import resize_schedule
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from hfpipe.parallel.rules import SINGLE_STAGE, V_SCHEDULES
+from hfpipe.parallel.schedules import schedule_class
 
-__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "V_STYLE", "PipelineError", "Pipeline", "TokenLoss", "check_data_parallel", "check_microbatches",
-           "schedule_style"]
+__all__ = ["PipelineError", "Pipeline", "TokenLoss", "count_tokens"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "looped-bfs": ScheduleLoopedBFS,
-    "interleaved-zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
-SINGLE_STAGE = {"gpipe", "1f1b"}
-V_STYLE = {"zbv", "dualpipev"}
 IGNORE_INDEX = -100
 _KEEP_SCHEDULES = 4
 
 
 class PipelineError(HfpipeError):
     """A schedule / microbatch / batch combination that cannot run (message names the option)."""
-
-
-def schedule_style(schedule: str) -> str:
-    """``"v"`` for the V-shaped schedules (stages r and 2p-1-r on rank r), else ``"loop"``."""
-    return "v" if schedule in V_STYLE else "loop"
-
-
-#: Schedules whose backward splits into input and weight gradients (zero bubble).
-SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
-
-
-def check_data_parallel(schedule: str, dp: int) -> None:
-    """Refuse a split-backward schedule over FSDP2 (dp > 1): it trains silently wrong there.
-
-    Measured on torch 2.13 (CPU/gloo): a dense Llama at pp 2 x dp 2 under zbv or dualpipev reports
-    a grad norm of 0.0 and its weights do not move; the weight-gradient step runs outside FSDP's
-    gradient reduction. Until that is fixed, such a run is refused rather than left to train nothing.
-    """
-    if dp > 1 and schedule in SPLIT_BACKWARD:
-        raise PipelineError(f"--schedule {schedule} with --dp {dp} does not train correctly yet (its split "
-                            "backward bypasses FSDP's gradient reduction); use 1f1b or interleaved-1f1b with "
-                            "--dp > 1, or --dp 1")
-
-
-def check_microbatches(schedule: str, pp: int, vpp: int, microbatches: int, batch_size: int | None = None) -> None:
-    """Raise :class:`PipelineError` unless ``schedule`` can run with these counts.
-
-    The rules are torch's own (checked in each schedule's constructor); saying them here, before
-    any process starts, lets the error speak in flags rather than in schedule internals.
-    """
-    if schedule not in SCHEDULES:
-        raise PipelineError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-    if schedule in SINGLE_STAGE and vpp != 1:
-        raise PipelineError(f"--schedule {schedule} runs one stage per rank; use --vpp 1 or an interleaved schedule")
-    if schedule in V_STYLE and vpp != 2:
-        raise PipelineError(f"--schedule {schedule} needs exactly 2 stages per rank; use --vpp 2")
-    if schedule not in SINGLE_STAGE and schedule not in V_STYLE and vpp < 2:
-        raise PipelineError(f"--schedule {schedule} needs several stages per rank; use --vpp 2 or more")
-    stages = pp * vpp
-    if microbatches < 1:
-        raise PipelineError("--microbatches must be at least 1")
-    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
-        raise PipelineError(f"--schedule {schedule} needs at least as many microbatches as stages "
-                            f"({stages}); got --microbatches {microbatches}: raise it to {stages}")
-    if schedule in ("interleaved-1f1b", "interleaved-zb") and microbatches > pp:
-        rounds = microbatches // pp
-        if microbatches % rounds:
-            raise PipelineError(f"--schedule {schedule} needs --microbatches <= --pp or a multiple of the "
-                                f"rounds ({rounds}); got {microbatches}: use {rounds * pp}")
-    if batch_size is not None and batch_size % microbatches:
-        raise PipelineError(f"--batch-size {batch_size} does not divide into --microbatches {microbatches}; "
-                            "make the batch size a multiple of the microbatch count")
 
 
 class TokenLoss:
@@ -122,7 +51,7 @@ class TokenLoss:
 
     def __call__(self, out, labels: torch.Tensor) -> torch.Tensor:
         router = None
-        if isinstance(out, tuple):  # (hidden or logits, coef * aux of the microbatch): hfpipe.pipeline.router_loss
+        if isinstance(out, tuple):  # (hidden or logits, coef * aux of the microbatch): hfpipe.models.router_loss
             out, router = out
         if self.head is not None:
             loss = chunked_loss_sum(self.head.logits, out, _shift(labels), self.chunk, self.denominator, IGNORE_INDEX)
@@ -152,7 +81,7 @@ class Pipeline:
     Args:
         stages: This rank's stage modules, in increasing stage index (materialised on ``device``).
         num_stages: Stages in the whole pipeline.
-        schedule: A name from :data:`SCHEDULES`.
+        schedule: A name from :data:`hfpipe.parallel.rules.SCHEDULES`.
         microbatches: Microbatches per step.
         group: The pipeline process group.
         device: This rank's device.
@@ -202,7 +131,7 @@ class Pipeline:
         if entry is None:
             pstages = [PipelineStage(m, m.spec.index, self.num_stages, self.device, group=self.group)
                        for m in self.modules]
-            cls = SCHEDULES[self.schedule_name]
+            cls = schedule_class(self.schedule_name)
             arg = pstages[0] if self.schedule_name in SINGLE_STAGE else pstages
             loss_fn = None if mode == "logits" else self.loss
             entry = (shape, cls(arg, self.microbatches, loss_fn=loss_fn, scale_grads=False))
@@ -226,7 +155,7 @@ class Pipeline:
                 chunk = 0  # one chunk would hold the whole microbatch: nothing to save
         if last is not None:
             last.head_in_loss = chunk > 0
-        for m in self.modules:  # router sums ride along in training only (hfpipe.pipeline.router_loss)
+        for m in self.modules:  # router sums ride along in training only (hfpipe.models.router_loss)
             m.carry_router_sums = mode == "train"
         self.loss.head, self.loss.chunk = (last if chunk else None), chunk
         return chunk > 0
@@ -251,7 +180,7 @@ class Pipeline:
             router_denominator: What each microbatch's router aux loss is divided by (MoE models
                 with ``output_router_logits``): the step's microbatch count over every
                 accumulation batch and dp rank, divided by dp as ``denominator`` is (default: the
-                microbatches of this batch). See hfpipe.pipeline.router_loss.
+                microbatches of this batch). See hfpipe.models.router_loss.
 
         Returns:
             On the rank holding the loss, the summed loss of this batch (already divided by
@@ -305,7 +234,7 @@ class Pipeline:
         import torch.distributed as dist
 
         pp = dist.get_world_size(self.group)
-        if self.schedule_name in V_STYLE:
+        if self.schedule_name in V_SCHEDULES:
             return [s if s < pp else 2 * pp - 1 - s for s in range(self.num_stages)]
         return [s % pp for s in range(self.num_stages)]
 

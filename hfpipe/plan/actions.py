@@ -24,10 +24,10 @@ def schedule_actions(schedule: str, pp: int, vpp: int, microbatches: int) -> tup
         return tuple(_single_stage_steps(schedule, rank, pp, microbatches) for rank in range(pp))
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    from hfpipe.pipeline.schedule import SCHEDULES
+    from hfpipe.parallel.schedules import schedule_class
 
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-    ops = get_schedule_ops(SCHEDULES[schedule], pp, microbatches, num_stages_per_rank=vpp)
+    ops = get_schedule_ops(schedule_class(schedule), pp, microbatches, num_stages_per_rank=vpp)
     out = []
     for rank_ops in ops:
         steps = []

@@ -77,8 +77,8 @@ def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
     zero-stride parameters, as loading would give them weights.
     """
     from hfpipe.models.registry import adapter_for
-    from hfpipe.plan.spec import StageSpec
-    from hfpipe.pipeline.stage import PipelineStageModule
+    from hfpipe.models.spec import StageSpec
+    from hfpipe.models.stage import PipelineStageModule
 
     adapter = adapter_for(cfg)
     stage = PipelineStageModule(StageSpec(0, (index,), embed=False, head=False), cfg, full, adapter)

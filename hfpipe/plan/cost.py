@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hfpipe.errors import PlanError
+from hfpipe.parallel.rules import EP_KEYS
 
 __all__ = ["CostModel", "config_key", "layer_costs"]
 
@@ -21,10 +22,6 @@ __all__ = ["CostModel", "config_key", "layer_costs"]
 # (H100: ~990 TFLOP/s bf16 over 3.35 TB/s). That is <1% of a decoder layer: enough to keep ties
 # off the embedding stage, too little to move a layer by itself.
 _EMBED_FLOPS_PER_HIDDEN = 4 * 300
-
-_EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
-
 
 @dataclass(frozen=True)
 class CostModel:
@@ -135,8 +132,8 @@ def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
 
 def _expert_fraction(config) -> float:
     """The share of routed-expert parameters one token uses: top_k / num_experts."""
-    count = next((getattr(config, k) for k in _EXPERT_COUNT_KEYS if getattr(config, k, None)), 0)
-    top_k = next((getattr(config, k) for k in _TOP_K_KEYS if getattr(config, k, None)), 0)
+    count = next((getattr(config, k) for k in EP_KEYS[0] if getattr(config, k, None)), 0)
+    top_k = next((getattr(config, k) for k in EP_KEYS[1] if getattr(config, k, None)), 0)
     return top_k / count if count and top_k else 1.0
 
 

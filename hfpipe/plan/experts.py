@@ -22,42 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from hfpipe.parallel.rules import EP_KEYS
 from hfpipe.plan.memory import ACT_BYTES, param_bytes
 
-__all__ = ["EP_KEYS", "all_to_all_bytes", "check_ep", "describe_ep", "price_ranks", "routed_experts"]
-
-#: config keys of the routed-expert count and of the experts each token goes to, by family.
-EP_KEYS = (("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"),
-           ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"))
-
+__all__ = ["all_to_all_bytes", "describe_ep", "price_ranks", "routed_experts"]
 
 def routed_experts(config) -> tuple[int, int]:
     """(routed experts per MoE layer, experts per token); (0, 0) for a dense model."""
     count, top_k = (next((int(getattr(config, k)) for k in keys if getattr(config, k, None)), 0)
                     for keys in EP_KEYS)
     return count, top_k
-
-
-def check_ep(config, ep: int, costs, dp: int) -> None:
-    """Raise PlanError unless ``ep`` can shard this model's routed experts over ``dp`` ranks (one
-    line, the fix). FinetuneConfig checks ep | dp for runs; plan_report is also called directly."""
-    from hfpipe.errors import PlanError
-
-    if ep < 1 or dp % ep:
-        raise PlanError(f"--ep ({ep}) must divide --dp ({dp}): experts are sharded over ep ranks "
-                        "of the data-parallel group")
-    if ep == 1:
-        return
-    count, _ = routed_experts(config)
-    # the runtime shards what transformers' expert-parallel plan names (hfpipe.parallel.expert):
-    # a MoE family without one cannot run --ep, so it is not priced either
-    if not any(costs.layer_routed_params) or not count or not getattr(config, "base_model_ep_plan", None):
-        raise PlanError(f"--ep {ep}: {config.model_type} is a dense model (no routed experts to "
-                        "shard) or has no expert-parallel plan in transformers; leave out --ep")
-    if count % ep:
-        fits = [d for d in range(2, count + 1) if count % d == 0 and d <= 64]
-        raise PlanError(f"--ep {ep} must divide the {count} routed experts of each MoE layer; "
-                        f"use one of {', '.join(map(str, fits[:8]))}")
 
 
 def price_ranks(ranks, plan, costs, dtype: str, dp: int, ep: int) -> tuple:

@@ -30,7 +30,7 @@ keep no T x T scores, so the bytes grow linearly with tokens. With ``full`` acti
 checkpointing a layer keeps only its input (the hidden states crossing a stage boundary: ``h``,
 or ``hc * h`` for DeepSeek-V4's streams), plus the largest layer recomputed for one microbatch at
 a time; ``selective`` checkpoints every other layer of a stage (the first, third, ...), as
-:class:`hfpipe.pipeline.stage.PipelineStageModule` does. The stage with the
+:class:`hfpipe.models.stage.PipelineStageModule` does. The stage with the
 head also keeps, per token, the logits in the compute dtype and cross-entropy's fp32
 log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32), unless the microbatch is larger
 than one chunk of :mod:`hfpipe.pipeline.head_loss`: then it keeps the gradient of its hidden states
@@ -55,10 +55,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from hfpipe.pipeline.head_loss import chunk_tokens
+from hfpipe.plan.memory import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import layer_bytes_per_token
-from hfpipe.plan.experts import all_to_all_bytes, check_ep, describe_ep, price_ranks as price_ep
+from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as price_ep
 from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
 from hfpipe.plan.model_config import load_model_config
 from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
@@ -67,7 +67,6 @@ __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageR
            "load_model_config", "plan_report"]
 
 _AC_MODES = ("none", "selective", "full")
-_MULTI_STAGE = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         config: A transformers ``PretrainedConfig`` of a supported causal LM.
         pp: Pipeline ranks.
         vpp: Stages per rank; left at 1 it becomes 2 for the interleaved and V schedules.
-        schedule: One of :data:`hfpipe.pipeline.schedule.SCHEDULES`; default ``1f1b``, or
+        schedule: One of :data:`hfpipe.parallel.rules.SCHEDULES`; default ``1f1b``, or
             ``interleaved-1f1b`` when ``vpp > 1``.
         layout: Megatron-style layout (overrides ``method``).
         method: ``balanced``, ``even`` or ``weighted``.
@@ -160,11 +159,12 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         quantize_base: ``nf4`` or ``fp8``: a LoRA run's frozen base quantized (hfpipe.plan.quant).
 
     Raises:
-        PlanError, PipelineError, UnsupportedModelError: the plan cannot be made (the message
+        PlanError, ParallelError, UnsupportedModelError: the plan cannot be made (the message
             names the option to change).
     """
     from hfpipe.models.support import get_adapter
-    from hfpipe.pipeline.schedule import check_microbatches, schedule_style
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
     from hfpipe.plan.split import PlanError, bubble_fraction, idle_ranks, layer_costs, plan_pipeline
 
     if dtype not in BYTES_PER_PARAM:
@@ -172,22 +172,20 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if activation_checkpointing not in _AC_MODES:
         raise PlanError(f"--activation-checkpointing must be one of {', '.join(_AC_MODES)}; "
                         f"got {activation_checkpointing!r}")
-    if dp < 1:
-        raise PlanError(f"--dp must be >= 1, got {dp}")
+    dims = ParallelDims(pp=pp, dp=dp, ep=ep)
     check_quant(quantize_base, lora_rank)
     get_adapter(config)
     from hfpipe.config.options import require_positive
 
-    require_positive(pp=pp, vpp=vpp, seq_len=seq_len, microbatches=microbatches, batch_size=batch_size)
-    schedule = schedule or ("interleaved-1f1b" if vpp > 1 else "1f1b")
-    vpp = 2 if vpp == 1 and schedule in _MULTI_STAGE else vpp
-    m = microbatches or pp * vpp
-    check_microbatches(schedule, pp, vpp, m, batch_size)
+    require_positive(seq_len=seq_len, microbatches=microbatches, batch_size=batch_size)
+    schedule = schedule or ("interleaved-1f1b" if vpp and vpp > 1 else "1f1b")
+    checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, batch_size=batch_size,
+                           model_config=config)
+    vpp, m = checked.vpp, checked.microbatches
     batch = batch_size or m
-    plan = plan_pipeline(config, pp, vpp=vpp, style=schedule_style(schedule), method=method,
+    plan = plan_pipeline(config, pp, vpp=vpp, style=checked.style, method=method,
                          layout=layout, seq_len=seq_len)
     costs = layer_costs(config, seq_len)
-    check_ep(config, ep, costs, dp)
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens = batch // m * seq_len
     per_layer = layer_bytes_per_token(config, dtype)

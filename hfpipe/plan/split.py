@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hfpipe.errors import PlanError
 from hfpipe.plan.cost import CostModel, layer_costs
-from hfpipe.plan.spec import StageSpec
+from hfpipe.models.spec import StageSpec
 
 __all__ = [
     "METHODS", "SCHEDULES", "STYLES", "CostModel", "Plan", "PlanError", "StageSpec",

@@ -18,13 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfpipe.quant.fp8 import FP8, quantize_blocks
+from hfpipe.models.experts import STACKS, experts_state
+from hfpipe.quant.fp8 import FP8, dequantize_blocks, quantize_blocks
 from hfpipe.quant.nf4 import QuantError, check_nf4, quantize_nf4
 
 __all__ = ["STACKS", "ExpertStacks", "fused_experts", "routed_expert_key", "split_seam"]
 
-#: The fused 3-D weights of an experts module (transformers' names).
-STACKS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 def fused_experts(module: nn.Module) -> dict[str, nn.Module]:
@@ -55,7 +54,8 @@ class ExpertStacks:
 
     - ``fp8``: two buffers per stack, the codes and ``<name>_scale_inv`` (see the module docstring);
     - ``nf4``: torchao's ``NF4Tensor`` is 2-D and cannot be sliced, so each expert's matrix is one
-      ``NF4Tensor`` (two for a gate/up stack: :func:`split_seam`), kept in ``module._hfpipe_nf4``; the
+      ``NF4Tensor`` (two for a gate/up stack: :func:`split_seam`), kept in the module's
+      :class:`~hfpipe.models.experts.ExpertsState`; the
       stack's name holds a zero broadcast to its local shape (no memory), so loading finds it.
 
     Args:
@@ -63,21 +63,20 @@ class ExpertStacks:
         name: Its full-model name.
         kind: ``fp8`` or ``nf4``.
         block: The FP8 tile edge, or the NF4 block.
-        first_expert: Asked of each stack: the first expert this rank holds.
     """
 
-    def __init__(self, module: nn.Module, name: str, kind: str, block: int, first_expert) -> None:
+    def __init__(self, module: nn.Module, name: str, kind: str, block: int) -> None:
         self.module, self.kind, self.block = module, kind, block
+        state = experts_state(module)  # before the stacks are swapped: it reads the first expert off them
         self.rows: dict[str, tuple[int, int]] = {}  # full-model weight name -> the experts [lo, hi) held here
         for attr in STACKS:
             old = module._parameters.get(attr)
             if old is None or old.dim() != 3:
                 continue
             local = old.to_local() if hasattr(old, "to_local") else old
-            lo = first_expert(old)
+            lo = state.first
             self.rows[f"{name}.{attr}"] = (lo, lo + local.shape[0])
-            module._hfpipe_first_expert = lo
-            module._hfpipe_shapes = {**getattr(module, "_hfpipe_shapes", {}), attr: tuple(old.shape)}
+            state.shapes[attr] = tuple(old.shape)
             e, n, k = local.shape
             del module._parameters[attr]
             if kind == "nf4":
@@ -88,7 +87,7 @@ class ExpertStacks:
             module.register_buffer(attr, torch.empty(e, n, k, dtype=FP8, device="meta"))
             module.register_buffer(attr + "_scale_inv", torch.empty(e, -(-n // block), -(-k // block),
                                                                     dtype=torch.float32, device="meta"))
-        module.quant_block = block
+        state.block, state.dequantize = block, dequantize_blocks
 
     def place(self, target: str, tensor: torch.Tensor, scale: torch.Tensor | None, device) -> None:
         """Set stack ``target`` from the checkpoint's codes and ``scale`` (FP8), or quantize it here."""
@@ -100,7 +99,7 @@ class ExpertStacks:
         if self.kind == "nf4":  # one expert (or half) at a time: one full-precision matrix is the transient
             halves = 2 if split_seam(self.module, attr) else 1
             nf4 = [tuple(quantize_nf4(h.to(device).contiguous(), self.block) for h in w.chunk(halves)) for w in tensor]
-            self.module._hfpipe_nf4 = {**getattr(self.module, "_hfpipe_nf4", {}), attr: nf4}
+            experts_state(self.module).nf4[attr] = nf4
             self.module._buffers[attr] = torch.zeros((), dtype=torch.uint8, device=device).expand(*want)
             return
         if scale is None:  # full precision: one expert at a time, so one fp32 expert is the transient

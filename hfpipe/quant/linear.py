@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hfpipe.models.experts import first_expert, register
+from hfpipe.models.experts import register
 from hfpipe.quant.experts import ExpertStacks, fused_experts
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
@@ -120,7 +120,7 @@ class Quantizer:
             raise QuantError(f"--quantize-base fp8: {whose} must divide the routed experts' "
                              f"intermediate size {gate_up.shape[1] // 2} of {name}, which stacks gate and up; "
                              "choose a block size dividing it")
-        stacks = ExpertStacks(experts, name, self.spec.kind, self.block, first_expert)
+        stacks = ExpertStacks(experts, name, self.spec.kind, self.block)
         register(experts)  # hfpipe's experts forward: one expert dequantized at a time
         for target in stacks.rows:
             self.stacks[target] = stacks

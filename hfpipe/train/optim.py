@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from hfpipe.pipeline.params import unique_parameters
+
 __all__ = ["unique_parameters", "param_groups", "build_optimizer", "lr_lambda", "build_scheduler"]
-
-
-def unique_parameters(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """Trainable parameters of ``modules`` by full-model name, each shared tensor once."""
-    seen, out = set(), []
-    for module in modules:
-        for name, p in module.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append((name, p))
-    return out
 
 
 def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:

@@ -34,8 +34,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.data.batches import batches_per_epoch
     from hfpipe.data.config import check_seq_len
     from hfpipe.models.support import get_adapter
-    from hfpipe.parallel.expert import check_expert_parallel
-    from hfpipe.pipeline.schedule import check_data_parallel, check_microbatches, schedule_style
+    from hfpipe.parallel.rules import check_layout
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.folder import ModelSource
     from hfpipe.train.logs import check_sinks
@@ -43,10 +42,9 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     check_sinks(cfg.report_to)
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
-    check_expert_parallel(source.config, cfg.ep, cfg.dp, cfg.schedule)
-    check_microbatches(cfg.schedule, cfg.pp, cfg.vpp, cfg.num_microbatches, cfg.batch_size)
-    check_data_parallel(cfg.schedule, cfg.dp)
-    plan_pipeline(source.config, cfg.pp, vpp=cfg.vpp, style=schedule_style(cfg.schedule),
+    layout = check_layout(cfg.dims, cfg.schedule, vpp=cfg.vpp, microbatches=cfg.microbatches,
+                          batch_size=cfg.batch_size, model_config=source.config)
+    plan_pipeline(source.config, cfg.pp, vpp=layout.vpp, style=layout.style,
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
     check_seq_len(cfg.seq_len, source.config)
     if source.repo_id is None:  # local shards: check every header now (hub shards download later)
@@ -193,7 +191,7 @@ def run_worker(cfg_dict: dict) -> dict:
 
     cfg = FinetuneConfig.from_dict(cfg_dict)
     torch.manual_seed(cfg.seed)
-    dist_info = init_distributed(cfg.pp, cfg.dp, timeout_s=cfg.timeout)
+    dist_info = init_distributed(cfg.dims, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
     pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, vpp=cfg.vpp, schedule=cfg.schedule,
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
@@ -259,7 +257,9 @@ class _Run:
         self.cfg, self.pm, self.optimizer, self.scheduler = cfg, pm, optimizer, scheduler
         self.examples, self.total = examples, total
         self.held = held  # the evaluation rows, or None
-        self.trainer = pm.trainer(optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm)
+        from hfpipe.train.step import trainer_for
+
+        self.trainer = trainer_for(pm, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm)
         self.pos = _Position()
         self.out = Path(cfg.output_dir)
         self.reporter = pm.dist.pp_rank == pm.loss_rank and pm.dist.dp_rank == 0

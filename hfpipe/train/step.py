@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hfpipe.errors import HfpipeError
 from hfpipe.pipeline.schedule import Pipeline, count_tokens
-from hfpipe.train.optim import unique_parameters
+from hfpipe.pipeline.inputs import BatchError, check_batches
+from hfpipe.pipeline.params import unique_parameters
+from hfpipe.parallel.grads import squared_norm
 
-__all__ = ["BatchError", "StepResult", "PipelineTrainer", "check_batches", "tied_groups"]
+__all__ = ["BatchError", "StepResult", "PipelineTrainer", "check_batches", "trainer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -35,65 +36,9 @@ class StepResult:
     tokens: int
 
 
-class BatchError(HfpipeError):
-    """A batch the pipeline cannot run: the message names the call, the batch and the key."""
-
-
-def check_batches(batches: list, vocab_size: int | None, call: str, *, labels: bool = True) -> None:
-    """Refuse batches the schedule would crash on (or, on a GPU, read past the embedding with).
-
-    Each must hold ``input_ids`` (and ``labels``) as integer ``[batch, seq]`` tensors of the same
-    shape with at least one token; ids within the vocabulary, labels too or -100.
-    """
-    if not batches:
-        raise BatchError(f"{call}: no batch given; pass a dict with input_ids and labels, or a list of them")
-    for i, batch in enumerate(batches):
-        where = f"{call}: batch {i}" if len(batches) > 1 else f"{call}: the batch"
-        if not isinstance(batch, Mapping):
-            raise BatchError(f"{where} is a {type(batch).__name__}; pass a dict of tensors")
-        for key in ("input_ids", "labels") if labels else ("input_ids",):
-            _check_ids(batch.get(key), key, where, vocab_size, batch.get("input_ids"))
-
-
-def _check_ids(t, key: str, where: str, vocab: int | None, ids) -> None:
-    if not isinstance(t, torch.Tensor):
-        hint = " (a collator such as DataCollatorForLanguageModeling adds them)" if key == "labels" else ""
-        raise BatchError(f"{where} has no {key!r} tensor{hint}")
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise BatchError(f"{where}: {key} must hold integer token ids, got {t.dtype}")
-    if t.ndim != 2 or t.numel() == 0:
-        raise BatchError(f"{where}: {key} must be [batch, sequence] with at least one token, got shape "
-                         f"{list(t.shape)}")
-    if key == "labels" and t.shape != ids.shape:
-        raise BatchError(f"{where}: labels shape {list(t.shape)} differs from input_ids {list(ids.shape)}")
-    if vocab:
-        valid = (t >= 0) & (t < vocab) if key == "input_ids" else ((t >= 0) & (t < vocab)) | (t == -100)
-        if not bool(valid.all()):
-            bad = int(t[~valid][0])
-            raise BatchError(f"{where}: {key} holds {bad}, outside the model's vocabulary of {vocab} tokens "
-                             f"(0 .. {vocab - 1}{', or -100' if key == 'labels' else ''})")
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def tied_groups(plan, dist_info, tied: bool):
-    """Create the {first, last} rank groups of every dp replica; return this rank's (or None).
-
-    Every rank must call this (group creation is collective), in the same order.
-    """
-    first, last = plan.rank_of_stage(0), plan.rank_of_stage(len(plan.stages) - 1)
-    if not tied or first == last:
-        return None  # one rank holds both: the two uses already share one parameter
-    mine = None
-    for d in range(dist_info.dp):
-        ranks = [d * dist_info.pp + first, d * dist_info.pp + last]
-        group = dist.new_group(ranks)
-        if dist_info.rank in ranks:
-            mine = group
-    return mine
 
 
 class PipelineTrainer:
@@ -105,7 +50,7 @@ class PipelineTrainer:
         optimizer: Any torch optimizer over this rank's parameters (the user's own is fine).
         scheduler: Optional LR scheduler stepped after each optimizer step.
         max_grad_norm: Clip to this global norm; ``None`` or 0 disables clipping (norm still reported).
-        tied_group: From :func:`tied_groups`.
+        tied_group: From :meth:`hfpipe.parallel.mesh.Dist.tied_group`.
         loss_rank: Pipeline rank that holds the last stage (where the loss is computed).
     """
 
@@ -132,12 +77,12 @@ class PipelineTrainer:
         batches = [batches] if isinstance(batches, Mapping) else list(batches)
         check_batches(batches, self.vocab_size, "trainer.step")
         tokens = self._global_tokens(batches)
-        # FSDP averages gradients over dp (gloo has no pre-scaled sum), so each rank's loss is
-        # scaled up by dp to leave the sum over all tokens / global token count.
-        dp = self.dist.dp
+        # FSDP averages gradients over its ranks (gloo has no pre-scaled sum), so each rank's loss is
+        # scaled up by as much, to leave the sum over all tokens / global token count.
+        dp = self.dist.dims.grad_divide_factor
         loss = torch.zeros((), dtype=torch.float64)
         # A microbatch's router aux loss counts 1 / (all microbatches of the step), scaled up by dp
-        # like the token loss (hfpipe.pipeline.router_loss).
+        # like the token loss (hfpipe.models.router_loss).
         router_denominator = len(batches) * self.pipe.microbatches
         for batch in batches:
             part = self.pipe.train_step(batch, tokens / dp, router_denominator)
@@ -167,9 +112,9 @@ class PipelineTrainer:
 
     def _global_tokens(self, batches: list[dict]) -> int:
         count = torch.tensor(sum(count_tokens(b["labels"]) for b in batches), dtype=torch.int64)
-        if self.dist.dp_group is not None:
+        if self.dist.batch_group is not None:
             count = count.to(self.dist.device)
-            dist.all_reduce(count, group=self.dist.dp_group)
+            dist.all_reduce(count, group=self.dist.batch_group)
         return max(1, int(count))
 
     def _sync_tied_grads(self) -> None:
@@ -181,12 +126,8 @@ class PipelineTrainer:
 
     def _clip(self) -> float:
         """Global L2 norm over all ranks' gradients; scale them down to ``max_grad_norm``."""
-        grads = [_local(p.grad) for p in self._norm_params if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=self.dist.device)
-        if grads:
-            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).pow(2).sum()
-        dist.all_reduce(sq)  # every stage and every dp shard holds a disjoint part of the gradient
-        norm = float(sq.sqrt())
+        grads = [p.grad for p in self._norm_params if p.grad is not None]
+        norm = float(squared_norm(grads, self.dist.pp_group, self.dist.device).sqrt())
         if self.max_grad_norm:
             coef = min(1.0, self.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             grads = [p.grad for p in self._params if p.grad is not None]
@@ -195,10 +136,16 @@ class PipelineTrainer:
         return norm
 
     def _share_loss(self, loss: torch.Tensor) -> float:
-        """Sum over dp on the loss rank, then broadcast along the pipeline."""
+        """Sum over the batch group on the loss rank, then broadcast along the pipeline."""
         t = loss.to(self.dist.device)
-        if self.dist.dp_group is not None and self.pipe.has_loss:
-            dist.all_reduce(t, group=self.dist.dp_group)
+        if self.dist.batch_group is not None and self.pipe.has_loss:
+            dist.all_reduce(t, group=self.dist.batch_group)
         src = self.dist.pp_peer(self.loss_rank)
         dist.broadcast(t, src=src, group=self.dist.pp_group)
         return float(t)
+
+
+def trainer_for(pm, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0) -> PipelineTrainer:
+    """A :class:`PipelineTrainer` over a :class:`hfpipe.pipeline.model.PipelineModel`'s stages."""
+    return PipelineTrainer(pm.pipe, pm.dist, optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
+                           tied_group=pm.tied_group, loss_rank=pm.loss_rank, vocab_size=pm.vocab_size)

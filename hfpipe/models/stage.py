@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hfpipe.models.meta import build_meta_model, model_config
-from hfpipe.pipeline.router_loss import RouterSums, finish_router_loss, router_loss_spec
+from hfpipe.models.router_loss import RouterSums, finish_router_loss, router_loss_spec
 
 __all__ = ["PipelineStageModule", "build_meta_model", "build_stage_modules", "rebuild_rotary", "rebuild_buffers"]
 
@@ -66,7 +66,7 @@ class PipelineStageModule(nn.Module):
             # parameter (loaded from the embedding's tensor; gradients summed by the trainer).
             self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
         self._mask_kinds = sorted({self._layer_kind(i) for i in spec.layers})
-        # MoE router aux loss (hfpipe.pipeline.router_loss): per-expert sums ride beside the hidden
+        # MoE router aux loss (hfpipe.models.router_loss): per-expert sums ride beside the hidden
         # states while the pipeline sets ``carry_router_sums`` (training steps).
         self.router_loss = router_loss_spec(full)
         self._router_sums = RouterSums(self.router_loss, self.model.layers) if self.router_loss else None
@@ -90,7 +90,7 @@ class PipelineStageModule(nn.Module):
         ``input_ids`` reaches every stage only for families whose layers take it (DeepSeek-V4).
         While ``carry_router_sums`` is set, a second tensor rides along: the router sums (received
         as ``router_sums``, sent on), and the last stage returns ``coef * aux`` of the microbatch
-        instead (hfpipe.pipeline.router_loss).
+        instead (hfpipe.models.router_loss).
         """
         if not (self.carry_router_sums and self._router_sums is not None):
             return self._forward(x, None, attention_mask, position_ids, input_ids)

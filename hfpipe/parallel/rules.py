@@ -1,0 +1,137 @@
+"""Every rule a parallel layout must keep, in one validator: :func:`check_layout`.
+
+The CLI's config, the Python API (``load_pipeline``), ``plan`` and the run's preflight all call it,
+so a layout gets the same message, in the same order, wherever it is given: the degrees
+(:class:`~hfpipe.parallel.dims.ParallelDims`), the schedule and its stages per rank, the
+microbatches, the batch, the schedules FSDP cannot run, then what the model allows (--ep over its
+routed experts). The schedule names live here too, the one table the config, the planner and the
+pipeline read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hfpipe.errors import ParallelError
+from hfpipe.parallel.dims import ParallelDims
+
+__all__ = ["EP_KEYS", "INTERLEAVED_SCHEDULES", "Layout", "SCHEDULES", "SINGLE_STAGE", "SPLIT_BACKWARD",
+           "V_SCHEDULES", "check_layout", "count_experts", "default_vpp", "schedule_style"]
+
+#: Every pipeline schedule, as spelled in ``--schedule``.
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+#: One stage per rank.
+SINGLE_STAGE = ("gpipe", "1f1b")
+#: Several stages per rank in a loop (rank r holds stages r, r+pp, ...).
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
+#: Exactly two stages per rank in a V (rank r holds stages r and 2*pp-1-r).
+V_SCHEDULES = ("zbv", "dualpipev")
+#: Schedules whose backward splits into input and weight passes (zero bubble).
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
+#: config keys of the routed-expert count and of the experts each token goes to, by family.
+EP_KEYS = (("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"),
+           ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"))
+
+
+def schedule_style(schedule: str) -> str:
+    """``"v"`` for the V-shaped schedules (stages r and 2p-1-r on rank r), else ``"loop"``."""
+    return "v" if schedule in V_SCHEDULES else "loop"
+
+
+def default_vpp(schedule: str) -> int:
+    """Stages per rank a schedule runs unless told otherwise."""
+    return 1 if schedule in SINGLE_STAGE else 2
+
+
+def count_experts(config) -> int | None:
+    """Routed experts per MoE layer that ``--ep`` can shard, or ``None`` (a dense model, or a family
+    without transformers' expert-parallel plan, which is what the runtime shards by)."""
+    if not getattr(config, "base_model_ep_plan", None):
+        return None
+    return next((int(getattr(config, k)) for k in EP_KEYS[0] if getattr(config, k, None)), None)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A checked layout: the degrees, the schedule, and the counts it resolved."""
+
+    dims: ParallelDims
+    schedule: str
+    vpp: int
+    microbatches: int
+
+    @property
+    def stages(self) -> int:
+        return self.dims.pp * self.vpp
+
+    @property
+    def style(self) -> str:
+        return schedule_style(self.schedule)
+
+
+def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None = None,
+                 microbatches: int | None = None, batch_size: int | None = None, model_config=None) -> Layout:
+    """Raise :class:`~hfpipe.errors.ParallelError` unless the layout can run; return it resolved.
+
+    ``vpp`` None (or 1 for a schedule that needs several stages per rank) becomes the schedule's
+    default; ``microbatches`` None becomes the number of stages. ``model_config`` adds the model's rules.
+    """
+    if schedule not in SCHEDULES:
+        raise ParallelError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    vpp = _fit_vpp(schedule, vpp)
+    origin = "" if microbatches else ", the default pp * vpp"
+    microbatches = microbatches or dims.pp * vpp
+    _check_microbatches(schedule, dims.pp, vpp, microbatches)
+    if batch_size is not None and batch_size % microbatches:
+        raise ParallelError(f"--batch-size ({batch_size}) must be a multiple of --microbatches "
+                            f"({microbatches}{origin})")
+    if dims.dp > 1 and schedule in SPLIT_BACKWARD:
+        # Measured on torch 2.13 (CPU/gloo): a dense Llama at pp 2 x dp 2 under zbv or dualpipev reports a
+        # grad norm of 0.0 and does not train; the weight-gradient pass runs outside FSDP's reduction.
+        raise ParallelError(f"--schedule {schedule} with --dp {dims.dp}: zero-bubble schedules leave FSDP's "
+                            "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
+                            "looped-bfs with --dp > 1, or --dp 1")
+    if model_config is not None:
+        _check_experts(dims.ep, model_config)
+    return Layout(dims, schedule, vpp, microbatches)
+
+
+def _fit_vpp(schedule: str, vpp: int | None) -> int:
+    if vpp is None or (vpp == 1 and schedule not in SINGLE_STAGE):
+        return default_vpp(schedule)
+    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
+        raise ParallelError(f"--vpp must be >= 1, got {vpp!r}")
+    if schedule in V_SCHEDULES and vpp != 2:
+        raise ParallelError(f"--vpp must be 2 for --schedule {schedule} (a V of two stages), got {vpp}")
+    if schedule in SINGLE_STAGE and vpp != 1:
+        raise ParallelError(f"--vpp must be 1 for --schedule {schedule}, got {vpp}; "
+                            "use --schedule interleaved-1f1b for several stages per rank")
+    return vpp
+
+
+def _check_microbatches(schedule: str, pp: int, vpp: int, microbatches: int) -> None:
+    """torch's own rules (each schedule's constructor checks them), said in flags before anything starts."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ParallelError(f"--microbatches must be >= 1, got {microbatches!r}")
+    stages = pp * vpp
+    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
+        raise ParallelError(f"--schedule {schedule} needs at least as many microbatches as stages "
+                            f"({stages}); got --microbatches {microbatches}: raise it to {stages}")
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and microbatches > pp:
+        rounds = microbatches // pp
+        if microbatches % rounds:
+            raise ParallelError(f"--schedule {schedule} needs --microbatches <= --pp or a multiple of the "
+                                f"rounds ({rounds}); got {microbatches}: use {rounds * pp}")
+
+
+def _check_experts(ep: int, config) -> None:
+    if ep == 1:
+        return
+    experts = count_experts(config)
+    if not experts:
+        raise ParallelError(f"--ep {ep}: {config.model_type} is a dense model (no routed experts to shard) or "
+                            "has no expert-parallel plan in transformers; leave out --ep")
+    if experts % ep:
+        fits = [d for d in range(2, experts + 1) if experts % d == 0 and d <= 64]
+        raise ParallelError(f"--ep {ep} must divide the {experts} routed experts of each MoE layer of this "
+                            f"{config.model_type} model; use one of {', '.join(map(str, fits[:8]))}")

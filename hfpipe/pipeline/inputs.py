@@ -1,0 +1,50 @@
+"""What a batch handed to the pipeline must hold, checked before a schedule runs on it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from hfpipe.errors import HfpipeError
+
+__all__ = ["BatchError", "check_batches"]
+
+
+class BatchError(HfpipeError):
+    """A batch the pipeline cannot run: the message names the call, the batch and the key."""
+
+
+def check_batches(batches: list, vocab_size: int | None, call: str, *, labels: bool = True) -> None:
+    """Refuse batches the schedule would crash on (or, on a GPU, read past the embedding with).
+
+    Each must hold ``input_ids`` (and ``labels``) as integer ``[batch, seq]`` tensors of the same
+    shape with at least one token; ids within the vocabulary, labels too or -100.
+    """
+    if not batches:
+        raise BatchError(f"{call}: no batch given; pass a dict with input_ids and labels, or a list of them")
+    for i, batch in enumerate(batches):
+        where = f"{call}: batch {i}" if len(batches) > 1 else f"{call}: the batch"
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"{where} is a {type(batch).__name__}; pass a dict of tensors")
+        for key in ("input_ids", "labels") if labels else ("input_ids",):
+            _check_ids(batch.get(key), key, where, vocab_size, batch.get("input_ids"))
+
+
+def _check_ids(t, key: str, where: str, vocab: int | None, ids) -> None:
+    if not isinstance(t, torch.Tensor):
+        hint = " (a collator such as DataCollatorForLanguageModeling adds them)" if key == "labels" else ""
+        raise BatchError(f"{where} has no {key!r} tensor{hint}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise BatchError(f"{where}: {key} must hold integer token ids, got {t.dtype}")
+    if t.ndim != 2 or t.numel() == 0:
+        raise BatchError(f"{where}: {key} must be [batch, sequence] with at least one token, got shape "
+                         f"{list(t.shape)}")
+    if key == "labels" and t.shape != ids.shape:
+        raise BatchError(f"{where}: labels shape {list(t.shape)} differs from input_ids {list(ids.shape)}")
+    if vocab:
+        valid = (t >= 0) & (t < vocab) if key == "input_ids" else ((t >= 0) & (t < vocab)) | (t == -100)
+        if not bool(valid.all()):
+            bad = int(t[~valid][0])
+            raise BatchError(f"{where}: {key} holds {bad}, outside the model's vocabulary of {vocab} tokens "
+                             f"(0 .. {vocab - 1}{', or -100' if key == 'labels' else ''})")
