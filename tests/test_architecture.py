@@ -1,4 +1,5 @@
-"""Spec of the house (ARCHITECTURE.md): imports run downwards, few floors, few top modules, short files.
+"""Spec of the house (ARCHITECTURE.md): imports run downwards (between modules and between packages),
+few floors, few top modules, short files.
 
 Every ``import`` statement counts, also one inside a function: a lazy import still makes the two
 modules depend on each other. ``cli/`` is installed as ``hfpipe.cli`` and counted with the package.
@@ -99,6 +100,43 @@ def test_package_inits_import_nothing_but_the_lazy_faces():
         has_modules = any(m.startswith(name + ".") for m in MODS)
         if path.name == "__init__.py" and name != "hfpipe" and has_modules:
             assert not GRAPH[name], f"{path.relative_to(ROOT)} imports {sorted(GRAPH[name])}"
+
+
+def _package(name: str) -> str:
+    """The floor a module lives on: its package under hfpipe (``pipeline``), or itself at the top."""
+    if name.startswith("hfpipe.cli"):
+        return "cli"
+    parts = name.split(".")
+    if len(parts) == 1:
+        return name
+    return parts[1] if len(parts) > 2 or MODS[name].name == "__init__.py" else name
+
+
+def _package_arrows(graph) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    arrows: dict = {}
+    for a, targets in graph.items():
+        for b in targets:
+            if _package(a) != _package(b):
+                arrows.setdefault((_package(a), _package(b)), []).append((a, b))
+    return arrows
+
+
+def _back_arrows(graph) -> list[str]:
+    """Package pairs that import each other: one of the two arrows runs back up a floor."""
+    arrows = _package_arrows(graph)
+    return [f"{a} -> {b} ({arrows[a, b][0][0]} imports {arrows[a, b][0][1]})"
+            for a, b in sorted(arrows) if (b, a) in arrows]
+
+
+def test_imports_run_down_between_packages_too():
+    """A package never imports one that imports it back (no two-way arrows between folders)."""
+    back = _back_arrows(GRAPH)
+    assert not back, "; ".join(back)
+
+
+def test_a_known_back_arrow_is_caught():
+    graph = {**GRAPH, "hfpipe.models.stage": GRAPH["hfpipe.models.stage"] | {"hfpipe.pipeline.schedule"}}
+    assert any(a.startswith("models -> pipeline") for a in _back_arrows(graph))
 
 
 def test_a_known_circle_is_caught():
