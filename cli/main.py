@@ -3,9 +3,8 @@
 Each command parses its options, builds a config and calls one library function. Heavy imports
 (torch, transformers) happen inside the commands, so ``hfpipe --help`` answers at once.
 
-Errors: a mistake the user can fix (any ``ValueError`` subclass hfpipe defines -- ConfigError,
-PlanError, PipelineError, SourceError, LoadError, UnsupportedModelError, ExportError, DataError --
-or a bad command line) prints one line, ``error: <message>``, on stderr and exits with 2. Anything
+Errors: a mistake the user can fix (any :class:`hfpipe.errors.HfpipeError`, or a bad command line)
+prints one line, ``error: <message>``, on stderr and exits with 2. Anything
 else exits with 1 and a one-line summary. ``--debug`` adds the traceback to both.
 """
 
@@ -22,7 +21,7 @@ from typing import Annotated, Literal, Optional
 import typer
 from typer.core import TyperGroup
 
-from hfpipe import __version__
+from hfpipe.errors import HfpipeError
 from hfpipe.cli.options import FIELD_HELP as _HELP
 from hfpipe.cli.finetune import finetune, resume_command
 from hfpipe.cli.generate import chat, generate
@@ -105,8 +104,7 @@ def _no_stdin() -> int | None:
 
 def _report(e: Exception, debug: bool) -> int:
     """Print ``error: ...`` (and the traceback with --debug); return the exit code."""
-    user = isinstance(e, UsageError) or (
-        isinstance(e, ValueError) and type(e).__module__.split(".")[0] == "hfpipe")
+    user = isinstance(e, (UsageError, HfpipeError))
     if debug:
         traceback.print_exception(e, file=sys.stderr)
     if isinstance(e, UsageError):
@@ -165,7 +163,9 @@ def _setup_logging(level: str) -> None:
 
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(f"hfpipe {__version__}")
+        from importlib.metadata import version  # not `hfpipe.__version__`: the package face sits a floor above
+
+        typer.echo(f"hfpipe {version('hfpipe')}")
         raise typer.Exit()
 
 

@@ -10,7 +10,7 @@ Inside ``torchrun --nproc-per-node 4 train.py``::
         out = trainer.step(batch)             # out.loss, out.grad_norm: same on every rank
     pm.save_pretrained("out/hf")              # an HF folder from_pretrained loads
 
-The machinery is :mod:`hfpipe.pipeline.model`; this face adds ``trainer`` (:mod:`hfpipe.train.step`, which
+The machinery is :mod:`hfpipe.pipeline.build` and :mod:`hfpipe.pipeline.model`; this face adds ``trainer`` (:mod:`hfpipe.train.step`, which
 stands on the pipeline) and ``save_pretrained``, the one method that exports.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+from hfpipe.pipeline import build as _build
 from hfpipe.pipeline import model as _model
 from hfpipe.pipeline.model import DTYPES
 
@@ -60,6 +61,6 @@ class PipelineModel(_model.PipelineModel):
         return Path(out)
 
 
-@functools.wraps(_model.load_pipeline)
+@functools.wraps(_build.load_pipeline)
 def load_pipeline(model: str, **options) -> PipelineModel:
-    return _model.load_pipeline(model, model_class=PipelineModel, **options)
+    return _build.load_pipeline(model, model_class=PipelineModel, **options)

@@ -15,13 +15,15 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["NotRegularFileError", "open_regular", "check_regular", "check_folder"]
 
 _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}
 
 
-class NotRegularFileError(ValueError):
+class NotRegularFileError(HfpipeError):
     """A path that must be a file is a FIFO, socket, device or folder (reading it would hang)."""
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["TINY_KINDS", "TABLE_KINDS", "tiny_config", "make_tiny_checkpoint", "make_tiny_tokenizer", "make_fp8_checkpoint"]
 
 log = logging.getLogger(__name__)
@@ -151,7 +153,7 @@ def tiny_config(kind: str, **overrides):
 
         cfg = CONFIG_MAPPING[kind](**{**_COMMON, **TABLE_KINDS[kind], **overrides})
     else:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS + tuple(TABLE_KINDS))}")
+        raise HfpipeError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS + tuple(TABLE_KINDS))}")
     return cfg
 
 

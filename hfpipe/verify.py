@@ -190,7 +190,7 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
     """
     import torch.distributed as dist
 
-    from hfpipe.pipeline.model import load_pipeline
+    from hfpipe.pipeline.build import load_pipeline
     from hfpipe.parallel.mesh import init_distributed
 
     mesh = init_distributed(plan.pp)

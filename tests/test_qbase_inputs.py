@@ -31,7 +31,7 @@ def test_quantize_base_needs_lora(tiny):  # noqa: F811
                       "--quantize-base must be one of nf4, fp8")
     assert_user_error(run("finetune", tiny, "--lora-rank", 4, "--quantize-block-size", 64),
                       "--quantize-block-size takes a positive size and applies with --quantize-base only")
-    from hfpipe.pipeline.model import _quant_spec
+    from hfpipe.pipeline.build import _quant_spec
 
     with pytest.raises(ValueError, match="add --lora-rank"):
         _quant_spec("nf4", None, None)

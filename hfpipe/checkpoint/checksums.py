@@ -23,6 +23,8 @@ import re
 import stat
 from pathlib import Path
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["ALGORITHM", "RECORD", "Checksums", "DamagedCheckpointError", "hash_items", "mine",
            "read_regular", "write_record"]
 
@@ -33,7 +35,7 @@ _MAX_RECORD = 1 << 30
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter names files by writer rank
 
 
-class DamagedCheckpointError(ValueError):  # a floor module: no hfpipe import, not even errors
+class DamagedCheckpointError(HfpipeError):
     """A checkpoint's bytes differ from what was recorded when it was saved."""
 
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from hfpipe.checkpoint.checksums import Checksums
+from hfpipe.errors import HfpipeError
 
 __all__ = ["UnsafeMetadataError", "SafeLoadPlanner", "SafeReader", "check_byte_items", "load_item", "read_metadata",
            "safe_load"]
@@ -47,7 +48,7 @@ _DCP_CLASSES = {
 _MAX_BYTES = 1 << 30  # a metadata file for 1e7 tensors is ~2 GB only in theory; refuse absurd ones
 
 
-class UnsafeMetadataError(ValueError):
+class UnsafeMetadataError(HfpipeError):
     """A ``.metadata`` file (or a stored item) is unreadable or asks to build something that is not data."""
 
 

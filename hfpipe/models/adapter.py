@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hfpipe.errors import HfpipeError
+
 
 __all__ = ["Adapter", "ConfigFactor", "ExpandStreams", "MOE_REFUSALS", "Softcap", "UnsupportedModelError"]
 
@@ -26,7 +28,7 @@ _MOE_AUX = (
 MOE_REFUSALS = {"output_router_logits": _MOE_AUX}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(HfpipeError):
     """The architecture cannot be pipelined exactly by hfpipe.
 
     A ValueError like :class:`hfpipe.errors.HfpipeError`, but not a subclass: this module is the

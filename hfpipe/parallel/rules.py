@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hfpipe.errors import ParallelError
+from hfpipe.models.moe import routed_experts
 from hfpipe.parallel.dims import ParallelDims
 
-__all__ = ["EP_KEYS", "INTERLEAVED_SCHEDULES", "Layout", "SCHEDULES", "SINGLE_STAGE", "SPLIT_BACKWARD",
+__all__ = ["INTERLEAVED_SCHEDULES", "Layout", "SCHEDULES", "SINGLE_STAGE", "SPLIT_BACKWARD",
            "V_SCHEDULES", "check_layout", "count_experts", "default_vpp", "schedule_style"]
 
 #: Every pipeline schedule, as spelled in ``--schedule``.
@@ -28,9 +29,6 @@ INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
 V_SCHEDULES = ("zbv", "dualpipev")
 #: Schedules whose backward splits into input and weight passes (zero bubble).
 SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
-#: config keys of the routed-expert count and of the experts each token goes to, by family.
-EP_KEYS = (("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"),
-           ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"))
 
 
 def schedule_style(schedule: str) -> str:
@@ -48,7 +46,7 @@ def count_experts(config) -> int | None:
     without transformers' expert-parallel plan, which is what the runtime shards by)."""
     if not getattr(config, "base_model_ep_plan", None):
         return None
-    return next((int(getattr(config, k)) for k in EP_KEYS[0] if getattr(config, k, None)), None)
+    return routed_experts(config)[0] or None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def debug() -> bool:
 
 
 def _is_user_error(e: BaseException) -> bool:
-    return isinstance(e, ValueError) and type(e).__module__.split(".")[0] == "hfpipe"
+    return isinstance(e, HfpipeError)
 
 
 def _is_timeout(e: BaseException) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hfpipe.errors import PlanError
-from hfpipe.parallel.rules import EP_KEYS
+from hfpipe.models.moe import routed_experts
 
 __all__ = ["CostModel", "config_key", "layer_costs"]
 
@@ -132,8 +132,7 @@ def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
 
 def _expert_fraction(config) -> float:
     """The share of routed-expert parameters one token uses: top_k / num_experts."""
-    count = next((getattr(config, k) for k in EP_KEYS[0] if getattr(config, k, None)), 0)
-    top_k = next((getattr(config, k) for k in EP_KEYS[1] if getattr(config, k, None)), 0)
+    count, top_k = routed_experts(config)
     return top_k / count if count and top_k else 1.0
 
 

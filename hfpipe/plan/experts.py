@@ -22,17 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from hfpipe.parallel.rules import EP_KEYS
+from hfpipe.models.moe import routed_experts
 from hfpipe.plan.memory import ACT_BYTES, param_bytes
 
-__all__ = ["all_to_all_bytes", "describe_ep", "price_ranks", "routed_experts"]
-
-def routed_experts(config) -> tuple[int, int]:
-    """(routed experts per MoE layer, experts per token); (0, 0) for a dense model."""
-    count, top_k = (next((int(getattr(config, k)) for k in keys if getattr(config, k, None)), 0)
-                    for keys in EP_KEYS)
-    return count, top_k
-
+__all__ = ["all_to_all_bytes", "describe_ep", "price_ranks"]
 
 def price_ranks(ranks, plan, costs, dtype: str, dp: int, ep: int) -> tuple:
     """``ranks`` (full-run :class:`~hfpipe.plan.report.RankReport`) with each rank's experts cut to

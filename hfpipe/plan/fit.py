@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from hfpipe.errors import PlanError
-from hfpipe.plan.experts import routed_experts
+from hfpipe.models.moe import routed_experts
 
 __all__ = ["RankFit", "Suggestion", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
            "report_for", "suggest"]

@@ -8,6 +8,8 @@ stage's loss chunk (:func:`chunk_tokens`), which the chunked head loss runs and 
 
 import os
 
+from hfpipe.errors import PlanError
+
 __all__ = ["ACT_BYTES", "AUTO_CHUNK_BYTES", "BYTES_PER_PARAM", "chunk_tokens", "fsdp_bytes", "param_bytes"]
 
 #: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
@@ -51,7 +53,7 @@ def chunk_tokens(vocab_size: int, setting: int | None = None) -> int:
     env = os.environ.get("HFPIPE_LOSS_CHUNK_TOKENS")
     if setting is None and env:
         if not env.strip().isdigit():
-            raise ValueError(f"HFPIPE_LOSS_CHUNK_TOKENS={env!r} must be a whole number of tokens (0: off)")
+            raise PlanError(f"HFPIPE_LOSS_CHUNK_TOKENS={env!r} must be a whole number of tokens (0: off)")
         setting = int(env)
     if setting is not None:
         return max(0, int(setting))

@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["DEFAULT_BLOCK", "QuantError", "check_nf4", "quantize_nf4", "scaler_block", "torchao_nf4"]
 
 #: QLoRA's and torchao's NF4 block (values per absmax scale).
@@ -33,7 +35,7 @@ _MAX_SCALER_BLOCK = 256  # torchao's default group of scales per int8 quantizati
 _MAX_DP = 8  # scale groups never straddle an eighth of the rows: FSDP2 can shard rows over dp | 8
 
 
-class QuantError(ValueError):
+class QuantError(HfpipeError):
     """A quantized-base setting that cannot work (one line: names the option or tensor and the fix).
 
     The layer's own ``ValueError`` (as ARCHITECTURE.md allows) rather than an ``HfpipeError``: importing

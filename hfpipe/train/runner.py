@@ -184,7 +184,7 @@ class _Position:
 
 def run_worker(cfg_dict: dict) -> dict:
     """One rank of a run (module level so the launcher can start it)."""
-    from hfpipe.pipeline.model import load_pipeline
+    from hfpipe.pipeline.build import load_pipeline
     from hfpipe.parallel.mesh import init_distributed
     from hfpipe.lora.adapters import from_finetune_config
     from hfpipe.train.optim import build_optimizer, build_scheduler
