@@ -78,7 +78,12 @@ def experts_state(module: nn.Module) -> ExpertsState:
 
 
 def register(experts: nn.Module) -> None:
-    """Run ``experts`` (and every experts module sharing its config) through :func:`experts_forward`."""
+    """Run ``experts`` (and every experts module sharing its config) through :func:`experts_forward`.
+
+    transformers' documented hook: an implementation registered under a new name. The registry is
+    transformers' own (process-wide), so the entry is additive and idempotent: no existing name changes
+    meaning; only the stage's own config points at it.
+    """
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)

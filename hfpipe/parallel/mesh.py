@@ -124,8 +124,6 @@ class Dist:
         counts are summed over it. ``None`` when this rank is alone in it."""
         return None if self.dims.dp * self.dims.cp == 1 else self._submesh(self.dims.batch_dims).get_group()
 
-    dp_group = batch_group  # the name the run loop and evaluation used before cp
-
     @property
     def fsdp_mesh(self):
         """The mesh FSDP2 shards a stage's parameters over (it averages their gradients over it)."""

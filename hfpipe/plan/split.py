@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 
 from hfpipe.errors import PlanError
+from hfpipe.parallel.dims import check_degrees
+from hfpipe.parallel.rules import SCHEDULES, SINGLE_STAGE, V_SCHEDULES
 from hfpipe.plan.cost import CostModel, layer_costs
 from hfpipe.models.spec import StageSpec
 
@@ -23,9 +25,6 @@ __all__ = [
 
 METHODS = ("balanced", "even", "weighted", "layout")
 STYLES = ("loop", "v")
-SCHEDULES = (
-    "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev",
-)
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,7 @@ def plan_pipeline(config, pp: int, *, vpp: int = 1, style: str = "loop", method:
 
 
 def _check_shape(pp: int, vpp: int, style: str) -> None:
-    if pp < 1:
-        raise PlanError(f"--pp must be >= 1, got {pp}")
+    check_degrees(pp=pp)
     if vpp < 1:
         raise PlanError(f"--vpp must be >= 1, got {vpp}")
     if style not in STYLES:
@@ -321,7 +319,7 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, microbatches: int) -> floa
     F&B = F + B_full (the overlap hides communication, not compute) = (p-1)/3.
 
     Args:
-        schedule: One of :data:`SCHEDULES`.
+        schedule: One of :data:`hfpipe.parallel.rules.SCHEDULES`.
         pp: Pipeline ranks.
         vpp: Stages per rank.
         microbatches: Microbatches per step (m).
@@ -331,13 +329,15 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, microbatches: int) -> floa
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    for flag, value in (("--pp", pp), ("--vpp", vpp), ("--microbatches", microbatches)):
+    check_degrees(pp=pp)
+    for flag, value in (("--vpp", vpp), ("--microbatches", microbatches)):
         if value < 1:
             raise PlanError(f"{flag} must be >= 1, got {value}")
-    if schedule in ("gpipe", "1f1b") and vpp != 1:
+    # Explicit stages per rank (no "1 means the default" here): a formula's domain, in the rules' words.
+    if schedule in SINGLE_STAGE and vpp != 1:
         raise PlanError(f"--schedule {schedule} runs one stage per rank; use --vpp 1 or "
                         "--schedule interleaved-1f1b")
-    if schedule in ("zbv", "dualpipev") and vpp != 2:
+    if schedule in V_SCHEDULES and vpp != 2:
         raise PlanError(f"--schedule {schedule} runs two stages per rank in a V; use --vpp 2")
     idle = {"gpipe": pp - 1, "1f1b": pp - 1, "interleaved-1f1b": (pp - 1) / vpp,
             "looped-bfs": (pp - 1) / vpp, "interleaved-zb": (pp - 1) / (3 * vpp), "zbv": 0.0,

@@ -118,9 +118,9 @@ class Evaluator:
     def _chunk_sum(self, chunk: list[dict]) -> float:
         """The summed token loss of a chunk: its token-mean times its token count (all dp ranks)."""
         n = torch.tensor(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in chunk))
-        if self.dist.dp_group is not None:
+        if self.dist.batch_group is not None:
             n = n.to(self.dist.device)
-            torch.distributed.all_reduce(n, group=self.dist.dp_group)
+            torch.distributed.all_reduce(n, group=self.dist.batch_group)
         return self.trainer.eval_loss(chunk) * int(n) if int(n) else 0.0
 
 
