@@ -296,11 +296,15 @@ def test_a_damaged_checksum_record_is_refused(copy, tmp_path, damage):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_checkpoint_saved_before_checksums_still_exports(copy, tmp_path):
+def test_a_checkpoint_whose_record_lost_its_checksums_entry_is_refused_not_trusted(copy, tmp_path):
+    # every checkpoint hfpipe saves has checksums: losing the entry must not switch the check off (issue 27)
     (copy / "checksums.json").unlink()
     _edit_meta(copy, lambda m: {k: v for k, v in m.items() if k != "checksums"})
-    assert _DcpReader(copy).checksums is None
-    assert export_checkpoint(copy, tmp_path / "out", progress=False).is_dir()
+    with pytest.raises(DamagedCheckpointError, match="hfpipe.json records no checksums"):
+        _DcpReader(copy)
+    with pytest.raises(DamagedCheckpointError, match="hfpipe.json records no checksums"):
+        export_checkpoint(copy, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_record_covers_every_stored_item_once(ckpt):

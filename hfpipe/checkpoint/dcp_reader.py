@@ -26,7 +26,7 @@ class _DcpReader:
     ``torch.load`` of its byte range (1.0x); sharded (FSDP) or transformed items go through
     ``dcp.load``, which reassembles them by FQN. ``file_view`` is DCP's ``_create_file_view``, or
     None to always use ``dcp.load``. Every item is checked against the checkpoint's checksums
-    (``checksums``; None for a checkpoint saved before hfpipe recorded them) before it is used,
+    (``checksums``; a checkpoint without them is refused as damaged) before it is used,
     and every byte item (optimizer param groups, never read here) once on opening: a checkpoint
     with a crafted or damaged one is refused as a whole.
     """

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -396,7 +395,6 @@ class _Run:
         from hfpipe.checkpoint.export import export_checkpoint
 
         if self.pm.dist.rank == 0:
-            export_checkpoint(ckpt, self.out / "hf", force=True, progress=False)
-            if self.cfg.chat_template:  # chat as trained: transformers prefers this file's template
-                shutil.copyfile(Path(self.cfg.chat_template).expanduser(), self.out / "hf" / "chat_template.jinja")
+            # chat as trained: transformers prefers chat_template.jinja to the tokenizer's template
+            export_checkpoint(ckpt, self.out / "hf", force=True, progress=False, chat_template=self.cfg.chat_template)
         dist.barrier()
