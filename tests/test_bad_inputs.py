@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
+from hfpipe.checkpoint.dcp import record_checksums
 
 INDEX = "model.safetensors.index.json"
 SHARD = "model-00002-of-00008.safetensors"
@@ -48,6 +49,7 @@ def ckpt(tiny, tmp_path_factory) -> Path:
             "config": cfg.to_dict(), "world": {"pp": 2, "dp": 1},
             "train": {"position": {"step": 2, "epoch": 0, "batch_in_epoch": 2}, "scheduler": {}}}
     (path / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(path)  # as every checkpoint hfpipe saves
     return path
 
 

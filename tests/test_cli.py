@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from hfpipe import __version__
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
+from hfpipe.checkpoint.dcp import record_checksums
 
 COMMANDS = ("finetune", "plan", "export", "verify", "quickstart", "generate", "chat", "recipes")
 runner = CliRunner()
@@ -78,6 +79,7 @@ def write_meta(ckpt: Path, source: Path) -> None:
     meta = {"format": 1, "step": 3, "source": str(source), "source_dtype": "float32", "tied": False,
             "config": {}}
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(ckpt)  # as every checkpoint hfpipe saves
 
 
 def fake_checkpoint(root: Path, source: Path, *, metadata: bool = True) -> Path:

@@ -24,6 +24,7 @@ from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.config.run import ConfigError, FinetuneConfig
 from hfpipe.train.runner import finetune
 from test_checkpoint import (
+from hfpipe.checkpoint.dcp import record_checksums
     assert_same_state,
     copy_run,
     dcp_state,
@@ -262,6 +263,7 @@ def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets, parameters=None) 
     meta = {"format": 1, "step": 3, "source": str(base), "source_dtype": "bfloat16", "tied": False,
             "config": {"model": str(base)}, "lora": config_to_dict(resolve_config(config, model.base_model.model))}
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(ckpt)  # as every checkpoint hfpipe saves
     return ckpt
 
 

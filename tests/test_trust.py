@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfpipe.checkpoint.dcp import CheckpointError, check_complete
+from hfpipe.checkpoint.dcp import CheckpointError, check_complete, record_checksums
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
 from hfpipe.source.safetensors_io import SafetensorsError, read_header
@@ -44,6 +44,7 @@ def ckpt(tiny, tmp_path_factory) -> Path:
     dcp.save({"model." + k: v for k, v in model.state_dict().items()}, checkpoint_id=path, no_dist=True)
     meta = {"format": 1, "step": 3, "source": str(tiny), "source_dtype": "float32", "tied": False, "config": {}}
     (path / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(path)  # as every checkpoint hfpipe saves
     return path
 
 

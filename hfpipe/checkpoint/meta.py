@@ -47,8 +47,9 @@ def read_checkpoint_meta(ckpt: str | Path) -> dict:
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise ExportError(f"checkpoint {ckpt} not found; pass a folder like OUT/checkpoints/step-00000010")
-    if not (ckpt / ".metadata").is_file():
-        raise ExportError(f"checkpoint {ckpt} is incomplete: .metadata missing; pick an earlier checkpoint")
+    for name in (".metadata", "hfpipe.json"):
+        if not (ckpt / name).is_file() and not (ckpt / name).is_symlink():  # a link is named by the reader below
+            raise ExportError(f"checkpoint {ckpt} is incomplete: {name} missing; pick an earlier checkpoint")
     path = ckpt / "hfpipe.json"
     meta = read_record(path, ExportError, "pick an earlier checkpoint")
     for name, kind in _META_FIELDS.items():
