@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import load_file
 
 from _dist import run_ranks, tiny_checkpoint
+from hfpipe.checkpoint.dcp import record_checksums
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.config.run import ConfigError, FinetuneConfig
 from hfpipe.train.runner import finetune
 from test_checkpoint import (
-from hfpipe.checkpoint.dcp import record_checksums
     assert_same_state,
     copy_run,
     dcp_state,
