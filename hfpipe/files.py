@@ -84,16 +84,18 @@ def check_folder(folder: str | os.PathLike, what: str = "") -> None:
             raise _refuse(entry, mode, what)
 
 
-def read_side_file(path: str | os.PathLike, limit: int = MAX_SIDE_FILE) -> bytes:
-    """The bytes of ``path``: a regular file of at most ``limit`` bytes, never read through a link.
+def read_side_file(path: str | os.PathLike, limit: int = MAX_SIDE_FILE, *, follow: bool = False) -> bytes:
+    """The bytes of ``path``: a regular file of at most ``limit`` bytes, not read through a link.
 
     The one reader of every side file (records, configs, indexes): a link could point a record at
-    another file (or ``/dev/zero``), and a huge record would be read whole into memory.
+    another file (or ``/dev/zero``), and a huge record would be read whole into memory. ``follow``
+    for a model folder's files, which the hub cache keeps as links to its blobs.
 
     Raises:
         OSError: missing, a link, not a regular file or too large; ``strerror`` says which.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    nofollow = 0 if follow else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -113,26 +115,28 @@ def read_side_file(path: str | os.PathLike, limit: int = MAX_SIDE_FILE) -> bytes
         os.close(fd)
 
 
-def read_side_json(path: str | os.PathLike, limit: int = MAX_SIDE_FILE):
+def read_side_json(path: str | os.PathLike, limit: int = MAX_SIDE_FILE, *, follow: bool = False):
     """``json.loads`` of :func:`read_side_file`; every failure one :class:`SideFileError` naming ``path``.
 
-    The message is ``"<path> is <why>"``; callers add what to do.
+    The message is ``"<path>: <why>"``; callers add what to do.
     """
     try:
-        raw = read_side_file(path, limit)
+        raw = read_side_file(path, limit, follow=follow)
     except FileNotFoundError:
-        raise SideFileError(f"{path} is missing") from None
+        raise SideFileError(f"{path}: missing") from None
     except OSError as e:
-        raise SideFileError(f"{path} is {_article(e.strerror)}") from None
+        raise SideFileError(f"{path}: {_article(e.strerror)}") from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
-        raise SideFileError(f"{path} is not valid JSON ({why})") from None
+        raise SideFileError(f"{path}: not valid JSON ({why})") from None
 
 
 def _article(why: str | None) -> str:
-    """``strerror`` as the end of "<path> is ...": "not a regular file", "a symbolic link", "unreadable (...)"."""
-    if why and (why.startswith(("not ", "a ", "too large"))):
+    """``strerror`` as what follows "<path>: ": "not a regular file", "is a symbolic link", "unreadable (...)"."""
+    if why and why.startswith(("not ", "too large")):
         return why
+    if why == "a symbolic link":
+        return "is a symbolic link (hfpipe does not read its records through one)"
     return f"unreadable ({why})"

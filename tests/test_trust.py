@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _trust import rerecord_metadata
 from hfpipe.checkpoint.dcp import CheckpointError, check_complete, record_checksums
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
@@ -66,6 +67,7 @@ def crafted_copy(ckpt: Path, root: Path, payload) -> tuple[Path, Path]:
     shutil.copytree(ckpt, copy)
     marker = root / "pwned"
     (copy / ".metadata").write_bytes(pickle.dumps(payload(f"touch {marker}")))
+    rerecord_metadata(copy)
     return copy, marker
 
 
@@ -280,8 +282,8 @@ def test_export_does_not_follow_a_symlinked_side_file_out_of_the_source(tiny, ck
     secret = tmp_path / "secret.txt"
     secret.write_text("hunter2")
     (src / "secrets.txt").symlink_to(secret)
-    (src / "notes.txt").write_text("kept")
-    (src / "inner.txt").symlink_to(src / "notes.txt")  # a link inside the source is fine
+    (src / "README.md").write_text("kept")
+    (src / "LICENSE").symlink_to(src / "README.md")  # a link inside the source is fine
     out = export_checkpoint(ckpt, tmp_path / "out", source=src, progress=False)
     assert not (out / "secrets.txt").exists()
-    assert (out / "notes.txt").read_text() == "kept" and (out / "inner.txt").read_text() == "kept"
+    assert (out / "README.md").read_text() == "kept" and (out / "LICENSE").read_text() == "kept"

@@ -190,7 +190,7 @@ def _record_entry(ckpt: Path) -> dict:
         raise DamagedCheckpointError(f"checkpoint {ckpt}: hfpipe.json cannot be read ({why}); pick an "
                                      "earlier checkpoint") from None
     except ValueError:
-        raise DamagedCheckpointError(f"checkpoint {ckpt}: hfpipe.json is not valid JSON; pick an earlier "
+        raise DamagedCheckpointError(f"checkpoint {ckpt}: hfpipe.json: not valid JSON; pick an earlier "
                                      "checkpoint") from None
     entry = meta.get("checksums") if isinstance(meta, dict) else None
     if entry is None:

@@ -75,7 +75,7 @@ def read_record(path: Path, error: type[Exception], fix: str) -> dict:
     except SideFileError as e:
         raise error(f"{e}; {fix}") from None
     if not isinstance(record, dict):
-        raise error(f"{path} must hold a JSON object; {fix}")
+        raise error(f"{path}: must hold a JSON object; {fix}")
     return record
 
 
