@@ -95,7 +95,12 @@ def read_side_file(path: str | os.PathLike, limit: int = MAX_SIDE_FILE, *, follo
         OSError: missing, a link, not a regular file or too large; ``strerror`` says which.
     """
     nofollow = 0 if follow else os.O_NOFOLLOW
-    fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:  # O_NOFOLLOW met a link
+            raise OSError(errno.ELOOP, "a symbolic link", str(path)) from None
+        raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -107,10 +112,6 @@ def read_side_file(path: str | os.PathLike, limit: int = MAX_SIDE_FILE, *, follo
             chunks.append(chunk)
             left -= len(chunk)
         return b"".join(chunks)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link
-            raise OSError(errno.ELOOP, "a symbolic link", str(path)) from None
-        raise
     finally:
         os.close(fd)
 

@@ -117,7 +117,8 @@ def load_tokenizer(folder: str | Path, *, trust_remote_code: bool = False):
         check_folder(folder)
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:  # no files, a broken file, or remote code refused
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # no files, a broken file (a
+        # tokenizer.json without 'added_tokens' is a KeyError), or remote code refused
         if "trust_remote_code" in str(e):
             raise SourceError(f"{folder}: the tokenizer needs remote code; pass --trust-remote-code "
                               "if you trust it") from None
