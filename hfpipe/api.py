@@ -35,6 +35,26 @@ class PipelineModel(_model.PipelineModel):
 
         return trainer_for(self, optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm)
 
+    def view(self):
+        """One module holding this rank's parameters under their full-model names (for DCP)."""
+        from hfpipe.checkpoint.pipeline_state import pipeline_view
+
+        return pipeline_view(self)
+
+    def model_state_dict(self):
+        """This rank's tensors under full-model names (a tied head is stored as the embedding)."""
+        from hfpipe.checkpoint.pipeline_state import pipeline_state_dict
+
+        return pipeline_state_dict(self)
+
+    def save_checkpoint(self, root: str, step: int, optimizer=None, *, keep: int | None = None,
+                        extra: dict | None = None, async_save: bool = False):
+        """Save a DCP checkpoint ``root/step-<step>`` (every rank calls this; see
+        :func:`hfpipe.checkpoint.pipeline_state.save_pipeline_checkpoint`)."""
+        from hfpipe.checkpoint.pipeline_state import save_pipeline_checkpoint
+
+        return save_pipeline_checkpoint(self, root, step, optimizer, keep=keep, extra=extra, async_save=async_save)
+
     def save_pretrained(self, out: str, *, dtype: str = "auto", max_shard_size: str = "5GB",
                         force: bool = False):
         """Write an HF folder ``from_pretrained`` loads (every rank calls this; rank 0 writes)."""

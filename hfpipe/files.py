@@ -10,6 +10,8 @@ CLI reports in one line, exit 2, as it does every user error).
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import stat
 from pathlib import Path
@@ -17,7 +19,13 @@ from typing import BinaryIO
 
 from hfpipe.errors import HfpipeError
 
-__all__ = ["NotRegularFileError", "open_regular", "check_regular", "check_folder"]
+__all__ = ["MAX_SIDE_FILE", "NotRegularFileError", "SideFileError", "open_regular", "check_regular", "check_folder",
+           "read_side_file", "read_side_json"]
+
+#: The most hfpipe reads of any side file it keeps beside data (``hfpipe.json``, ``checksums.json``,
+#: ``hfpipe_export.json``, DCP's ``.metadata``, a source's ``config.json`` and index): far above
+#: what the largest model's records hold (tens of MB), far below what would exhaust memory.
+MAX_SIDE_FILE = 256 << 20
 
 _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}
@@ -25,6 +33,10 @@ _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S
 
 class NotRegularFileError(HfpipeError):
     """A path that must be a file is a FIFO, socket, device or folder (reading it would hang)."""
+
+
+class SideFileError(HfpipeError):
+    """A record or config file is missing, a link, not a regular file, too large or not JSON."""
 
 
 def _refuse(path: Path, mode: int, what: str) -> NotRegularFileError:
@@ -72,3 +84,62 @@ def check_folder(folder: str | os.PathLike, what: str = "") -> None:
             continue
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise _refuse(entry, mode, what)
+
+
+def read_side_file(path: str | os.PathLike, limit: int = MAX_SIDE_FILE, *, follow: bool = False) -> bytes:
+    """The bytes of ``path``: a regular file of at most ``limit`` bytes, not read through a link.
+
+    The one reader of every side file (records, configs, indexes): a link could point a record at
+    another file (or ``/dev/zero``), and a huge record would be read whole into memory. ``follow``
+    for a model folder's files, which the hub cache keeps as links to its blobs.
+
+    Raises:
+        OSError: missing, a link, not a regular file or too large; ``strerror`` says which.
+    """
+    nofollow = 0 if follow else os.O_NOFOLLOW
+    try:
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:  # O_NOFOLLOW met a link
+            raise OSError(errno.ELOOP, "a symbolic link", str(path)) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(0, "not a regular file", str(path))
+        if info.st_size > limit:
+            raise OSError(0, f"too large: {info.st_size} bytes, at most {limit}", str(path))
+        chunks, left = [], info.st_size
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_side_json(path: str | os.PathLike, limit: int = MAX_SIDE_FILE, *, follow: bool = False):
+    """``json.loads`` of :func:`read_side_file`; every failure one :class:`SideFileError` naming ``path``.
+
+    The message is ``"<path>: <why>"``; callers add what to do.
+    """
+    try:
+        raw = read_side_file(path, limit, follow=follow)
+    except FileNotFoundError:
+        raise SideFileError(f"{path}: missing") from None
+    except OSError as e:
+        raise SideFileError(f"{path}: {_article(e.strerror)}") from None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        raise SideFileError(f"{path}: not valid JSON ({why})") from None
+
+
+def _article(why: str | None) -> str:
+    """``strerror`` as what follows "<path>: ": "not a regular file", "is a symbolic link", "unreadable (...)"."""
+    if why and why.startswith(("not ", "too large")):
+        return why
+    if why == "a symbolic link":
+        return "is a symbolic link (hfpipe does not read its records through one)"
+    return f"unreadable ({why})"

@@ -95,7 +95,7 @@ def _from_checkpoint(ckpt: Path, source: str | Path | None, trust_remote_code: b
     """The full model of a training checkpoint, in memory; and the source folder (tokenizer)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    from hfpipe.checkpoint.dcp_reader import _DcpReader
+    from hfpipe.checkpoint.safe_metadata import _DcpReader
     from hfpipe.checkpoint.meta import read_checkpoint_meta
     from hfpipe.source.folder import load_config
     from hfpipe.models.meta import build_meta_model

@@ -196,3 +196,17 @@ def tree(root: Path) -> dict[str, object]:
             else:
                 out[rel] = "special"
     return out
+
+
+def rerecord_metadata(ckpt: Path) -> None:
+    """Make the checksum record vouch for the current ``.metadata`` (an attacker rewrites the record too:
+    it is not a signature), so that what reads ``.metadata`` itself is what must refuse it."""
+    from hfpipe.checkpoint.checksums import _digest
+
+    record = json.loads((ckpt / "checksums.json").read_text())
+    record["metadata"] = _digest((ckpt / ".metadata").read_bytes())
+    text = json.dumps(record, sort_keys=True)
+    (ckpt / "checksums.json").write_text(text)
+    meta = json.loads((ckpt / "hfpipe.json").read_text())
+    meta["checksums"]["digest"] = _digest(text.encode())
+    (ckpt / "hfpipe.json").write_text(json.dumps(meta))

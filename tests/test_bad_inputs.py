@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from _trust import rerecord_metadata
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
+from hfpipe.checkpoint.dcp import record_checksums
 
 INDEX = "model.safetensors.index.json"
 SHARD = "model-00002-of-00008.safetensors"
@@ -48,6 +50,7 @@ def ckpt(tiny, tmp_path_factory) -> Path:
             "config": cfg.to_dict(), "world": {"pp": 2, "dp": 1},
             "train": {"position": {"step": 2, "epoch": 0, "batch_in_epoch": 2}, "scheduler": {}}}
     (path / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(path)  # as every checkpoint hfpipe saves
     return path
 
 
@@ -136,9 +139,9 @@ CKPT_DAMAGE = {
     "meta-list": lambda c: (c / "hfpipe.json").write_text("[]"),
     "meta-format-2": lambda c: edit_json(c / "hfpipe.json", lambda m: {**m, "format": 2}),
     "meta-step-str": lambda c: edit_json(c / "hfpipe.json", lambda m: {**m, "step": "2"}),
-    "crafted-metadata": lambda c: (c / ".metadata").write_bytes(pickle.dumps(_RunsCode())),
-    "metadata-garbage": lambda c: (c / ".metadata").write_bytes(b"not a pickle"),
-    "metadata-escape": lambda c: _escape_metadata(c),
+    "crafted-metadata": lambda c: ((c / ".metadata").write_bytes(pickle.dumps(_RunsCode())), rerecord_metadata(c)),
+    "metadata-garbage": lambda c: ((c / ".metadata").write_bytes(b"not a pickle"), rerecord_metadata(c)),
+    "metadata-escape": lambda c: (_escape_metadata(c), rerecord_metadata(c)),
     "missing-distcp": lambda c: _distcp(c).unlink(),
     "truncated-distcp": lambda c: os.truncate(_distcp(c), 10),
     "tied-mismatch": lambda c: edit_json(c / "hfpipe.json", lambda m: {**m, "tied": True}),
@@ -238,7 +241,7 @@ CASES = [
      "vocab_size is 100"),
     *[(f"finetune --resume: checkpoint {how}", f"{FT} --resume {{c:{how}}}", message) for how, message in [
         ("no-metadata", "incomplete: .metadata missing"), ("no-meta-json", "incomplete: hfpipe.json missing"),
-        ("meta-not-json", "hfpipe.json is corrupt"), ("crafted-metadata", "never runs code"),
+        ("meta-not-json", "hfpipe.json: not valid JSON"), ("crafted-metadata", "never runs code"),
         ("metadata-garbage", ".metadata cannot be read"), ("metadata-escape", "outside the checkpoint folder"),
         ("missing-distcp", "missing (1 of"),
     ]],
@@ -254,7 +257,7 @@ CASES = [
     # export
     *[(f"export: checkpoint {how}", "export {c:" + how + "} {out} --no-progress", message) for how, message in [
         ("no-metadata", "incomplete: .metadata missing"), ("no-meta-json", "incomplete: hfpipe.json missing"),
-        ("meta-not-json", "hfpipe.json is not valid JSON"), ("meta-list", "must hold a JSON object"),
+        ("meta-not-json", "hfpipe.json: not valid JSON"), ("meta-list", "must hold a JSON object"),
         ("meta-format-2", "format 2 is not supported"), ("meta-step-str", "field 'step' must be int"),
         ("crafted-metadata", "not a DCP checkpoint's metadata (refusing posix.system)"),
         ("metadata-garbage", "corrupt DCP metadata"), ("metadata-escape", "names data file '../../../etc/passwd'"),

@@ -32,6 +32,7 @@ from pathlib import Path
 import hfpipe.api
 import hfpipe.train.runner
 from hfpipe.train.step import PipelineTrainer
+from hfpipe.checkpoint.dcp import record_checksums
 
 _hold, _marks = os.environ.get("HFPIPE_TEST_HOLD", ""), Path(os.environ.get("HFPIPE_TEST_MARKS", "."))
 _preflight, _load, _step = hfpipe.train.runner.preflight, hfpipe.api.load_pipeline, PipelineTrainer.step
@@ -188,6 +189,7 @@ def test_a_signal_during_an_export_removes_its_temporary_folder(model, tmp_path,
     dcp.save({"model." + k: v for k, v in weights.items()}, checkpoint_id=ckpt, no_dist=True)
     (ckpt / "hfpipe.json").write_text(json.dumps({"format": 1, "step": 1, "source": str(model),
                                                   "source_dtype": "float32", "tied": False, "config": {}}))
+    record_checksums(ckpt)  # as every checkpoint hfpipe saves
     write_config = export._write_config
 
     def interrupted_midway(tmp, *args):  # the shards are written; the signal lands before the config

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from hfpipe import __version__
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
+from hfpipe.checkpoint.dcp import record_checksums
 
 COMMANDS = ("finetune", "plan", "export", "verify", "quickstart", "generate", "chat", "recipes")
 runner = CliRunner()
@@ -73,11 +74,13 @@ def broken(tiny: Path, root: Path, how: str) -> Path:
     return out
 
 
-def write_meta(ckpt: Path, source: Path) -> None:
-    """The ``hfpipe.json`` the trainer writes beside its DCP files."""
+def write_meta(ckpt: Path, source: Path, *, checksums: bool = True) -> None:
+    """The ``hfpipe.json`` the trainer writes beside its DCP files (and its checksums, as every save)."""
     meta = {"format": 1, "step": 3, "source": str(source), "source_dtype": "float32", "tied": False,
             "config": {}}
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+    if checksums:
+        record_checksums(ckpt)
 
 
 def fake_checkpoint(root: Path, source: Path, *, metadata: bool = True) -> Path:
@@ -86,7 +89,7 @@ def fake_checkpoint(root: Path, source: Path, *, metadata: bool = True) -> Path:
     ckpt.mkdir()
     if metadata:
         (ckpt / ".metadata").write_bytes(b"")
-    write_meta(ckpt, source)
+    write_meta(ckpt, source, checksums=False)  # export refuses before it reads them
     return ckpt
 
 

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from _dist import tiny_checkpoint
 from hfpipe.cli.main import app
+from hfpipe.checkpoint.dcp import record_checksums
 
 
 @pytest.fixture
@@ -44,6 +45,7 @@ def test_an_export_onto_a_full_disk_says_so_and_removes_its_folder(model, small_
     dcp.save({"model." + k: v for k, v in weights.items()}, checkpoint_id=ckpt, no_dist=True)
     (ckpt / "hfpipe.json").write_text(json.dumps({"format": 1, "step": 1, "source": str(model),
                                                   "source_dtype": "float32", "tied": False, "config": {}}))
+    record_checksums(ckpt)  # as every checkpoint hfpipe saves
     out = small_disk / "hf"
     result = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--dtype", "fp32", "--no-progress",
                                       "--max-shard-size", "100KB"])

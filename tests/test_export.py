@@ -22,6 +22,7 @@ from hfpipe.checkpoint import export as export_mod
 from hfpipe.checkpoint.export import ExportError, export_checkpoint, read_checkpoint_meta
 from hfpipe.checkpoint.hf_writer import ShardWriter
 from hfpipe.tiny import make_fp8_checkpoint, make_tiny_checkpoint
+from hfpipe.checkpoint.dcp import record_checksums
 
 BLOCK = 128  # DeepSeek-V3's FP8 weight block
 
@@ -45,6 +46,7 @@ def make_dcp_checkpoint(src: Path, ckpt: Path, *, edit=None, source_dtype: str =
     dcp.save(state, checkpoint_id=ckpt, no_dist=True)
     meta = {"format": 1, "step": 10, "source": str(src), "source_dtype": source_dtype, "tied": tied, "config": {}}
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(ckpt)  # as every checkpoint hfpipe saves
     return ckpt
 
 
@@ -251,9 +253,13 @@ def test_existing_out_is_refused_and_force_replaces_only_an_earlier_export(tiny,
     assert [p.name for p in out.iterdir()] == ["old.txt"]
     (out / "old.txt").unlink()
     export_checkpoint(ckpt, out, force=True, progress=False)  # an empty folder: nothing to lose
-    (out / "old.txt").write_text("old")
+    (out / "old.txt").write_text("old")  # put into an earlier export since: not hfpipe's to delete
+    with pytest.raises(ExportError, match="holds 'old.txt', which is not hfpipe's"):
+        export_checkpoint(ckpt, out, force=True, progress=False)
+    (out / "old.txt").unlink()
+    (out / "config.json").write_text("{}")  # a file the export wrote, changed since: still the export's
     export_checkpoint(ckpt, out, force=True, progress=False)  # an earlier export
-    assert not (out / "old.txt").exists() and (out / "config.json").exists()
+    assert json.loads((out / "config.json").read_text()) != {}
     assert json.loads((out / "hfpipe_export.json").read_text())["step"] == json.loads((ckpt / "hfpipe.json").read_text())["step"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
@@ -265,7 +271,7 @@ def test_a_failure_mid_export_leaves_no_output_and_no_temp_folder(tiny, tmp_path
     if existing:  # an earlier export, which --force may replace
         out.mkdir()
         (out / "old.txt").write_text("old")
-        (out / "hfpipe_export.json").write_text('{"written_by": "hfpipe"}')
+        (out / "hfpipe_export.json").write_text('{"written_by": "hfpipe", "files": ["old.txt"]}')
     written = []
     opened = ShardWriter.__init__
 

@@ -22,6 +22,7 @@ from hfpipe.checkpoint import export as export_mod
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.checkpoint.hf_writer import ShardWriter
 from test_export import make_dcp_checkpoint
+from hfpipe.checkpoint.dcp import record_checksums
 
 
 def test_shard_writer_files_are_safetensors(tmp_path):
@@ -60,6 +61,7 @@ def test_a_dp_sharded_checkpoint_exports_bit_for_bit_by_kernel_copies(tmp_path, 
     run_ranks(save_dp_sharded, 2, str(src), str(ckpt))
     meta = {"format": 1, "step": 1, "source": str(src), "source_dtype": "float32", "tied": False, "config": {}}
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(ckpt)  # as every checkpoint hfpipe saves
     reader = export_mod._DcpReader(ckpt)
     assert max(len(md.chunks) for md in reader.metadata.state_dict_metadata.values()
                if hasattr(md, "chunks")) == 2, "tensors really are split in row blocks"

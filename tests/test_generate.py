@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from hfpipe.checkpoint.dcp import CheckpointError
+from hfpipe.checkpoint.dcp import CheckpointError, record_checksums
 from hfpipe.cli.main import app
 from hfpipe.generate import GenerateError, load_generator
 from hfpipe.tiny import make_tiny_checkpoint
@@ -40,6 +40,7 @@ def folders(tmp_path_factory):
         meta = {"format": 1, "step": step, "source": str(src), "source_dtype": "float32", "tied": True,
                 "config": {}}
         (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+        record_checksums(ckpt)  # as every checkpoint hfpipe saves
     return src, trained, root / "run"
 
 

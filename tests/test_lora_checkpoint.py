@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from _dist import run_ranks, tiny_checkpoint
+from hfpipe.checkpoint.dcp import record_checksums
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.config.run import ConfigError, FinetuneConfig
 from hfpipe.train.runner import finetune
@@ -262,6 +263,7 @@ def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets, parameters=None) 
     meta = {"format": 1, "step": 3, "source": str(base), "source_dtype": "bfloat16", "tied": False,
             "config": {"model": str(base)}, "lora": config_to_dict(resolve_config(config, model.base_model.model))}
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(ckpt)  # as every checkpoint hfpipe saves
     return ckpt
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfpipe.checkpoint.dcp import CheckpointError, check_complete
+from _trust import rerecord_metadata
+from hfpipe.checkpoint.dcp import CheckpointError, check_complete, record_checksums
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
 from hfpipe.source.safetensors_io import SafetensorsError, read_header
@@ -44,6 +45,7 @@ def ckpt(tiny, tmp_path_factory) -> Path:
     dcp.save({"model." + k: v for k, v in model.state_dict().items()}, checkpoint_id=path, no_dist=True)
     meta = {"format": 1, "step": 3, "source": str(tiny), "source_dtype": "float32", "tied": False, "config": {}}
     (path / "hfpipe.json").write_text(json.dumps(meta))
+    record_checksums(path)  # as every checkpoint hfpipe saves
     return path
 
 
@@ -65,6 +67,7 @@ def crafted_copy(ckpt: Path, root: Path, payload) -> tuple[Path, Path]:
     shutil.copytree(ckpt, copy)
     marker = root / "pwned"
     (copy / ".metadata").write_bytes(pickle.dumps(payload(f"touch {marker}")))
+    rerecord_metadata(copy)
     return copy, marker
 
 
@@ -89,7 +92,7 @@ def test_a_real_checkpoints_metadata_reads_the_same_as_torch_reads_it(ckpt):
 def test_a_crafted_metadata_runs_nothing_on_export_resume_or_load(ckpt, tmp_path, payload):
     import torch.distributed.checkpoint as dcp
 
-    from hfpipe.checkpoint.dcp_reader import _DcpReader
+    from hfpipe.checkpoint.safe_metadata import _DcpReader
 
     crafted, marker = crafted_copy(ckpt, tmp_path, PAYLOADS[payload])
     with pytest.raises(ValueError, match=r"\.metadata: not a DCP checkpoint's metadata"):
@@ -106,7 +109,7 @@ def test_a_crafted_metadata_runs_nothing_on_export_resume_or_load(ckpt, tmp_path
 def test_torchs_plain_pickle_read_is_never_used(ckpt, tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from hfpipe.checkpoint.dcp_reader import _DcpReader
+    from hfpipe.checkpoint.safe_metadata import _DcpReader
 
     def refuse(self, *args, **kwargs):
         raise AssertionError("torch's FileSystemReader.read_metadata was called")
@@ -279,8 +282,8 @@ def test_export_does_not_follow_a_symlinked_side_file_out_of_the_source(tiny, ck
     secret = tmp_path / "secret.txt"
     secret.write_text("hunter2")
     (src / "secrets.txt").symlink_to(secret)
-    (src / "notes.txt").write_text("kept")
-    (src / "inner.txt").symlink_to(src / "notes.txt")  # a link inside the source is fine
+    (src / "README.md").write_text("kept")
+    (src / "LICENSE").symlink_to(src / "README.md")  # a link inside the source is fine
     out = export_checkpoint(ckpt, tmp_path / "out", source=src, progress=False)
     assert not (out / "secrets.txt").exists()
-    assert (out / "notes.txt").read_text() == "kept" and (out / "inner.txt").read_text() == "kept"
+    assert (out / "README.md").read_text() == "kept" and (out / "LICENSE").read_text() == "kept"

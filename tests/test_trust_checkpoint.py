@@ -25,7 +25,7 @@ from _dist import run_ranks
 from _trust import PAYLOADS, RunsCode, copy_checkpoint, flip, flip_file, make_checkpoint, plant, replace_item, tree
 from hfpipe.checkpoint.checksums import DamagedCheckpointError
 from hfpipe.checkpoint.dcp import CheckpointError, check_stored_data, resolve_resume
-from hfpipe.checkpoint.dcp_reader import _DcpReader
+from hfpipe.checkpoint.safe_metadata import _DcpReader
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
 from hfpipe.checkpoint.safe_metadata import SafeLoadPlanner, SafeReader, UnsafeMetadataError, read_metadata, safe_load
 from hfpipe.tiny import make_tiny_checkpoint
@@ -296,11 +296,15 @@ def test_a_damaged_checksum_record_is_refused(copy, tmp_path, damage):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_checkpoint_saved_before_checksums_still_exports(copy, tmp_path):
+def test_a_checkpoint_whose_record_lost_its_checksums_entry_is_refused_not_trusted(copy, tmp_path):
+    # every checkpoint hfpipe saves has checksums: losing the entry must not switch the check off (issue 27)
     (copy / "checksums.json").unlink()
     _edit_meta(copy, lambda m: {k: v for k, v in m.items() if k != "checksums"})
-    assert _DcpReader(copy).checksums is None
-    assert export_checkpoint(copy, tmp_path / "out", progress=False).is_dir()
+    with pytest.raises(DamagedCheckpointError, match="hfpipe.json records no checksums"):
+        _DcpReader(copy)
+    with pytest.raises(DamagedCheckpointError, match="hfpipe.json records no checksums"):
+        export_checkpoint(copy, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_record_covers_every_stored_item_once(ckpt):

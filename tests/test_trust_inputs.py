@@ -279,9 +279,14 @@ def test_force_replaces_an_earlier_export_and_an_export_of_a_tampered_optimizer_
     out = tmp_path / "hf"
     assert CliRunner().invoke(app, ["export", str(ckpt), str(out), "--no-progress"]).exit_code == 0
     record = json.loads((out / "hfpipe_export.json").read_text())
-    assert record == {"written_by": "hfpipe", "kind": "model", "checkpoint": str(ckpt), "step": 1}
-    (out / "stale.txt").write_text("from the earlier export")
+    files = sorted(p.name for p in out.iterdir() if p.name != "hfpipe_export.json")
+    assert record == {"written_by": "hfpipe", "kind": "model", "checkpoint": str(ckpt), "step": 1, "files": files}
+    (out / "notes.txt").write_text("put there since")  # not hfpipe's: --force must not delete it
+    result = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--force", "--no-progress"])
+    assert result.exit_code == 2 and "holds 'notes.txt', which is not hfpipe's" in result.stderr
+    assert (out / "notes.txt").read_text() == "put there since"
+    (out / "notes.txt").unlink()
     result = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--force", "--no-progress"])
     assert result.exit_code == 0, result.stderr
-    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+    assert (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no lock, temporary or old folder left

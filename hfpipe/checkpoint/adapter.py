@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hfpipe.checkpoint.dcp_reader import _DcpReader
+from hfpipe.checkpoint.safe_metadata import _DcpReader
 from hfpipe.errors import ExportError
 from hfpipe.source.config import meta_model
 

@@ -24,14 +24,13 @@ import stat
 from pathlib import Path
 
 from hfpipe.errors import HfpipeError
+from hfpipe.files import read_side_file
 
-__all__ = ["ALGORITHM", "RECORD", "Checksums", "DamagedCheckpointError", "hash_items", "mine",
-           "read_regular", "write_record"]
+__all__ = ["ALGORITHM", "RECORD", "Checksums", "DamagedCheckpointError", "hash_items", "mine", "write_record"]
 
 ALGORITHM = "xxh3_64"
 RECORD = "checksums.json"
 _MAP_ABOVE = 1 << 20  # larger ranges are hashed through mmap (no copy), smaller ones read
-_MAX_RECORD = 1 << 30
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter names files by writer rank
 
 
@@ -43,26 +42,6 @@ def _hasher():
     import xxhash  # a dependency of datasets, declared by hfpipe too
 
     return xxhash.xxh3_64()
-
-
-def read_regular(path: Path, limit: int = _MAX_RECORD) -> bytes:
-    """The bytes of ``path``, a regular file of at most ``limit`` bytes (not a link to ``/dev/zero``).
-
-    Raises:
-        OSError: missing, a link, not a regular file, or too large (``strerror`` says which).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-            raise OSError(0, "not a regular file" if not stat.S_ISREG(info.st_mode) else "too large", str(path))
-        chunks, left = [], info.st_size
-        while left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def hash_range(path: Path, offset: int, length: int) -> str | None:
@@ -114,7 +93,7 @@ def write_record(ckpt: Path, rows: list[list]) -> dict:
     items: dict[str, dict[str, list]] = {}
     for name, offset, length, digest in rows:
         items.setdefault(name, {})[str(offset)] = [length, digest]
-    meta = read_regular(ckpt / ".metadata")
+    meta = read_side_file(ckpt / ".metadata")
     text = json.dumps({"algorithm": ALGORITHM, "metadata": _digest(meta), "items": items}, sort_keys=True)
     # a new file, never through a planted link (as hfpipe.parallel.lock.write_new; this module imports no hfpipe)
     fd = os.open(ckpt / RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -125,7 +104,7 @@ def write_record(ckpt: Path, rows: list[list]) -> dict:
 
 def _read_or_empty(path: Path) -> bytes:
     try:
-        return read_regular(path)
+        return read_side_file(path)
     except OSError:  # missing or not a file: differs from the recorded digest, named as damaged
         return b""
 
@@ -140,23 +119,17 @@ class Checksums:
         self.ckpt, self.items = ckpt, items
 
     @classmethod
-    def load(cls, ckpt: str | Path) -> Checksums | None:
+    def load(cls, ckpt: str | Path) -> Checksums:
         """The record of ``ckpt`` named by its ``hfpipe.json``, checked against it; ``.metadata`` checked too.
+
+        Every checkpoint hfpipe writes has one, so no record is damage, never "nothing to check":
+        an ``hfpipe.json`` that is a link, unreadable or without its ``checksums`` entry is refused.
 
         Raises:
             DamagedCheckpointError: the record is missing, damaged or replaced, or ``.metadata`` is damaged.
         """
         ckpt = Path(ckpt)
-        try:
-            entry = json.loads(read_regular(ckpt / "hfpipe.json")).get("checksums")
-        except (OSError, ValueError, AttributeError):  # whoever reads hfpipe.json reports it
-            return None
-        if entry is None:
-            return None
-        if not isinstance(entry, dict) or entry.get("file") != RECORD or entry.get("algorithm") != ALGORITHM:
-            raise DamagedCheckpointError(f"checkpoint {ckpt}: hfpipe.json's checksums entry {entry!r} is not "
-                                         f"one this hfpipe reads ({ALGORITHM} in {RECORD}); upgrade hfpipe "
-                                         "or pick another checkpoint")
+        entry = _record_entry(ckpt)
         record = cls._read_record(ckpt, entry)
         items = {}
         try:
@@ -176,14 +149,21 @@ class Checksums:
     def _read_record(ckpt: Path, entry: dict) -> dict:
         path = ckpt / RECORD
         try:
-            raw = read_regular(path)
+            raw = read_side_file(path)
         except OSError as e:
             raise DamagedCheckpointError(f"checkpoint {ckpt}: {RECORD} named by hfpipe.json cannot be read "
                                          f"({e.strerror}); pick an earlier checkpoint") from None
         if _digest(raw) != entry.get("digest"):
             raise DamagedCheckpointError(f"checkpoint {ckpt}: {RECORD} is damaged or was replaced (fails "
                                          "hfpipe.json's digest); pick an earlier checkpoint")
-        return json.loads(raw)
+        try:
+            record = json.loads(raw)
+        except ValueError:  # the digest matched: hfpipe.json was rewritten to fit a bad record
+            record = None
+        if not isinstance(record, dict):
+            raise DamagedCheckpointError(f"checkpoint {ckpt}: {RECORD} is not a JSON object; pick an earlier "
+                                         "checkpoint")
+        return record
 
     def check(self, name: str, info) -> None:
         """Raise :class:`DamagedCheckpointError` unless item ``name`` (DCP ``_StorageInfo`` ``info``) is intact."""
@@ -199,3 +179,26 @@ class Checksums:
         if got != want[1]:
             raise DamagedCheckpointError(f"checkpoint {self.ckpt}: {name} is damaged ({where} fail their "
                                          f"{ALGORITHM} checksum); pick an earlier checkpoint")
+
+
+def _record_entry(ckpt: Path) -> dict:
+    """``hfpipe.json``'s ``checksums`` entry: present, and naming a record this hfpipe reads."""
+    path = ckpt / "hfpipe.json"
+    try:
+        meta = json.loads(read_side_file(path))
+    except OSError as e:
+        why = "missing" if isinstance(e, FileNotFoundError) else e.strerror
+        raise DamagedCheckpointError(f"checkpoint {ckpt}: hfpipe.json cannot be read ({why}); pick an "
+                                     "earlier checkpoint") from None
+    except ValueError:
+        raise DamagedCheckpointError(f"checkpoint {ckpt}: hfpipe.json: not valid JSON; pick an earlier "
+                                     "checkpoint") from None
+    entry = meta.get("checksums") if isinstance(meta, dict) else None
+    if entry is None:
+        raise DamagedCheckpointError(f"checkpoint {ckpt}: hfpipe.json records no checksums (every checkpoint "
+                                     "hfpipe saves has them: the record was damaged); pick an earlier checkpoint")
+    if not isinstance(entry, dict) or entry.get("file") != RECORD or entry.get("algorithm") != ALGORITHM:
+        raise DamagedCheckpointError(f"checkpoint {ckpt}: hfpipe.json's checksums entry {entry!r} is not "
+                                     f"one this hfpipe reads ({ALGORITHM} in {RECORD}); upgrade hfpipe "
+                                     "or pick another checkpoint")
+    return entry

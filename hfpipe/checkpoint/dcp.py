@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hfpipe.errors import HfpipeError
 from hfpipe.checkpoint import checksums
+from hfpipe.checkpoint.meta import read_record
 from hfpipe.parallel.lock import write_new
 from hfpipe.checkpoint.safe_metadata import UnsafeMetadataError, check_byte_items, read_metadata, safe_load
 
@@ -322,10 +323,7 @@ def read_meta(path: str | Path) -> dict:
     """The ``hfpipe.json`` of a complete checkpoint."""
     path = Path(path)
     check_complete(path)
-    try:
-        return json.loads((path / "hfpipe.json").read_text())
-    except json.JSONDecodeError:
-        raise CheckpointError(f"{path / 'hfpipe.json'} is corrupt; resume from an earlier checkpoint") from None
+    return read_record(path / "hfpipe.json", CheckpointError, "resume from an earlier checkpoint")
 
 
 def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:

@@ -24,7 +24,7 @@ import torch
 
 import hfpipe.checkpoint.export_guard as guard
 from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files, read_checkpoint_meta, resolve_source
+from hfpipe.checkpoint.meta import INDEX, SINGLE, read_checkpoint_meta, resolve_source
 from hfpipe.source.config import meta_model
 from hfpipe.checkpoint.out_folder import build_folder, locked_out
 from hfpipe.checkpoint.export_plan import (
@@ -39,7 +39,7 @@ from hfpipe.checkpoint.export_plan import (
     revert_as_source,
     set_out_dtypes,
 )
-from hfpipe.checkpoint.dcp_reader import _create_file_view, _DcpReader
+from hfpipe.checkpoint.safe_metadata import _create_file_view, _DcpReader
 from hfpipe.source.folder import SourceError, check_shard_names
 from hfpipe.source.safetensors_io import DTYPES
 
@@ -61,6 +61,7 @@ def export_checkpoint(
     source: str | Path | None = None,
     progress: bool = True,
     merge: bool = False,
+    chat_template: str | Path | None = None,
 ) -> Path:
     """Write the model of a training checkpoint as a folder ``from_pretrained`` loads.
 
@@ -77,20 +78,22 @@ def export_checkpoint(
         source: The HF folder the run started from, if it moved since training.
         progress: Show a progress bar.
         merge: For a LoRA checkpoint, merge the adapters into the base weights.
+        chat_template: A template file the run trained with, written as ``chat_template.jinja``.
 
     Returns:
         The output folder.
     """
     ckpt, out = Path(os.path.abspath(ckpt)), Path(os.path.abspath(out))  # "a/.." must not hide a parent
     meta = read_checkpoint_meta(ckpt)
+    extra = {"chat_template.jinja": Path(chat_template).expanduser()} if chat_template else None
     if "lora" in meta or merge:  # adapters only: PEFT's adapter folder, or merged into the base
-        return _export_lora(ckpt, out, meta, merge=merge, force=force, source=source, dtype=dtype)
+        return _export_lora(ckpt, out, meta, merge=merge, force=force, source=source, dtype=dtype, extra=extra)
     src = resolve_source(meta, source)
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)
     with locked_out(out, force, (ckpt, src)):
         try:
-            return _export_locked(ckpt, out, meta, src, want, max_bytes, progress)
+            return _export_locked(ckpt, out, meta, src, want, max_bytes, progress, extra)
         except FileNotFoundError as e:  # the folder (or a data file) went away under the reader
             if Path(e.filename or "").is_relative_to(ckpt) or not ckpt.is_dir():
                 raise ExportError(f"checkpoint {ckpt} was deleted while it was being exported (pruned by "
@@ -100,7 +103,7 @@ def export_checkpoint(
 
 
 def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
-                 source: str | Path | None, dtype: str) -> Path:
+                 source: str | Path | None, dtype: str, extra: dict | None = None) -> Path:
     """A LoRA checkpoint as a PEFT adapter folder, or with ``merge`` as a full HF folder.
 
     Raises:
@@ -124,15 +127,17 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
             nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
             quant = meta.get("quantize_base")  # a quantized base merges as the run saw it (hfpipe.quant.merged)
             build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters, quant=quant, dtype=dtype), nbytes,
-                         record)
+                         record, side_from=src, extra=extra)
         else:
             nbytes = sum(t.nbytes for t in adapters.values())
-            build_folder(out, lambda tmp: write_adapter(tmp, config, adapters, base_name(meta, src)), nbytes, record)
+            build_folder(out, lambda tmp: write_adapter(tmp, config, adapters, base_name(meta, src)), nbytes, record,
+                         extra=extra)
     log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
     return out
 
 
-def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool) -> Path:
+def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool,
+                   extra: dict | None) -> Path:
     cfg_json = guard.source_config_json(src)
     fp8 = _source_quantization(src, cfg_json)
     model = meta_model(src)
@@ -149,10 +154,9 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
     def fill(tmp: Path) -> None:
         _write_weights(tmp, reader, model, groups, shards, progress)
         _write_config(tmp, cfg_json, dominant_dtype(groups), fp8)
-        copy_side_files(src, tmp)
 
     build_folder(out, fill, sum(nbytes(*spec) for spec in flat(groups).values()),
-                 {"kind": "model", "checkpoint": str(ckpt), "step": meta["step"]})
+                 {"kind": "model", "checkpoint": str(ckpt), "step": meta["step"]}, side_from=src, extra=extra)
     log.info("exported step %d to %s", meta["step"], out)
     return out
 

@@ -8,7 +8,6 @@ SIGTERM ends an export (one line, the temporary folder removed).
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -20,20 +19,14 @@ __all__ = ["ExportError", "source_config_json", "check_tied", "check_data_files"
 log = logging.getLogger(__name__)
 
 
-
-
-
 def source_config_json(src: Path) -> dict:
-    """The source's config.json as a dict, or one line naming it."""
+    """The source's config.json as a dict (its own fields checked), or one line naming it."""
+    from hfpipe.source.config import SourceError, read_config_json
 
-    path = src / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{path}: not valid JSON ({e}); pass the source the run started from (--source)") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{path}: must hold a JSON object; pass the source the run started from (--source)")
-    return config
+        return read_config_json(src / "config.json")
+    except SourceError as e:
+        raise ExportError(f"{e} (or pass the source the run started from: --source)") from None
 
 
 def check_tied(meta: dict, config, ckpt: Path, src: Path) -> None:

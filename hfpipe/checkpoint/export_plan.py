@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hfpipe.checkpoint.dcp_reader import _DcpReader
+from hfpipe.checkpoint.safe_metadata import _DcpReader
 from hfpipe.checkpoint.export_guard import ExportError
 
 __all__ = ["Group", "assign_shards", "cross_check", "dominant_dtype", "few", "flat", "nbytes", "plan_groups",

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.checkpoint.meta import INDEX, SINGLE, copy_side_files
+from hfpipe.checkpoint.meta import INDEX, SINGLE
 from hfpipe.source.config import meta_model
 
 __all__ = ["write_merged"]
@@ -78,7 +78,6 @@ def write_merged(tmp: Path, src: Path, config, adapters: dict[str, torch.Tensor]
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(out_map.items()))}
             (tmp / INDEX).write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(base.config_json(cfg_json), indent=2))
-    copy_side_files(src, tmp)
 
 
 def _merge_targets(adapters: dict[str, torch.Tensor]) -> list[str]:

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 from hfpipe.errors import ExportError
+from hfpipe.files import SideFileError, read_side_json
 
-__all__ = ["EXPORT_RECORD", "INDEX", "SINGLE", "copy_side_files", "side_files", "read_checkpoint_meta", "resolve_source"]
+__all__ = ["EXPORT_RECORD", "INDEX", "SINGLE", "copy_side_files", "side_files", "read_checkpoint_meta", "read_record",
+           "resolve_source"]
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,14 @@ SINGLE = "model.safetensors"
 #: The file every export folder gets: what wrote it. ``--force`` replaces only a folder that has it.
 EXPORT_RECORD = "hfpipe_export.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+#: What a Hugging Face model folder holds besides weights, index and config.json (transformers'
+#: tokenizer, generation and processor files): the only source files an export copies.
+_MODEL_FILES = frozenset({
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+    "processor_config.json"})
+_DOC_PREFIXES = ("README", "LICENSE", "LICENCE", "NOTICE", "USE_POLICY")
 _META_FIELDS = {"format": int, "step": int, "source": str, "source_dtype": str, "tied": bool, "config": dict}
 
 
@@ -38,15 +48,10 @@ def read_checkpoint_meta(ckpt: str | Path) -> dict:
     if not ckpt.is_dir():
         raise ExportError(f"checkpoint {ckpt} not found; pass a folder like OUT/checkpoints/step-00000010")
     for name in (".metadata", "hfpipe.json"):
-        if not (ckpt / name).is_file():
+        if not (ckpt / name).is_file() and not (ckpt / name).is_symlink():  # a link is named by the reader below
             raise ExportError(f"checkpoint {ckpt} is incomplete: {name} missing; pick an earlier checkpoint")
     path = ckpt / "hfpipe.json"
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{path} is not valid JSON ({e}); pick an earlier checkpoint") from None
-    if not isinstance(meta, dict):
-        raise ExportError(f"{path} must hold a JSON object; pick an earlier checkpoint")
+    meta = read_record(path, ExportError, "pick an earlier checkpoint")
     for name, kind in _META_FIELDS.items():
         value = meta.get(name)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -57,6 +62,21 @@ def read_checkpoint_meta(ckpt: str | Path) -> dict:
     if meta["format"] != 1:
         raise ExportError(f"{path}: format {meta['format']} is not supported (expected 1); upgrade hfpipe")
     return meta
+
+
+def read_record(path: Path, error: type[Exception], fix: str) -> dict:
+    """A JSON object hfpipe wrote beside data (``hfpipe.json``, ``hfpipe_export.json``), read once.
+
+    Through :func:`hfpipe.files.read_side_json`: a link, a FIFO, a huge or a broken file is refused
+    as ``error`` in one line naming ``path`` and ending with ``fix``.
+    """
+    try:
+        record = read_side_json(path)
+    except SideFileError as e:
+        raise error(f"{e}; {fix}") from None
+    if not isinstance(record, dict):
+        raise error(f"{path}: must hold a JSON object; {fix}")
+    return record
 
 
 def resolve_source(meta: dict, source: str | Path | None) -> Path:
@@ -71,16 +91,31 @@ def resolve_source(meta: dict, source: str | Path | None) -> Path:
     return src
 
 
-def copy_side_files(src: Path, tmp: Path) -> None:
-    """Copy every non-weight file of the source (generation config, tokenizer, chat template, code)."""
-    def skip(name: str) -> bool:
-        return (name in ("config.json", EXPORT_RECORD) or name.endswith(_WEIGHT_SUFFIXES)
-                or name.endswith(".index.json"))
+def copy_side_files(src: Path, tmp: Path) -> list[str]:
+    """Copy the files a model folder is made of besides weights and config (tokenizer, generation
+    config, chat template, README and license); return their names.
 
-    for path in side_files(src, skip):  # regular files inside the source only
-        name = path.name
-        shutil.copy2(path, tmp / name)
-        log.debug("copied %s", name)
+    Only those: a source folder may hold anything beside the weights (a token, credentials, notes)
+    and an export is made to be shared. What is left out is named in the log. A copy is never more
+    readable than its original: a 0600 file stays 0600.
+    """
+    left_out, copied = [], []
+    for path in side_files(src, lambda name: name in ("config.json", EXPORT_RECORD) or name.endswith(_WEIGHT_SUFFIXES)
+                           or name.endswith(".index.json")):  # regular files inside the source only
+        if not _is_model_file(path.name):
+            left_out.append(path.name)
+            continue
+        shutil.copyfile(path, tmp / path.name)  # content only: the new file gets this process's umask mode
+        (tmp / path.name).chmod((tmp / path.name).stat().st_mode & path.stat().st_mode & 0o777)
+        copied.append(path.name)
+    if left_out:
+        log.warning("export left out %d file(s) of %s that are not part of a model folder: %s", len(left_out), src,
+                    ", ".join(left_out))
+    return copied
+
+
+def _is_model_file(name: str) -> bool:
+    return name in _MODEL_FILES or name.upper().startswith(_DOC_PREFIXES) or name.endswith(".tiktoken")
 
 
 def _inside(path: Path, root: Path) -> bool:

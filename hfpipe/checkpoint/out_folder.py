@@ -5,14 +5,16 @@ either as it was or complete (a full disk, SIGTERM or Ctrl-C removes the sibling
 disk in one line, and leaves files as readable as ``save_pretrained``'s.
 
 ``--force`` deletes the old ``out``, so it must be a folder hfpipe exported: every export gets an
-``hfpipe_export.json`` record, and ``--force`` refuses anything without one (a file, a link, a
-folder of other files), and ``/``, the working folder or a folder holding an input, whatever they hold.
+``hfpipe_export.json`` record listing its files, and ``--force`` refuses anything else (a file, a
+link, a folder of other files, an export with a file put in since), and ``/``, the working folder or a
+folder holding an input, whatever they hold; it deletes only the files the record lists.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import stat
@@ -20,10 +22,13 @@ from pathlib import Path
 
 import hfpipe.checkpoint.export_guard as guard
 from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.checkpoint.meta import EXPORT_RECORD
+from hfpipe.checkpoint.meta import EXPORT_RECORD, copy_side_files
+from hfpipe.files import SideFileError, read_side_json
 from hfpipe.parallel.lock import FolderLock, write_new
 
 __all__ = ["build_folder", "check_out", "locked_out", "make_dir"]
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -35,13 +40,16 @@ def locked_out(out: Path, force: bool, protected: tuple[Path, ...]):
         yield
 
 
-def build_folder(out: Path, fill, nbytes: int, record: dict | None = None) -> Path:
+def build_folder(out: Path, fill, nbytes: int, record: dict | None = None, *, side_from: Path | None = None,
+                 extra: dict[str, Path] | None = None) -> Path:
     """Run ``fill(tmp)`` on a hidden sibling of ``out``, then move it into place once complete.
 
-    The folder gets ``hfpipe_export.json`` holding ``record`` (what was exported), which marks it
-    as hfpipe's for a later ``--force``. On any failure (a full disk, SIGTERM, Ctrl-C, a bad input
-    found midway) the sibling is removed and ``out`` is left as it was; a full disk becomes one line
-    naming ``out`` and ``nbytes``.
+    ``side_from``: a source folder whose model-folder files (tokenizer, chat template, ...) are
+    copied in, never more readable than there; ``extra``: name -> a file copied in under that name.
+    The folder gets ``hfpipe_export.json`` holding ``record`` (what was exported) and every file
+    name in the folder, which marks those files as hfpipe's for a later ``--force``. On any failure
+    (a full disk, SIGTERM, Ctrl-C, a bad input found midway) the sibling is removed and ``out`` is
+    left as it was; a full disk becomes one line naming ``out`` and ``nbytes``.
     """
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
@@ -49,8 +57,14 @@ def build_folder(out: Path, fill, nbytes: int, record: dict | None = None) -> Pa
             shutil.rmtree(tmp, ignore_errors=True)
             make_dir(tmp)
             fill(tmp)
-            write_new(tmp / EXPORT_RECORD, json.dumps({"written_by": "hfpipe", **(record or {})}, indent=2) + "\n")
-            _make_readable(tmp)
+            _make_readable(tmp)  # what hfpipe wrote; copies below keep their source's narrower modes
+            if side_from is not None:
+                copy_side_files(side_from, tmp)
+            for name, path in (extra or {}).items():
+                shutil.copyfile(path, tmp / name)
+            files = sorted(p.name for p in tmp.iterdir())
+            write_new(tmp / EXPORT_RECORD, json.dumps({"written_by": "hfpipe", **(record or {}), "files": files},
+                                                      indent=2) + "\n")
             _install(tmp, out)
     except Exception as e:  # noqa: BLE001 - only a full disk is translated; the rest re-raised
         shutil.rmtree(tmp, ignore_errors=True)
@@ -90,24 +104,36 @@ def check_out(out: Path, force: bool, protected: tuple[Path, ...]) -> None:
 
 
 def _not_an_export(out: Path) -> str | None:
-    """Why ``--force`` may not replace the existing ``out``; None for an earlier export or an empty folder."""
+    """Why ``--force`` may not replace the existing ``out``; None for an earlier export or an empty folder.
+
+    An earlier export is a folder holding a record hfpipe wrote and only the files it lists: a file
+    put there since (notes, another tool's output) is not hfpipe's to delete, and is named.
+    """
     info = out.lstat()
     if stat.S_ISLNK(info.st_mode):
         return "is a symbolic link"
     if not stat.S_ISDIR(info.st_mode):
         return "is a file, not a folder"
-    record = out / EXPORT_RECORD
-    if not any(out.iterdir()):
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
         return None
-    try:
-        if not stat.S_ISREG(record.lstat().st_mode):
-            return f"holds a {EXPORT_RECORD} that is not a file"
-        written = json.loads(record.read_text()).get("written_by")
-    except FileNotFoundError:
+    if EXPORT_RECORD not in names:
         return f"holds files and no {EXPORT_RECORD}"
-    except (OSError, ValueError, AttributeError):
+    if not stat.S_ISREG((out / EXPORT_RECORD).lstat().st_mode):
+        return f"holds a {EXPORT_RECORD} that is not a file"
+    try:
+        record = read_side_json(out / EXPORT_RECORD)
+    except SideFileError:
         return f"holds an unreadable {EXPORT_RECORD}"
-    return None if written == "hfpipe" else f"holds a {EXPORT_RECORD} hfpipe did not write"
+    if not isinstance(record, dict) or record.get("written_by") != "hfpipe":
+        return f"holds a {EXPORT_RECORD} hfpipe did not write"
+    listed = record.get("files")
+    if not isinstance(listed, list):
+        return f"holds a {EXPORT_RECORD} that lists no files (an older hfpipe's)"
+    foreign = [n for n in names if n != EXPORT_RECORD and n not in listed]
+    if foreign:
+        return f"holds {foreign[0]!r}, which is not hfpipe's (not in its {EXPORT_RECORD})"
+    return None
 
 
 def make_dir(path: Path) -> None:
@@ -132,10 +158,22 @@ def _install(tmp: Path, out: Path) -> None:
     except BaseException:
         old.rename(out)  # put the previous export back
         raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
+    _remove_export(old)
+
+
+def _remove_export(old: Path) -> None:
+    """Delete the files an earlier export's record lists, then its folder if nothing else is left."""
+    if not any(old.iterdir()):
+        old.rmdir()
+        return
+    for name in read_side_json(old / EXPORT_RECORD)["files"]:  # checked by _not_an_export just before
+        if "/" not in name and name not in (".", ".."):
+            (old / name).unlink(missing_ok=True)
+    (old / EXPORT_RECORD).unlink()
+    try:
+        old.rmdir()
+    except OSError:  # something was put there in the meantime: not ours to delete
+        log.warning("kept %s: it holds files the earlier export did not write", old)
 
 
 def _make_readable(folder: Path) -> None:

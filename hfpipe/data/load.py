@@ -113,7 +113,11 @@ def _rows(cfg: DataConfig, raw, tokenizer, where: _Locator, num_proc: int | None
 
     raw = _rename(cfg, raw)
     fmt = detect_format(cfg.format, list(raw.column_names), f"--dataset {cfg.dataset}")
-    template = Path(cfg.chat_template).expanduser().read_text() if cfg.chat_template else None
+    try:
+        template = Path(cfg.chat_template).expanduser().read_text() if cfg.chat_template else None
+    except UnicodeDecodeError:
+        raise DataError(f"--chat-template {cfg.chat_template}: not UTF-8 text (a binary file?); give a jinja "
+                        "template file") from None
     body = Tokenise(tokenizer, fmt, cfg.roles, template, cfg.train_on_prompt, where, cfg.chat_template)
     _check_tokenizer(cfg, fmt, body)
     key = _fingerprint(_VERSION, raw._fingerprint, fmt, json.dumps(cfg.roles, sort_keys=True),

@@ -18,7 +18,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
         LoraError: targets matching nothing, or a LoRA/full checkpoint resumed by the other kind of run.
         QuantError: a ``--quantize-base`` block size that does not fit the model, or torchao missing.
     """
-    import json
+    from hfpipe.files import read_side_json
 
     config = from_finetune_config(cfg)
     if config is not None:
@@ -32,7 +32,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
             Quantizer(QuantSpec(cfg.quantize_base, cfg.quantize_block_size), model_config).prepare([full], full.dtype)
     if resume is None:
         return
-    meta = json.loads((resume / "hfpipe.json").read_text())
+    meta = read_side_json(resume / "hfpipe.json")  # checked whole by the resume preflight before this
     saved = meta.get("lora")
     if (saved is None) != (config is None):
         kind = "a LoRA" if saved is not None else "a full fine-tuning"

@@ -8,12 +8,13 @@ config here without the rest of :mod:`hfpipe.source.folder`.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from hfpipe.errors import HfpipeError
-from hfpipe.files import check_folder
+from hfpipe.files import SideFileError, check_folder, read_side_json
 
-__all__ = ["SourceError", "check_config_values", "load_config", "load_tokenizer"]
+__all__ = ["SourceError", "check_config_values", "load_config", "load_tokenizer", "read_config_json"]
 
 
 class SourceError(HfpipeError):
@@ -30,13 +31,7 @@ def load_config(folder: Path, *, trust_remote_code: bool = False):
         check_folder(folder)  # transformers reads the folder's files: none may block it (a FIFO)
     if not cfg_path.is_file():
         raise SourceError(f"{folder}: no config.json; point at a Hugging Face model folder")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f" ({e.msg} at line {e.lineno})" if isinstance(e, json.JSONDecodeError) else ""
-        raise SourceError(f"{cfg_path}: not valid JSON{where}") from None
-    if not isinstance(raw, dict):
-        raise SourceError(f"{cfg_path}: must hold a JSON object {{...}}, got a {type(raw).__name__}")
+    raw = read_config_json(cfg_path)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except KeyError as e:
@@ -50,6 +45,36 @@ def load_config(folder: Path, *, trust_remote_code: bool = False):
         raise SourceError(f"{cfg_path}: {_one_line(e)}; fix the field or re-download config.json") from None
     check_config_values(cfg_path, config)
     return config
+
+
+def read_config_json(cfg_path: Path) -> dict:
+    """A model folder's ``config.json`` as a dict, with the fields hfpipe itself reads checked.
+
+    Read through :func:`hfpipe.files.read_side_json` (size-capped; a hub-cache link is followed).
+    """
+    try:
+        raw = read_side_json(cfg_path, follow=True)
+    except SideFileError as e:
+        raise SourceError(f"{e}; fix or re-download config.json") from None
+    if not isinstance(raw, dict):
+        raise SourceError(f"{cfg_path}: must hold a JSON object {{...}}, got a {type(raw).__name__}")
+    for part in (raw, raw.get("text_config")):
+        if isinstance(part, dict):
+            _check_raw_fields(cfg_path, part)
+    return raw
+
+
+def _check_raw_fields(cfg_path: Path, raw: dict) -> None:
+    """The fields hfpipe reads itself, before transformers (which lets these through to a crash or NaN)."""
+    quant = raw.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise SourceError(f"{cfg_path}: quantization_config must be an object {{\"quant_method\": ...}}, got a "
+                          f"{type(quant).__name__}; fix it or re-download config.json")
+    coef = raw.get("router_aux_loss_coef")
+    if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float))
+                             or not math.isfinite(coef) or coef < 0):
+        raise SourceError(f"{cfg_path}: router_aux_loss_coef must be a finite number >= 0 (the weight of the MoE "
+                          f"load-balancing loss), got {coef!r}; fix it in config.json")
 
 
 #: More layers than any model has (the largest have ~130): planning more would take minutes.
@@ -92,7 +117,8 @@ def load_tokenizer(folder: str | Path, *, trust_remote_code: bool = False):
         check_folder(folder)
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:  # no files, a broken file, or remote code refused
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # no files, a broken file (a
+        # tokenizer.json without 'added_tokens' is a KeyError), or remote code refused
         if "trust_remote_code" in str(e):
             raise SourceError(f"{folder}: the tokenizer needs remote code; pass --trust-remote-code "
                               "if you trust it") from None

@@ -130,9 +130,9 @@ def _ppl(loss: float) -> float:
 
 def _best_so_far(root: Path) -> float | None:
     """The evaluation loss recorded with the best checkpoint of an earlier run (resume)."""
-    import json
+    from hfpipe.files import read_side_json
 
     records = sorted(root.glob("step-*/hfpipe.json"))
     if not records:
         return None
-    return json.loads(records[-1].read_text()).get("eval", {}).get("eval_loss")
+    return (read_side_json(records[-1]).get("eval") or {}).get("eval_loss")

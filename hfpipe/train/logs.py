@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "format_line", "next_commands", "open_sinks", "quiet_import_noise"]
+__all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "duration", "format_line", "next_commands", "open_sinks", "quiet_import_noise"]
 
 log = logging.getLogger(__name__)
 #: Logger of the plain progress lines; the reporting rank raises it to INFO (see Reporter).
@@ -156,8 +156,17 @@ def format_line(row: dict, total: int, eta_s: float | None = None) -> str:
     text = (f"{stamp} step {row['step']}/{total} loss {row['loss']:.4f} grad_norm "
             f"{row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s {row['tokens_per_s']:.0f}")
     if eta_s is not None:
-        text += f" eta {time.strftime('%H:%M:%S', time.gmtime(max(0.0, eta_s)))}"
+        text += f" eta {duration(eta_s)}"
     return text
+
+
+def duration(seconds: float) -> str:
+    """``HH:MM:SS``, with whole days in front past 24 hours (``12d 04:00:00``): a clock face wraps."""
+    if seconds != seconds or seconds == float("inf"):  # NaN or endless: no number to show
+        return "?"
+    days, rest = divmod(int(max(0.0, seconds)), 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {clock}" if days else clock
 
 
 def next_commands(output_dir: str, checkpoint: str, *, exported: bool, best: str | None) -> list[str]:

@@ -56,14 +56,12 @@ def check_resume(path, saved: dict, cfg, tied: bool) -> list[str]:
         cfg: This run's FinetuneConfig.
         tied: Whether this run's model ties its head to the embedding.
     """
-    old = saved.get("config") or {}
-    if "seq_len" not in old:  # written by a pipeline API save, not a run: nothing recorded to compare
-        return []
+    old = _recorded(path, saved)
     now = cfg.to_dict()
     old = {**old, "microbatches": old.get("microbatches") or old.get("pp", 1) * old.get("vpp", 1)}
     now = {**now, "microbatches": cfg.num_microbatches}
     diffs = [f"{_flag(k)} {old.get(k)!r} -> {now.get(k)!r}" for k in MUST_MATCH
-             if k in old and _norm(old.get(k)) != _norm(now.get(k))]
+             if _norm(k, old.get(k)) != _norm(k, now.get(k))]
     digest = (saved.get("data") or {}).get("chat_template_sha256")
     if digest and "--chat-template" not in " ".join(diffs) and digest != template_digest(cfg.chat_template):
         diffs.append(f"--chat-template {cfg.chat_template}: the file changed since the checkpoint")
@@ -72,12 +70,43 @@ def check_resume(path, saved: dict, cfg, tied: bool) -> list[str]:
     if diffs:
         raise ResumeMismatch(f"--resume {path}: the checkpoint's run differs: {'; '.join(diffs)}; resume with "
                              "the same settings, or start a new run in another --output-dir")
-    return [k for k in MAY_CHANGE if k in old and _norm(old.get(k)) != _norm(now.get(k))]
+    return [k for k in MAY_CHANGE if k in old and _norm(k, old.get(k)) != _norm(k, now.get(k))]
 
 
-def _norm(value):
-    """JSON gives lists where the config has tuples (``betas``): compare them alike."""
-    return list(value) if isinstance(value, tuple) else value
+def _recorded(path, saved: dict) -> dict:
+    """The run settings ``hfpipe.json`` recorded, with every field that must match present.
+
+    A field that is not there is a refusal, never a match: a damaged record (or one saved by the
+    Python API, which records no run) would otherwise let a changed --seed or --seq-len through.
+    """
+    old = saved.get("config")
+    if not isinstance(old, dict):
+        old = {}
+    missing = [_flag(k) for k in MUST_MATCH if k not in old and k != "microbatches"]
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ResumeMismatch(f"--resume {path}: its hfpipe.json does not record the run's {shown} (damaged, or "
+                             "saved by the Python API, not by hfpipe finetune); resume from a checkpoint a run "
+                             "saved, or start a new run in another --output-dir")
+    return old
+
+
+#: Fields naming a file or folder: the same one given relative or absolute is the same run.
+_PATHS = ("model", "dataset", "chat_template")
+
+
+def _norm(key: str, value):
+    """JSON gives lists where the config has tuples (``betas``): compare them alike; a path that
+    exists compares as its resolved absolute form."""
+    if isinstance(value, tuple):
+        return list(value)
+    if key in _PATHS and isinstance(value, str) and value:
+        from pathlib import Path
+
+        path = Path(value).expanduser()
+        if path.exists():
+            return str(path.resolve())
+    return value
 
 
 def template_digest(path: str | None) -> str | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,13 +273,14 @@ class _Run:
 
     def maybe_resume(self) -> None:
         from hfpipe.checkpoint.dcp import load_checkpoint, read_meta, resolve_resume
+        from hfpipe.checkpoint.pipeline_state import pipeline_view
         from hfpipe.train.resume_check import apply_schedule_changes, check_resume
 
         path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
         if path is None:
             return
         changed = check_resume(path, read_meta(path), self.cfg, self.pm.tied)
-        meta = load_checkpoint(path, self.pm.view(), self.optimizer)
+        meta = load_checkpoint(path, pipeline_view(self.pm), self.optimizer)
         self.scheduler.load_state_dict(meta["train"]["scheduler"])
         self.pos = _Position(**meta["train"]["position"])
         self.start, self.last_saved = self.pos.step, path
@@ -349,10 +349,12 @@ class _Run:
         report.log_eval(row)
         self.evals.append(row)
         if self.cfg.keep_best and evaluator.improved:
+            from hfpipe.checkpoint.pipeline_state import save_pipeline_checkpoint
+
             if self.pending is not None:  # one save in flight at a time
                 self.pending.wait()
                 self.pending = None
-            self.pm.save_checkpoint(self.out / "best", self.pos.step, None, keep=1,
+            save_pipeline_checkpoint(self.pm, self.out / "best", self.pos.step, None, keep=1,
                                     extra={"config": self.cfg.to_dict(), "eval": row})
 
     def _step_dir(self) -> Path:
@@ -379,6 +381,7 @@ class _Run:
                 "history": self.history}
 
     def save(self) -> None:
+        from hfpipe.checkpoint.pipeline_state import save_pipeline_checkpoint
         from hfpipe.train.resume_check import template_digest
 
         extra = {"config": self.cfg.to_dict(),
@@ -387,7 +390,7 @@ class _Run:
             extra["data"] = {"chat_template_sha256": template_digest(self.cfg.chat_template)}
         if self.pending is not None:  # one save in flight at a time; finalise the previous first
             self.pending.wait()
-        saved = self.pm.save_checkpoint(self.out / "checkpoints", self.pos.step, self.optimizer,
+        saved = save_pipeline_checkpoint(self.pm, self.out / "checkpoints", self.pos.step, self.optimizer,
                                         keep=self.cfg.keep, extra=extra, async_save=self.cfg.async_save)
         self.pending = saved if self.cfg.async_save else None
         self.last_saved = self._step_dir()
@@ -396,7 +399,6 @@ class _Run:
         from hfpipe.checkpoint.export import export_checkpoint
 
         if self.pm.dist.rank == 0:
-            export_checkpoint(ckpt, self.out / "hf", force=True, progress=False)
-            if self.cfg.chat_template:  # chat as trained: transformers prefers this file's template
-                shutil.copyfile(Path(self.cfg.chat_template).expanduser(), self.out / "hf" / "chat_template.jinja")
+            # chat as trained: transformers prefers chat_template.jinja to the tokenizer's template
+            export_checkpoint(ckpt, self.out / "hf", force=True, progress=False, chat_template=self.cfg.chat_template)
         dist.barrier()
