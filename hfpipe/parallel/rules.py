@@ -86,7 +86,8 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
     if dims.dp > 1 and schedule in SPLIT_BACKWARD:
         # Measured on torch 2.13 (CPU/gloo): a dense Llama at pp 2 x dp 2 under zbv or dualpipev reports a
         # grad norm of 0.0 and does not train; the weight-gradient pass runs outside FSDP's reduction.
-        raise ParallelError(f"--schedule {schedule} with --dp {dims.dp}: zero-bubble schedules leave FSDP's "
+        needs = f" (which --ep {dims.ep} needs)" if dims.ep > 1 else ""
+        raise ParallelError(f"--schedule {schedule} with --dp {dims.dp}{needs}: zero-bubble schedules leave FSDP's "
                             "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
                             "looped-bfs with --dp > 1, or --dp 1")
     if model_config is not None:
