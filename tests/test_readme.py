@@ -68,7 +68,7 @@ def _hfpipe_commands(text: str) -> list[str]:
 
 def _unknown_flags(command: str) -> list[str]:
     words = shlex.split(command.replace("...", " "))[1:]
-    group_flags = {o for p in GROUP.params for o in p.opts + p.secondary_opts}
+    group_flags = {"--help"} | {o for p in GROUP.params for o in p.opts + p.secondary_opts}
     while words and words[0] in group_flags:  # `hfpipe --debug finetune ...`, `--log-level X`
         words = words[2:] if words[0] == "--log-level" else words[1:]
     if not words or words[0].startswith("-"):
