@@ -151,15 +151,14 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def _setup_logging(level: str) -> None:
-    from hfpipe.train.logs import quiet_import_noise
+    from hfpipe.train.logs import log_formatter, quiet_import_noise
 
     quiet_import_noise(level)
     logger = logging.getLogger("hfpipe")
     logger.setLevel(level.upper())
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
-                                               "%H:%M:%S"))
+        handler.setFormatter(log_formatter())
         logger.addHandler(handler)
 
 
