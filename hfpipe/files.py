@@ -10,12 +10,13 @@ CLI reports in one line, exit 2, as it does every user error).
 
 from __future__ import annotations
 
+import difflib
 import os
 import stat
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["NotRegularFileError", "open_regular", "check_regular", "check_folder"]
+__all__ = ["NotRegularFileError", "open_regular", "check_regular", "check_folder", "did_you_mean", "meant_as_folder"]
 
 _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}
@@ -70,3 +71,25 @@ def check_folder(folder: str | os.PathLike, what: str = "") -> None:
             continue
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise _refuse(entry, mode, what)
+
+
+def meant_as_folder(name: str) -> bool:
+    """Whether ``name``, which is no folder here, was meant as one rather than as a hub id.
+
+    A hub id is ``repo`` or ``org/repo``; a path that starts like one (``./``, ``/``, ``~``), has
+    more parts, or starts in a folder that is here (``out/hff`` beside ``out/``) is a local folder.
+    """
+    parts = Path(name).parts
+    return (name.startswith((".", "/", "~")) or len(parts) > 2
+            or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir()))
+
+
+def did_you_mean(path: str | os.PathLike) -> str:
+    """`` (did you mean out/hf?)`` for the closest name beside a path that does not exist, else ''."""
+    path = Path(path).expanduser()
+    try:
+        names = [p.name for p in path.parent.iterdir()]
+    except OSError:  # the parent is missing too (or unreadable): nothing to offer
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f" (did you mean {path.parent / close[0]}?)" if close else ""

@@ -140,6 +140,24 @@ def test_a_missing_step_lists_the_existing_ones(folders):
         load_generator(run / "checkpoints" / "step-00000007")
 
 
+@pytest.mark.parametrize("name", ["step-5", "step_5", "step5"])
+def test_a_step_typed_without_its_padding_is_named_with_the_steps_that_exist(folders, name):
+    checkpoints = folders[2] / "checkpoints"
+    with pytest.raises(CheckpointError, match=rf"did you mean {checkpoints / 'step-00000005'}\? "
+                                              "existing steps: step-00000005, step-00000010"):
+        load_generator(checkpoints / name)
+
+
+def test_a_mistyped_folder_is_no_such_folder_not_a_hub_error(folders, monkeypatch):
+    monkeypatch.chdir(folders[0].parent)  # beside trained/, as after `hfpipe export ... trained`
+    with pytest.raises(GenerateError, match=r"MODEL trained/hff: no such folder; pass a model folder"):
+        load_generator("trained/hff")  # org/repo in form, but trained/ is a folder here
+    with pytest.raises(GenerateError, match=r"MODEL ./traned: no such folder \(did you mean trained\?\)"):
+        load_generator("./traned")
+    with pytest.raises(GenerateError, match=r"MODEL run/checkpoints/stepp-5/x: no such folder"):
+        load_generator("run/checkpoints/stepp-5/x")
+
+
 def test_a_moved_source_needs_source_option(folders, tmp_path):
     src, _, run = folders
     ckpt = run / "checkpoints" / "step-00000005"
