@@ -91,7 +91,10 @@ def _take_back_stdin(saved: int | None) -> None:
 
 def _read(prompt: str) -> str:
     # The user's turns come from the terminal: reading them is what chat is for.
-    return input(prompt)
+    line = input(prompt)
+    if not sys.stdin.isatty():  # a terminal shows what was typed; a piped turn would not show at all
+        typer.echo(line)
+    return line
 
 
 def _write(text: str) -> None:

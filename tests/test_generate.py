@@ -134,6 +134,14 @@ def test_chat_keeps_the_history_and_resets(folders):
     assert "(history cleared)\n" in out and out.count("you> ") == 6
 
 
+def test_chat_with_piped_turns_shows_each_turn_on_its_own_line(folders):
+    result = runner.invoke(app, ["chat", str(folders[1]), "--max-new-tokens", "4"], input="hi\nhow?\n")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == "you> hi" and lines[1].startswith("model> ")
+    assert lines[2] == "you> how?" and lines[3].startswith("model> ")
+
+
 def test_a_missing_step_lists_the_existing_ones(folders):
     run = folders[2]
     with pytest.raises(CheckpointError, match="existing steps: step-00000005, step-00000010"):
