@@ -4,8 +4,8 @@ A FIFO (or a socket, a device) given as a shard, a dataset or a template blocks 
 ``read()`` forever, with no word. Every file hfpipe reads from a user's path goes through
 :func:`open_regular` (or is checked by :func:`check_regular` before a library reads it): it opens
 without blocking, looks at what it opened, and refuses anything but a regular file in one line.
-A floor module: it imports nothing from hfpipe (its error is a ValueError of hfpipe's, which the
-CLI reports in one line, exit 2, as it does every user error).
+Next to the floor: it imports only :mod:`hfpipe.errors` (its errors are hfpipe's, which the CLI
+reports in one line, exit 2, as it does every user error), and neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["NotRegularFileError", "open_regular", "check_regular", "check_folder", "did_you_mean", "meant_as_folder"]
+from hfpipe.errors import NoSuchPathError
+
+__all__ = ["NotRegularFileError", "open_regular", "check_regular", "check_folder", "check_model_name", "did_you_mean", "meant_as_folder"]
 
 _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}
@@ -93,3 +95,12 @@ def did_you_mean(path: str | os.PathLike) -> str:
         return ""
     close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
     return f" (did you mean {path.parent / close[0]}?)" if close else ""
+
+
+def check_model_name(name: str, what: str = "MODEL") -> None:
+    """Refuse a model named as a local folder that is not there, before anything heavy loads
+    (or the hub answers with "couldn't connect"); the closest name beside it is offered."""
+    local = Path(name).expanduser()
+    if not local.is_dir() and meant_as_folder(name):
+        raise NoSuchPathError(f"{what} {name}: no such folder{did_you_mean(local)}; pass a model "
+                                  "folder, hub id or checkpoint")

@@ -78,12 +78,10 @@ def _from_folder_or_adapter(name: str, dtype: str, trust_remote_code: bool):
 def _from_folder(name: str, dtype: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.files import check_folder, did_you_mean, meant_as_folder
+    from hfpipe.files import check_folder, check_model_name, did_you_mean
 
     local = Path(name).expanduser()
-    if not local.is_dir() and meant_as_folder(name):  # the hub's "couldn't connect" would mislead
-        raise GenerateError(f"MODEL {name}: no such folder{did_you_mean(local)}; pass a model folder, "
-                            "hub id or checkpoint")
+    check_model_name(name)  # the hub's "couldn't connect" would mislead
     if local.is_dir():
         check_folder(local)
     try:

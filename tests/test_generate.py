@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from hfpipe.checkpoint.dcp import CheckpointError
 from hfpipe.cli.main import app
+from hfpipe.errors import NoSuchPathError
 from hfpipe.generate import GenerateError, load_generator
 from hfpipe.tiny import make_tiny_checkpoint
 
@@ -158,11 +159,11 @@ def test_a_step_typed_without_its_padding_is_named_with_the_steps_that_exist(fol
 
 def test_a_mistyped_folder_is_no_such_folder_not_a_hub_error(folders, monkeypatch):
     monkeypatch.chdir(folders[0].parent)  # beside trained/, as after `hfpipe export ... trained`
-    with pytest.raises(GenerateError, match=r"MODEL trained/hff: no such folder; pass a model folder"):
+    with pytest.raises(NoSuchPathError, match=r"MODEL trained/hff: no such folder; pass a model folder"):
         load_generator("trained/hff")  # org/repo in form, but trained/ is a folder here
-    with pytest.raises(GenerateError, match=r"MODEL ./traned: no such folder \(did you mean trained\?\)"):
+    with pytest.raises(NoSuchPathError, match=r"MODEL ./traned: no such folder \(did you mean trained\?\)"):
         load_generator("./traned")
-    with pytest.raises(GenerateError, match=r"MODEL run/checkpoints/stepp-5/x: no such folder"):
+    with pytest.raises(NoSuchPathError, match=r"MODEL run/checkpoints/stepp-5/x: no such folder"):
         load_generator("run/checkpoints/stepp-5/x")
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hfpipe.checkpoint.dcp import CheckpointError, latest_checkpoint
+# Torch-free (DCP is imported only where a folder exists): a wrong path is named in a moment.
+from hfpipe.errors import CheckpointError
 
 __all__ = ["find_checkpoint", "is_checkpoint_like"]
 
@@ -50,7 +51,11 @@ def find_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
     if (path / "hfpipe.json").is_file() or (path / ".metadata").is_file():
         return path  # a step folder; its contents are checked by whoever reads it
     for root in (path / "checkpoints", path):
-        latest = latest_checkpoint(root) if root.is_dir() else None
+        if not root.is_dir():
+            continue
+        from hfpipe.checkpoint.dcp import latest_checkpoint
+
+        latest = latest_checkpoint(root)
         if latest is not None:
             return latest
     if _STEP_LIKE.match(path.name) or path.parent.name == "checkpoints":
