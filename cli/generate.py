@@ -44,6 +44,7 @@ def generate(
 ) -> None:
     """Answer one prompt with a model folder or a training checkpoint (greedy by default), in one
     process with transformers' generate; the answer streams to stdout."""
+    _check_model(model)
     from hfpipe.generate import check_options, load_generator
 
     check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -69,6 +70,7 @@ def chat(
 ) -> None:
     """Talk with a model folder or a training checkpoint through its chat template: type a turn,
     the answer streams back. /reset forgets the conversation; /exit or Ctrl-D ends it."""
+    _check_model(model)
     from hfpipe.generate import check_options, load_generator
 
     check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -77,6 +79,17 @@ def chat(
     typer.echo("chatting with " + str(model) + " (/reset forgets, /exit or Ctrl-D ends)", err=True)
     gen.chat(_read, _write, system=system, max_new_tokens=max_new_tokens, temperature=temperature,
              top_p=top_p, seed=seed)
+
+
+def _check_model(model: str) -> None:
+    """Name a wrong path before torch and transformers load (seconds on a busy machine)."""
+    from hfpipe.checkpoint.find import find_checkpoint, is_checkpoint_like
+    from hfpipe.files import check_model_name
+
+    if is_checkpoint_like(model):
+        find_checkpoint(model, "MODEL")
+    else:
+        check_model_name(model)
 
 
 def _take_back_stdin(saved: int | None) -> None:
@@ -91,7 +104,10 @@ def _take_back_stdin(saved: int | None) -> None:
 
 def _read(prompt: str) -> str:
     # The user's turns come from the terminal: reading them is what chat is for.
-    return input(prompt)
+    line = input(prompt)
+    if not sys.stdin.isatty():  # a terminal shows what was typed; a piped turn would not show at all
+        typer.echo(line)
+    return line
 
 
 def _write(text: str) -> None:

@@ -149,15 +149,14 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def _setup_logging(level: str) -> None:
-    from hfpipe.train.logs import quiet_import_noise
+    from hfpipe.train.logs import log_formatter, quiet_import_noise
 
     quiet_import_noise(level)
     logger = logging.getLogger("hfpipe")
     logger.setLevel(level.upper())
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
-                                               "%H:%M:%S"))
+        handler.setFormatter(log_formatter())
         logger.addHandler(handler)
 
 
@@ -207,10 +206,11 @@ def export(
     # Transparent huge pages for torch's CPU tensors: about 1.5x faster on multi-GB layers. It is
     # read when torch loads, so set it before the import (no effect if torch is already loaded).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from hfpipe.checkpoint.export import export_checkpoint
     from hfpipe.checkpoint.find import find_checkpoint
 
-    ckpt = find_checkpoint(ckpt, "checkpoint")
+    ckpt = find_checkpoint(ckpt, "checkpoint")  # torch-free: a wrong path is named at once
+    from hfpipe.checkpoint.export import export_checkpoint
+
     written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
                                 source=source, progress=progress, merge=merge)
     typer.echo(f"exported {ckpt} -> {written}")
@@ -235,6 +235,11 @@ def verify(
     transformers (fp32, one process) and in PP pipeline processes, compares the logits on a
     sample batch, prints the largest difference and the KL divergence; exits 1 on FAIL. A PEFT
     LoRA adapter folder runs its base with the adapters, against PeftModel.from_pretrained."""
+    from hfpipe.errors import NoSuchPathError
+    from hfpipe.files import did_you_mean
+
+    if not hf_dir.expanduser().exists():  # before torch loads: a wrong path is named at once
+        raise NoSuchPathError(f"HF_DIR {hf_dir}: no such folder{did_you_mean(hf_dir)}")
     import hfpipe.verify
 
     result = hfpipe.verify.verify(hf_dir, pp=pp, schedule=schedule, tolerance=tolerance,

@@ -5,7 +5,8 @@ A floor module: it imports nothing from hfpipe, so any layer can raise these and
 keeps its own subclass where only it raises it (``ConfigError``, ``SourceError``, ...).
 """
 
-__all__ = ["ConfigError", "ExportError", "HfpipeError", "ParallelError", "PlanError"]
+__all__ = ["CheckpointError", "ConfigError", "ExportError", "HfpipeError", "NoSuchPathError", "ParallelError",
+           "PlanError"]
 
 
 class HfpipeError(ValueError):
@@ -27,3 +28,11 @@ class PlanError(HfpipeError):
 
 class ExportError(HfpipeError):
     """The checkpoint, source or output cannot be exported (one line: the file/option and the fix)."""
+
+
+class CheckpointError(HfpipeError):
+    """A checkpoint is missing, incomplete or does not fit the model (one line, names what)."""
+
+
+class NoSuchPathError(HfpipeError):
+    """A path the user named as a local file or folder is not there (one line, the closest name)."""

@@ -4,12 +4,13 @@ A FIFO (or a socket, a device) given as a shard, a dataset or a template blocks 
 ``read()`` forever, with no word. Every file hfpipe reads from a user's path goes through
 :func:`open_regular` (or is checked by :func:`check_regular` before a library reads it): it opens
 without blocking, looks at what it opened, and refuses anything but a regular file in one line.
-A floor module: it imports nothing from hfpipe (its error is a ValueError of hfpipe's, which the
-CLI reports in one line, exit 2, as it does every user error).
+Next to the floor: it imports only :mod:`hfpipe.errors` (its errors are hfpipe's, which the CLI
+reports in one line, exit 2, as it does every user error), and neither torch nor transformers.
 """
 
 from __future__ import annotations
 
+import difflib
 import errno
 import json
 import os
@@ -17,10 +18,10 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from hfpipe.errors import HfpipeError
+from hfpipe.errors import HfpipeError, NoSuchPathError
 
 __all__ = ["MAX_SIDE_FILE", "NotRegularFileError", "SideFileError", "open_regular", "check_regular", "check_folder",
-           "read_side_file", "read_side_json"]
+           "check_model_name", "did_you_mean", "meant_as_folder", "read_side_file", "read_side_json"]
 
 #: The most hfpipe reads of any side file it keeps beside data (``hfpipe.json``, ``checksums.json``,
 #: ``hfpipe_export.json``, DCP's ``.metadata``, a source's ``config.json`` and index): far above
@@ -143,3 +144,34 @@ def _article(why: str | None) -> str:
     if why == "a symbolic link":
         return "is a symbolic link (hfpipe does not read its records through one)"
     return f"unreadable ({why})"
+
+
+def meant_as_folder(name: str) -> bool:
+    """Whether ``name``, which is no folder here, was meant as one rather than as a hub id.
+
+    A hub id is ``repo`` or ``org/repo``; a path that starts like one (``./``, ``/``, ``~``), has
+    more parts, or starts in a folder that is here (``out/hff`` beside ``out/``) is a local folder.
+    """
+    parts = Path(name).parts
+    return (name.startswith((".", "/", "~")) or len(parts) > 2
+            or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir()))
+
+
+def did_you_mean(path: str | os.PathLike) -> str:
+    """`` (did you mean out/hf?)`` for the closest name beside a path that does not exist, else ''."""
+    path = Path(path).expanduser()
+    try:
+        names = [p.name for p in path.parent.iterdir()]
+    except OSError:  # the parent is missing too (or unreadable): nothing to offer
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f" (did you mean {path.parent / close[0]}?)" if close else ""
+
+
+def check_model_name(name: str, what: str = "MODEL") -> None:
+    """Refuse a model named as a local folder that is not there, before anything heavy loads
+    (or the hub answers with "couldn't connect"); the closest name beside it is offered."""
+    local = Path(name).expanduser()
+    if not local.is_dir() and meant_as_folder(name):
+        raise NoSuchPathError(f"{what} {name}: no such folder{did_you_mean(local)}; pass a model "
+                                  "folder, hub id or checkpoint")

@@ -78,17 +78,18 @@ def _from_folder_or_adapter(name: str, dtype: str, trust_remote_code: bool):
 def _from_folder(name: str, dtype: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
-        raise GenerateError(f"MODEL {name}: no such folder; pass a model folder, hub id or checkpoint")
-    if Path(name).expanduser().is_dir():
-        from hfpipe.files import check_folder
+    from hfpipe.files import check_folder, check_model_name, did_you_mean
 
-        check_folder(Path(name).expanduser())
+    local = Path(name).expanduser()
+    check_model_name(name)  # the hub's "couldn't connect" would mislead
+    if local.is_dir():
+        check_folder(local)
     try:
         return AutoModelForCausalLM.from_pretrained(name, dtype=_DTYPES[dtype],
                                                     trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # missing files, unknown repo, remote code refused
-        raise GenerateError(f"MODEL {name}: {str(e).splitlines()[0]}") from None
+        where = "" if local.is_dir() else f" is no folder here{did_you_mean(local)}, and as a hub id"
+        raise GenerateError(f"MODEL {name}{where}: {str(e).splitlines()[0]}") from None
 
 
 def _from_checkpoint(ckpt: Path, source: str | Path | None, trust_remote_code: bool):

@@ -32,7 +32,6 @@ from pathlib import Path
 import hfpipe.api
 import hfpipe.train.runner
 from hfpipe.train.step import PipelineTrainer
-from hfpipe.checkpoint.dcp import record_checksums
 
 _hold, _marks = os.environ.get("HFPIPE_TEST_HOLD", ""), Path(os.environ.get("HFPIPE_TEST_MARKS", "."))
 _preflight, _load, _step = hfpipe.train.runner.preflight, hfpipe.api.load_pipeline, PipelineTrainer.step
@@ -182,6 +181,7 @@ def test_a_signal_during_an_export_removes_its_temporary_folder(model, tmp_path,
     from transformers import AutoModelForCausalLM
 
     from hfpipe.checkpoint import export
+    from hfpipe.checkpoint.dcp import record_checksums
     from hfpipe.parallel.signals import StartupInterrupted
 
     ckpt = tmp_path / "ckpt"

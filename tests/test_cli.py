@@ -182,7 +182,7 @@ CASES = [
     ("verify: malformed index", "verify {malformed-index}", "malformed index", None),
     ("verify: config does not match the weights", "verify {mismatched-config}",
      "config.json does not match the weights", None),
-    ("verify: no such folder", "verify {out}", "no such model folder", None),
+    ("verify: no such folder", "verify {out}", "no such folder", None),
     ("verify: unknown schedule", "verify {tiny} --schedule zigzag", "--schedule 'zigzag' is unknown", None),
     ("export: existing output without --force", "export {ckpt} {out}", "exists; pass --force", "existing"),
     ("export: checkpoint incomplete", "export {ckpt} {out}", "incomplete: .metadata missing", "no-metadata"),
@@ -373,3 +373,15 @@ def test_entry_point_plan_prints_everything_before_its_fast_exit():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("meta-llama/Llama-3.2-1B: 1.24B parameters")
     assert proc.stdout.rstrip().splitlines()[-1].startswith("per parameter: weights 4 B")  # fp32
+
+
+@pytest.mark.parametrize("args", [["export", "nope", "x"], ["verify", "./nope"], ["finetune", "./nope"],
+                                  ["generate", "./nope", "--prompt", "x"], ["chat", "out/checkpoints/step-9"]])
+def test_a_wrong_path_is_named_before_torch_loads(tmp_path, args):
+    # Importing torch and transformers takes seconds on a busy machine; a typo should not wait for it.
+    probe = ("import sys; from hfpipe.cli.main import app; code = app(sys.argv[1:], standalone_mode=False); "
+             "print(code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
+    assert "no such folder" in done.stderr or "not found" in done.stderr

@@ -97,6 +97,16 @@ def test_unknown_key_without_close_match_lists_valid_keys(tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("key, field", [("learning_rate", "lr"), ("num_train_epochs", "epochs"),
+                                        ("gradient_accumulation_steps", "grad_accum"),
+                                        ("max_seq_length", "seq_len"), ("lora_r", "lora_rank")])
+def test_another_librarys_name_for_a_field_names_the_field(tmp_path, key, field):
+    path = write(tmp_path, f"model: m\n{key}: 1\n")
+    with pytest.raises(ConfigError) as info:
+        FinetuneConfig.from_yaml(path)
+    assert str(info.value) == f"{path}: unknown key {key!r} (did you mean {field}? hfpipe's name for {key})"
+
+
 def test_unknown_key_in_dict_names_source():
     with pytest.raises(ConfigError, match=r"^recipe\.yaml: unknown key 'ppp' \(did you mean pp"):
         FinetuneConfig.from_dict({"model": "m", "ppp": 2}, source="recipe.yaml")

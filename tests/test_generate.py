@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from hfpipe.checkpoint.dcp import CheckpointError, record_checksums
 from hfpipe.cli.main import app
+from hfpipe.errors import NoSuchPathError
 from hfpipe.generate import GenerateError, load_generator
 from hfpipe.tiny import make_tiny_checkpoint
 
@@ -135,10 +136,36 @@ def test_chat_keeps_the_history_and_resets(folders):
     assert "(history cleared)\n" in out and out.count("you> ") == 6
 
 
+def test_chat_with_piped_turns_shows_each_turn_on_its_own_line(folders):
+    result = runner.invoke(app, ["chat", str(folders[1]), "--max-new-tokens", "4"], input="hi\nhow?\n")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == "you> hi" and lines[1].startswith("model> ")
+    assert lines[2] == "you> how?" and lines[3].startswith("model> ")
+
+
 def test_a_missing_step_lists_the_existing_ones(folders):
     run = folders[2]
     with pytest.raises(CheckpointError, match="existing steps: step-00000005, step-00000010"):
         load_generator(run / "checkpoints" / "step-00000007")
+
+
+@pytest.mark.parametrize("name", ["step-5", "step_5", "step5"])
+def test_a_step_typed_without_its_padding_is_named_with_the_steps_that_exist(folders, name):
+    checkpoints = folders[2] / "checkpoints"
+    with pytest.raises(CheckpointError, match=rf"did you mean {checkpoints / 'step-00000005'}\? "
+                                              "existing steps: step-00000005, step-00000010"):
+        load_generator(checkpoints / name)
+
+
+def test_a_mistyped_folder_is_no_such_folder_not_a_hub_error(folders, monkeypatch):
+    monkeypatch.chdir(folders[0].parent)  # beside trained/, as after `hfpipe export ... trained`
+    with pytest.raises(NoSuchPathError, match=r"MODEL trained/hff: no such folder; pass a model folder"):
+        load_generator("trained/hff")  # org/repo in form, but trained/ is a folder here
+    with pytest.raises(NoSuchPathError, match=r"MODEL ./traned: no such folder \(did you mean trained\?\)"):
+        load_generator("./traned")
+    with pytest.raises(NoSuchPathError, match=r"MODEL run/checkpoints/stepp-5/x: no such folder"):
+        load_generator("run/checkpoints/stepp-5/x")
 
 
 def test_a_moved_source_needs_source_option(folders, tmp_path):

@@ -189,3 +189,10 @@ def test_config_from_folder_file_and_bundled_id(tmp_path):
     remote.write_text(json.dumps({**raw, "auto_map": {"AutoConfig": "x.Y"}}))
     with pytest.raises(SourceError, match="--trust-remote-code"):
         load_model_config(str(remote))
+
+
+def test_a_miscased_bundled_id_names_the_one_meant_and_every_bundled_id():
+    # Refused before any hub request: the hub is no help offline, and the user meant the bundled one.
+    with pytest.raises(SourceError, match=r"did you mean meta-llama/Llama-3\.1-8B\? bundled ids: "
+                                          r"deepseek-ai/DeepSeek-V2-Lite, .*meta-llama/Llama-3\.2-1B"):
+        load_model_config("meta-llama/Llama-3.1-8b")

@@ -1,28 +1,132 @@
-"""The README's CLI reference matches the CLI: every command and every option is documented."""
+"""The README and docs/ say what the CLI does: no merge leftovers, Python that parses, `hfpipe ...`
+commands whose commands and flags exist, and a CLI reference (docs/cli.md) that is the real
+``--help`` of every command, word for word.
+
+After changing a command's help, rewrite docs/cli.md with ``python tests/test_readme.py``.
+"""
 
 from __future__ import annotations
 
+import ast
+import re
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
 from typer.main import get_command
+from typer.testing import CliRunner
 
 from hfpipe.cli.main import app
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-COMMANDS = sorted(get_command(app).commands)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CLI_DOC = ROOT / "docs" / "cli.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+GROUP = get_command(app)
+COMMANDS = sorted(GROUP.commands)
+# `COLUMNS=80 hfpipe X --help` wraps at 78: what a reader of an 80-column terminal sees.
+HELP_WIDTH = 78
 
 
-@pytest.mark.parametrize("name", COMMANDS)
-def test_every_option_of_every_command_is_in_the_readme(name):
-    assert f"### `hfpipe {name}`" in README
-    command = get_command(app).commands[name]
-    for param in command.params:
-        for flag in param.opts + param.secondary_opts:
-            if flag.startswith("--"):
-                assert flag in README, f"hfpipe {name} {flag} is missing from the README"
+def help_text(name: str) -> str:
+    """``hfpipe NAME --help`` (NAME "" for the group) as a terminal of 80 columns shows it."""
+    args = [name, "--help"] if name else ["--help"]
+    return CliRunner().invoke(app, args, prog_name="hfpipe", terminal_width=HELP_WIDTH).output
+
+
+def cli_reference() -> str:
+    """docs/cli.md as it must read: every command's help, in the order ``hfpipe --help`` lists."""
+    parts = ["# CLI reference\n",
+             "Every command's `--help`, as printed in an 80-column terminal. `tests/test_readme.py`",
+             "checks this page against the CLI; `python tests/test_readme.py` rewrites it.\n"]
+    for name in ["", *GROUP.list_commands(None)]:
+        title = f"hfpipe {name}".strip()
+        parts.append(f"## `{title}`\n\n```text\n{help_text(name).rstrip()}\n```\n")
+    return "\n".join(parts)
+
+
+def _code_blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)
+
+
+def _hfpipe_commands(text: str) -> list[str]:
+    """Every `hfpipe ...` command line of the bash blocks and of the inline code spans."""
+    lines = []
+    for block in _code_blocks(text, "bash"):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += re.findall(r"`(hfpipe [^`]+)`", text)
+    commands = []
+    for line in lines:
+        line = line.split(" #", 1)[0]  # a trailing comment
+        for part in re.split(r"&&|\|\||;|\|", line):
+            words = part.split()
+            if "hfpipe" in words:
+                commands.append(" ".join(words[words.index("hfpipe"):]))
+    return commands
+
+
+def _unknown_flags(command: str) -> list[str]:
+    words = shlex.split(command.replace("...", " "))[1:]
+    group_flags = {"--help"} | {o for p in GROUP.params for o in p.opts + p.secondary_opts}
+    while words and words[0] in group_flags:  # `hfpipe --debug finetune ...`, `--log-level X`
+        words = words[2:] if words[0] == "--log-level" else words[1:]
+    if not words or words[0].startswith("-"):
+        return [w for w in words if w.startswith("--") and w.split("=")[0] not in group_flags]
+    if words[0].isupper():  # a placeholder: `hfpipe COMMAND --help`
+        return [w for w in words[1:] if w.startswith("--") and w.split("=")[0] not in group_flags]
+    if words[0] not in GROUP.commands:
+        return [f"no command {words[0]!r}"]
+    params = GROUP.commands[words[0]].params
+    known = group_flags | {o for p in params for o in p.opts + p.secondary_opts}
+    return [w for w in words[1:] if w.startswith("--") and w.split("=")[0] not in known]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_no_merge_conflict_is_left(doc):
+    markers = re.findall(r"^(?:<{7}|={7}|>{7})(?: .*)?$", doc.read_text(), re.M)
+    assert not markers, f"{doc.name} holds merge conflict markers: {markers}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_python_block_parses(doc):
+    for block in _code_blocks(doc.read_text(), "python"):
+        ast.parse(block)  # raises SyntaxError naming the line
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_hfpipe_command_uses_flags_that_exist(doc):
+    commands = _hfpipe_commands(doc.read_text())
+    assert len(commands) >= (10 if doc == README else 0)
+    wrong = {c: bad for c in commands if (bad := _unknown_flags(c))}
+    assert not wrong, f"{doc.name}: commands with unknown commands or flags: {wrong}"
+
+
+def test_the_check_catches_a_flag_that_does_not_exist():
+    assert _unknown_flags("hfpipe export out out/hf --dtype bf16 --force") == []
+    assert _unknown_flags("hfpipe export out out/hf --overwrite") == ["--overwrite"]
+    assert _unknown_flags("hfpipe exprot out out/hf") == ["no command 'exprot'"]
+    assert _unknown_flags("hfpipe --debug finetune --recipe x --pp 2") == []
+
+
+def test_the_cli_reference_is_the_real_help_of_every_command():
+    assert CLI_DOC.read_text() == cli_reference(), (
+        "docs/cli.md differs from the CLI's --help; rewrite it with python tests/test_readme.py")
+
+
+def test_the_readme_leads_with_install_and_quickstart_and_links_the_reference():
+    text = README.read_text()
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[:2] == ["Two commands", "Your own model"]
+    assert "docs/cli.md" in text and "### `hfpipe finetune`" not in text
 
 
 def test_the_readme_names_the_test_command_ci_runs():
-    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
-    assert "python -m pytest -q" in README and "python -m pytest -q" in ci
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -q" in README.read_text() and "python -m pytest -q" in ci
+
+
+if __name__ == "__main__":
+    CLI_DOC.parent.mkdir(exist_ok=True)
+    CLI_DOC.write_text(cli_reference())
+    sys.exit(0)

@@ -39,6 +39,7 @@ def test_the_recipes_are_there():
         "llama3_1_70b_qlora_pp2.yaml",
         "llama3_1_70b_sft_pp16_dp2.yaml",
         "llama3_1_8b_sft_pp4.yaml",
+        "llama3_2_1b_lora_pp2.yaml",
         "llama3_2_1b_sft_pp2.yaml",
     ]
 
@@ -130,3 +131,13 @@ def test_quantized_lora_recipes_name_their_base():
                        ("deepseek_v4_flash_lora_fp8_pp2_ep4", "fp8")):
         cfg = FinetuneConfig.from_yaml(find_recipe(name))
         assert cfg.quantize_base == kind and cfg.lora_rank
+
+
+def test_one_recipe_runs_on_cpu_processes_and_one_gpu():
+    # A first run needs no cluster: a LoRA recipe on shipped data that plans at pp 2 and at pp 1.
+    path = find_recipe("llama3_2_1b_lora_pp2")
+    cfg, text = FinetuneConfig.from_yaml(path), header(path)
+    assert cfg.lora_rank and cfg.pp == 2 and cfg.dataset.startswith("builtin:")
+    assert "CPU" in text and "--pp 1" in text
+    one_gpu = FinetuneConfig.from_yaml(path, pp=1)
+    assert max(r.total_bytes for r in report_for(hf_config(one_gpu), one_gpu).ranks) <= 0.95 * parse_memory("24GB")

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from hfpipe.config.run import ConfigError, FinetuneConfig
-from hfpipe.train.logs import LINES, next_commands
+from hfpipe.train.logs import LINES, log_formatter, next_commands
 from hfpipe.train.progress import Reporter
 from hfpipe.train.step import StepResult
 
@@ -47,12 +47,13 @@ def test_off_a_terminal_each_row_is_one_plain_timestamped_line(tmp_path, caplog)
         report.log(i + 1, r)
     report.log_eval({"step": 4, "eval_loss": 1.25, "eval_ppl": 3.49, "eval_tokens": 99})
     report.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == LINES.name]
+    lines = [log_formatter(1).format(r) for r in caplog.records if r.name == LINES.name]
     assert len(lines) == 3 and not any("\r" in line for line in lines)
-    assert re.fullmatch(rf"{STAMP} step 2/4 loss 1\.6667 grad_norm 0\.500 lr 1\.00e-03 tok/s \d+ "
+    head = rf"{STAMP} INFO \[rank1\] hfpipe\.train\.lines: "
+    assert re.fullmatch(rf"{head}step 2/4 loss 1\.6667 grad_norm 0\.500 lr 1\.00e-03 tok/s \d+ "
                         rf"eta \d\d:\d\d:\d\d", lines[0])
-    assert lines[1].split(" ", 2)[2].startswith("step 4/4 loss 3.5714")
-    assert re.fullmatch(rf"{STAMP} eval step 4/4 eval_loss 1\.2500 ppl 3\.490 tokens 99", lines[2])
+    assert re.match(rf"{head}step 4/4 loss 3\.5714", lines[1])
+    assert re.fullmatch(rf"{head}eval step 4/4 eval_loss 1\.2500 ppl 3\.490 tokens 99", lines[2])
     assert not (tmp_path / "metrics.jsonl").exists()  # report_to none
 
 
@@ -99,6 +100,17 @@ def test_the_end_of_a_run_names_the_next_commands():
     assert next_commands("out", "c", exported=True, best=None)[0].startswith("hfpipe generate")
 
 
+def test_the_next_export_replaces_an_earlier_export_and_never_anything_else(tmp_path):
+    out, ckpt = tmp_path / "out", "out/checkpoints/step-00000020"
+    (out / "hf").mkdir(parents=True)
+    (out / "hf" / "hfpipe_export.json").write_text("{}")  # exported before a resume
+    assert next_commands(str(out), ckpt, exported=False, best=None)[0].endswith(f"{out / 'hf'} --force")
+    (out / "hf" / "hfpipe_export.json").unlink()  # a folder of the user's: --force would refuse it
+    export, generate = next_commands(str(out), ckpt, exported=False, best=None)[:2]
+    assert export == f"hfpipe export {ckpt} {out / 'hf-step-00000020'}"
+    assert generate == f'hfpipe generate {out / "hf-step-00000020"} --prompt "..."'
+
+
 def test_on_a_terminal_a_bar_shows_the_rows_and_eval_lines_stay_above_it(tmp_path, capsys):
     report = Reporter(tmp_path, 4, enabled=True, log_every=2, report_to="jsonl", tty=True)
     for i, r in enumerate(results(4)):
@@ -107,5 +119,5 @@ def test_on_a_terminal_a_bar_shows_the_rows_and_eval_lines_stay_above_it(tmp_pat
     report.close()
     err = capsys.readouterr().err
     assert "finetune" in err and "eval_loss=1.2500" in err  # the bar and its postfix
-    assert re.search(rf"{STAMP} eval step 4/4 eval_loss 1\.2500", err)
+    assert re.search(rf"{STAMP} INFO (\[rank\d\] )?hfpipe\.train\.lines: eval step 4/4 eval_loss 1\.2500", err)
     assert [r["step"] for r in read_rows(tmp_path)] == [2, 4, 4]

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hfpipe.errors import HfpipeError
+from hfpipe.errors import CheckpointError  # noqa: F401 - raised here, and imported from here by callers
 from hfpipe.checkpoint import checksums
 from hfpipe.checkpoint.meta import read_record
 from hfpipe.parallel.lock import write_new
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class CheckpointError(HfpipeError):
-    """A checkpoint is missing, incomplete or does not fit the model (one line, names what)."""
 
 
 def rank_view(modules, tied: bool) -> nn.Module:

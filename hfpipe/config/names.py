@@ -7,7 +7,34 @@ checks), so the checks need not import the dataclass they check.
 from hfpipe.errors import ConfigError
 from hfpipe.parallel.rules import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES
 
-__all__ = ["ConfigError", "SCHEDULES", "INTERLEAVED_SCHEDULES", "V_SCHEDULES", "QUANTIZE_BASE"]
+__all__ = ["ConfigError", "SCHEDULES", "INTERLEAVED_SCHEDULES", "V_SCHEDULES", "QUANTIZE_BASE", "OTHER_NAMES",
+           "check_other_names"]
 
 #: Formats a LoRA run's frozen base can be kept in on the device (``--quantize-base``).
 QUANTIZE_BASE = ("nf4", "fp8")
+
+
+#: Keys users bring from transformers' TrainingArguments, TRL, PEFT and torchtune recipes, and the
+#: field each one is here: too far from the field's name for a spelling match to find it.
+OTHER_NAMES = {
+    "learning_rate": "lr", "num_train_epochs": "epochs", "num_epochs": "epochs",
+    "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum", "max_seq_length": "seq_len", "max_length": "seq_len",
+    "max_seq_len": "seq_len", "seq_length": "seq_len", "model_name_or_path": "model",
+    "lr_scheduler_type": "lr_schedule", "warmup": "warmup_steps", "num_warmup_steps": "warmup_steps",
+    "gradient_checkpointing": "activation_checkpointing", "enable_activation_checkpointing":
+    "activation_checkpointing", "save_steps": "save_every", "logging_steps": "log_every",
+    "eval_steps": "eval_every", "save_total_limit": "keep", "r": "lora_rank", "lora_r": "lora_rank",
+    "target_modules": "lora_targets", "lora_target_modules": "lora_targets", "adam_epsilon": "eps",
+    "adam_beta1": "betas", "adam_beta2": "betas",
+    "bf16": "dtype", "fp16": "dtype", "dataset_name": "dataset", "dataset_text_field": "format",
+    "resume_from_checkpoint": "resume", "output": "output_dir",
+}
+
+
+def check_other_names(d, source: str) -> None:
+    """Refuse a key that is another library's name for a field, naming the field (``did you mean lr?``)."""
+    for key in d:
+        if key in OTHER_NAMES:
+            raise ConfigError(f"{source}: unknown key {key!r} (did you mean {OTHER_NAMES[key]}? "
+                              f"hfpipe's name for {key})")

@@ -18,7 +18,7 @@ from typing import Any
 
 from hfpipe.source.config import bundled_config_dir
 from hfpipe.config.checks import check, check_keys, load_yaml
-from hfpipe.config.names import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError
+from hfpipe.config.names import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES, ConfigError, check_other_names
 from hfpipe.parallel.rules import schedule_style
 
 __all__ = [
@@ -218,6 +218,7 @@ class FinetuneConfig:
         """Build a config from option -> value; unknown keys and bad values name `source`."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"{source}: expected a mapping of option: value, got {type(d).__name__}")
+        check_other_names(d, source)
         check_keys(d, source, [f.name for f in dataclasses.fields(cls)])
         if "model" not in d:
             raise ConfigError(f"{source}: the model is required (set `model:` in the recipe, or give MODEL on the command line)")
@@ -235,6 +236,7 @@ class FinetuneConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
         given = {k: v for k, v in overrides.items() if v is not None}
+        check_other_names(given, "command-line overrides")
         check_keys(given, "command-line overrides", [f.name for f in dataclasses.fields(cls)])
         return cls.from_dict({**data, **given}, source=str(path))
 

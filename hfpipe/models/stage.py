@@ -144,8 +144,9 @@ class PipelineStageModule(nn.Module):
         unknown = [k for k in self._mask_kinds if k not in make]
         if unknown:
             raise ValueError(f"layer type {unknown[0]!r} needs a mask hfpipe does not build")
+        # transformers 5.24 names the (absent) KV cache `cache`; `past_key_values` warns once per rank.
         kwargs = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
-                      past_key_values=None, position_ids=position_ids)
+                      cache=None, position_ids=position_ids)
         kwargs.update(self.adapter.mask_kwargs)
         return {kind: make[kind](**kwargs) for kind in self._mask_kinds}
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ def load_model_config(name: str, *, trust_remote_code: bool = False):
     Raises:
         SourceError: nothing usable under that name.
     """
-    from hfpipe.source.config import SourceError, bundled_config_dir, load_config
+    from hfpipe.source.config import SourceError, bundled_config_dir, bundled_ids, load_config
 
     path = Path(name).expanduser()
     if path.is_dir():
@@ -29,14 +30,26 @@ def load_model_config(name: str, *, trust_remote_code: bool = False):
     bundled = bundled_config_dir(name)
     if bundled is not None:
         return load_config(bundled, trust_remote_code=trust_remote_code)
+    if name.lower() in (i.lower() for i in bundled_ids()):  # a miscased bundled id: say which
+        raise SourceError(f"{name}: not a bundled model as spelled; {_known_ids(name)}")
     from huggingface_hub import hf_hub_download
 
     try:
         path = Path(hf_hub_download(name, "config.json"))
     except Exception as e:  # network, auth, offline and unknown-repo errors mean the same here
         raise SourceError(f"{name}: not a folder, a config file, a bundled model or a fetchable "
-                          f"hub id ({type(e).__name__}); pass a config.json path") from None
+                          f"hub id ({type(e).__name__}); {_known_ids(name)}; or pass a config.json path") from None
     return load_config(path.parent, trust_remote_code=trust_remote_code)
+
+
+def _known_ids(name: str) -> str:
+    """``did you mean X?`` (the closest bundled id, ignoring case) and every bundled id."""
+    from hfpipe.source.config import bundled_ids
+
+    ids = {i.lower(): i for i in bundled_ids()}
+    close = difflib.get_close_matches(name.lower(), list(ids), n=1, cutoff=0.6)
+    meant = f"did you mean {ids[close[0]]}? " if close else ""
+    return f"{meant}bundled ids: {', '.join(ids.values())}"
 
 
 def _config_from_file(path: Path, trust_remote_code: bool):

@@ -157,6 +157,12 @@ def meta_model(src: Path):
         return AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
 
 
+def bundled_ids() -> list[str]:
+    """The model ids whose config.json ships with hfpipe (``hfpipe plan`` knows them offline)."""
+    folder = Path(__file__).resolve().parent.parent / "assets" / "configs"
+    return sorted(p.name.replace("--", "/", 1) for p in folder.iterdir() if (p / "config.json").is_file())
+
+
 def bundled_config_dir(model_id: str) -> Path | None:
     """The bundled folder holding `model_id`'s real config.json, or None if none is bundled.
 

@@ -17,7 +17,8 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "duration", "format_line", "next_commands", "open_sinks", "quiet_import_noise"]
+__all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "duration", "format_line", "log_formatter", "log_line",
+           "next_commands", "open_sinks", "quiet_import_noise"]
 
 log = logging.getLogger(__name__)
 #: Logger of the plain progress lines; the reporting rank raises it to INFO (see Reporter).
@@ -30,6 +31,23 @@ _EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens")
 #: (``_C_mxfp8``, ``_C_cutlass_90a``) do not load on this build, and torch 2.13 warns about two enums
 #: torchao registers. Four such lines would open every LoRA run's output, once per rank.
 IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def log_formatter(rank: int | None = None) -> logging.Formatter:
+    """The one layout of every log line, the launcher's (``rank`` None) and each worker's.
+
+    ``2026-11-22 17:21:39 INFO [rank1] hfpipe.train.lines: step 4/6 loss 5.9579 ...``: the date
+    too, because these lines end up in Slurm and ``nohup`` files that outlive a day.
+    """
+    where = "" if rank is None else f"[rank{rank}] "
+    return logging.Formatter(f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+
+
+def log_line(text: str) -> str:
+    """``text`` as this process's log handler would write it (for a line printed above a bar)."""
+    record = LINES.makeRecord(LINES.name, logging.INFO, __file__, 0, text, None, None)
+    handlers = [h for h in logging.getLogger("hfpipe").handlers if h.formatter is not None]
+    return (handlers[0].formatter if handlers else log_formatter()).format(record)
 
 
 def quiet_import_noise(level: str) -> None:
@@ -121,7 +139,8 @@ def _tensorboard(path: Path, purge_step: int | None = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        log.warning("tensorboard is not installed: no tb/ logs (pip install tensorboard)")
+        # The default --report-to names it: its absence is normal, not something to warn about.
+        log.info("metrics go to metrics.jsonl only; for TensorBoard logs in tb/: pip install tensorboard")
         return None
     return SummaryWriter(str(path), purge_step=purge_step)
 
@@ -148,12 +167,11 @@ def _drop_rows_after(path: Path, step: int) -> None:
 
 
 def format_line(row: dict, total: int, eta_s: float | None = None) -> str:
-    """One timestamped line for a log file: ``2026-11-22 17:40:12 step 10/100 loss 2.3456 ...``."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    """One line for a log file: ``step 10/100 loss 2.3456 ...`` (the time is the log record's)."""
     if "eval_loss" in row:
-        return (f"{stamp} eval step {row['step']}/{total} eval_loss {row['eval_loss']:.4f} "
+        return (f"eval step {row['step']}/{total} eval_loss {row['eval_loss']:.4f} "
                 f"ppl {row['eval_ppl']:.3f} tokens {row['eval_tokens']}")
-    text = (f"{stamp} step {row['step']}/{total} loss {row['loss']:.4f} grad_norm "
+    text = (f"step {row['step']}/{total} loss {row['loss']:.4f} grad_norm "
             f"{row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s {row['tokens_per_s']:.0f}")
     if eta_s is not None:
         text += f" eta {duration(eta_s)}"
@@ -170,11 +188,26 @@ def duration(seconds: float) -> str:
 
 
 def next_commands(output_dir: str, checkpoint: str, *, exported: bool, best: str | None) -> list[str]:
-    """What a user runs after training: export, generate, resume."""
-    hf = str(Path(output_dir) / "hf")
-    lines = [] if exported else [f"hfpipe export {checkpoint} {hf}"]
+    """What a user runs after training: export, generate, resume; each works as printed."""
+    hf = Path(output_dir) / "hf"
+    lines = []
+    if not exported:
+        hf, export = _export_command(checkpoint, hf)
+        lines.append(export)
     if best:
-        lines.append(f"hfpipe export {best} {Path(output_dir) / 'hf-best'}   # lowest eval loss")
+        lines.append(_export_command(best, Path(output_dir) / "hf-best")[1] + "   # lowest eval loss")
     lines.append(f'hfpipe generate {hf} --prompt "..."')
     lines.append("train further: the same command with --resume auto and a larger --max-steps")
     return lines
+
+
+def _export_command(checkpoint: str, out: Path) -> tuple[Path, str]:
+    """Where to export ``checkpoint`` and the command: ``--force`` where an earlier export (a run
+    resumed since) is in the way, another folder where anything else is (export refuses it)."""
+    from hfpipe.checkpoint.meta import EXPORT_RECORD
+
+    if out.exists() and (out / EXPORT_RECORD).is_file():
+        return out, f"hfpipe export {checkpoint} {out} --force"
+    if out.exists():
+        out = out.with_name(f"{out.name}-{Path(checkpoint).name}")
+    return out, f"hfpipe export {checkpoint} {out}"

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from hfpipe.train.logs import LINES, format_line, open_sinks
+from hfpipe.train.logs import LINES, format_line, log_line, open_sinks
 
 __all__ = ["Reporter"]
 
@@ -99,7 +99,7 @@ class Reporter:
         if self.bar is not None:
             self.postfix.update(eval_loss=f"{row['eval_loss']:.4f}")
             self.bar.set_postfix(self.postfix)
-            self.bar.write(format_line(row, self.total), file=sys.stderr)  # stays above the bar
+            self.bar.write(log_line(format_line(row, self.total)), file=sys.stderr)  # stays above the bar
         else:
             LINES.info("%s", format_line(row, self.total))
 

@@ -217,13 +217,13 @@ def _setup_logging(rank: int) -> None:
     A worker launched by the CLI inherits nothing; one run under torchrun may already carry
     the CLI's handler on the ``hfpipe`` logger, which is then reused rather than doubled.
     """
-    from hfpipe.train.logs import quiet_import_noise
+    from hfpipe.train.logs import log_formatter, quiet_import_noise
 
     level = os.environ.get("HFPIPE_LOG_LEVEL", "INFO" if rank == 0 else "WARNING")
     quiet_import_noise(level)
     logger = logging.getLogger("hfpipe")
     logger.setLevel(level)
-    fmt = logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    fmt = log_formatter(rank)
     if not logger.handlers:
         logger.addHandler(logging.StreamHandler())
     for handler in logger.handlers:
@@ -234,11 +234,18 @@ def _setup_logging(rank: int) -> None:
 def _load_data(cfg, pm, dist_info):
     """Tokenise on rank 0 first (datasets caches it), then let the others read the cache."""
     tok = _tokenizer(pm.source.folder, cfg)
-    if dist_info.rank == 0:
-        splits = _load_splits(cfg, tok)
-    dist.barrier()
-    if dist_info.rank != 0:
-        splits = _load_splits(cfg, tok)
+    # The preflight (the launcher's, or rank 0's under torchrun) loaded these rows and said so.
+    said = logging.getLogger("hfpipe.data.load")
+    level = said.level
+    said.setLevel(logging.WARNING)
+    try:
+        if dist_info.rank == 0:
+            splits = _load_splits(cfg, tok)
+        dist.barrier()
+        if dist_info.rank != 0:
+            splits = _load_splits(cfg, tok)
+    finally:
+        said.setLevel(level)
     return splits
 
 
