@@ -1,0 +1,190 @@
+"""Tensor parallelism is exact: a model split over 2 tp ranks equals one-process transformers.
+
+Each gloo rank builds the same tiny model (fixed seed, fp32), keeps one copy as the oracle and cuts
+the other into two pipeline stages (embedding + the first half of the layers; the rest + norm +
+head), splits both stages with :func:`stage_tp_plan` / :func:`apply_tp` and runs them one after the
+other as the pipeline would: the hidden states cross the boundary as a detached plain tensor, the
+last stage hands its final hidden states to the vocab-parallel loss. Logits, the summed loss and
+every parameter's gradient must equal the oracle's within 1e-5, with and without sequence
+parallelism; each split parameter's local tensor must be exactly the slice :func:`local_slice` names.
+
+Also here: the vocab-parallel loss alone against ``F.cross_entropy(reduction="sum")`` (targets on
+both ranks' halves, ignored positions, an all-ignored row), and the refusals. The default suite runs
+Llama; ``pytest -m slow`` adds Qwen3 (q/k norms), Qwen3-MoE (fused experts) and DeepSeek-V3 (MLA).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _dist import run_ranks
+
+TOL = 1e-5
+TP = 2
+LAYERS = 4
+BATCH, SEQ = 2, 16
+
+
+def _init_tp():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    return init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+
+
+def _stages(model, config):
+    """The model cut in two stages (same modules, full names), as hfpipe's pipeline builds them."""
+    from hfpipe.models.registry import adapter_for
+    from hfpipe.pipeline.stage import PipelineStageModule
+    from hfpipe.plan.spec import StageSpec
+
+    half = LAYERS // 2
+    specs = [StageSpec(index=0, layers=tuple(range(half)), embed=True, head=False),
+             StageSpec(index=1, layers=tuple(range(half, LAYERS)), embed=False, head=True)]
+    return [PipelineStageModule(s, config, model, adapter_for(config)) for s in specs]
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
+    targets = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)  # shifted, as the pipeline's
+    targets[0, :5] = -100  # a masked prompt
+    return ids, targets
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _tp_worker(kind: str) -> dict:
+    """Max |tp - one process| of logits, loss and grads, without and with sequence parallelism."""
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.parallel.tensor import apply_tp, local_slice, param_layouts, vocab_parallel_loss_sum
+    from hfpipe.parallel.tensor_plan import stage_tp_plan
+    from hfpipe.tiny import tiny_config
+
+    mesh = _init_tp()
+    rank = mesh.get_local_rank()
+    config = tiny_config(kind, num_hidden_layers=LAYERS)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config).float()
+    ids, targets = _batch(config.vocab_size)
+    ref_logits = ref(input_ids=ids).logits
+    tokens = (targets != -100).sum()  # the pipeline divides the summed loss by the token count
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    out = {}
+    for sp in (False, True):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        stages = _stages(model, model.config)
+        for stage in stages:
+            names = [n for n, _ in stage.named_modules()]
+            apply_tp(stage, mesh, stage_tp_plan(model.config, names, sp, TP))
+        first, last = stages
+        seen = []  # tokens a norm inside a layer runs on: 1/tp of them under sequence parallelism
+        norm = last.model.layers[str(LAYERS - 1)].input_layernorm
+        norm.register_forward_hook(lambda _m, _a, o: seen.append(_local(o).shape[1]))
+        with torch.no_grad():
+            logits = last(first(ids))
+        h = first(ids)
+        sent = h.detach().requires_grad_()  # what crosses the pipeline boundary
+        last.head_in_loss = True
+        hidden = last(sent)
+        loss = vocab_parallel_loss_sum(last.logits(hidden), targets) / tokens
+        loss.backward()
+        h.backward(sent.grad)
+        grads, slices = 0.0, 0.0
+        for stage in stages:
+            for name, (placement, _shape) in param_layouts(stage).items():
+                local = stage.get_parameter(name).to_local()
+                slices = max(slices, (local - local_slice(ref_params[name], placement, rank, TP)).abs().max().item())
+            for name, p in stage.named_parameters():
+                grads = max(grads, (_full(p.grad) - ref_params[name].grad).abs().max().item())
+        out[sp] = {"plain": [type(t).__name__ for t in (h, hidden, logits)],
+                   "logits": (logits - ref_logits).abs().max().item(),
+                   "loss": abs(loss.item() - ref_loss.item()), "grads": grads, "slices": slices,
+                   "split": len(param_layouts(first)) + len(param_layouts(last)), "norm_tokens": seen}
+    return out
+
+
+def _check(results: dict) -> None:
+    print({rank: {sp: {k: r[k] for k in ("logits", "loss", "grads")} for sp, r in res.items()} for rank, res in results.items()})
+    for rank, res in results.items():
+        for sp, r in res.items():
+            where = f"rank {rank}, sequence_parallel={sp}"
+            assert r["plain"] == ["Tensor"] * 3, f"{where}: a DTensor left a stage: {r['plain']}"
+            assert r["split"] > 0, where
+            assert r["norm_tokens"] == [SEQ // TP if sp else SEQ] * 2, f"{where}: {r['norm_tokens']}"
+            assert r["slices"] == 0.0, f"{where}: a local tensor is not the slice local_slice names"
+            for key in ("logits", "loss", "grads"):
+                assert r[key] <= TOL, f"{where}: {key} differ by {r[key]:.2e}"
+
+
+def test_llama_split_over_two_tp_ranks_equals_one_process():
+    _check(run_ranks(_tp_worker, TP, "llama"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "deepseek_v3"])
+def test_family_split_over_two_tp_ranks_equals_one_process(kind):
+    _check(run_ranks(_tp_worker, TP, kind))
+
+
+def _loss_worker() -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hfpipe.parallel.tensor import vocab_parallel_loss_sum
+
+    mesh = _init_tp()
+    g = torch.Generator().manual_seed(2)
+    vocab = 10
+    logits = torch.randn(3, 4, vocab, generator=g) * 5
+    targets = torch.tensor([[0, 9, 4, 5], [-100, -100, -100, -100], [7, -100, 2, 1]])  # both halves
+    ref = logits.clone().requires_grad_()
+    ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten(), reduction="sum")
+    ref_loss.backward()
+    split = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_()
+    loss = vocab_parallel_loss_sum(split, targets)
+    loss.backward()
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": (split.grad.full_tensor() - ref.grad).abs().max().item(),
+            "value": loss.item()}
+
+
+def test_vocab_parallel_loss_equals_summed_cross_entropy():
+    results = run_ranks(_loss_worker, TP)
+    assert results[0]["value"] == results[1]["value"]  # the same loss on every tp rank
+    for rank, r in results.items():
+        assert r["loss"] <= TOL and r["grad"] <= TOL, f"rank {rank}: {r}"
+
+
+def test_heads_that_do_not_divide_are_refused_in_one_line():
+    from hfpipe.errors import HfpipeError
+    from hfpipe.parallel.tensor_plan import stage_tp_plan
+    from hfpipe.tiny import tiny_config
+
+    config = tiny_config("llama", num_attention_heads=4, num_key_value_heads=1)
+    with pytest.raises(HfpipeError, match=r"^--tp 2: llama has num_key_value_heads=1, which 2 tp ranks cannot "
+                                          r"split evenly; choose a --tp that divides it$"):
+        stage_tp_plan(config, ["lm_head"], False, 2)
+
+
+def test_a_family_without_a_checked_plan_is_refused_in_one_line():
+    from hfpipe.errors import HfpipeError
+    from hfpipe.parallel.tensor_plan import stage_tp_plan
+    from hfpipe.tiny import tiny_config
+
+    with pytest.raises(HfpipeError, match=r"^--tp 2: tensor parallelism is not checked exact for 'deepseek_v2' "
+                                          r"\(checked: .*\); run it with --tp 1$"):
+        stage_tp_plan(tiny_config("deepseek_v2"), ["lm_head"], False, 2)
