@@ -92,7 +92,7 @@ def shard_ranges(shape, placement: Placement, tp_rank: int, tp_size: int) -> tup
     """
     if isinstance(placement, Replicate):
         return None
-    if not isinstance(placement, Shard):
+    if not isinstance(placement, (Shard, _StridedShard)):
         raise ValueError(f"no local slice for placement {placement}")
     dim = placement.dim % len(shape)
     blocks = placement.split_factor if isinstance(placement, _StridedShard) else 1
