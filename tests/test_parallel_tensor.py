@@ -66,15 +66,15 @@ def _full(t):
 
 
 def _tp_worker(kind: str) -> dict:
-    """Max |tp - one process| of logits, loss and grads, without and with sequence parallelism."""
+    """Max |tp - one process| of logits, loss and grads: split from the whole model, without and with
+    sequence parallelism; and split on the meta device, then filled from each rank's slices (the
+    loader's way) under sequence parallelism."""
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.parallel.tensor import apply_tp, local_slice, param_layouts, vocab_parallel_loss_sum
-    from hfpipe.parallel.tensor_plan import stage_tp_plan
+    from hfpipe.models.meta import build_meta_model
     from hfpipe.tiny import tiny_config
 
     mesh = _init_tp()
-    rank = mesh.get_local_rank()
     config = tiny_config(kind, num_hidden_layers=LAYERS)
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config).float()
@@ -84,46 +84,86 @@ def _tp_worker(kind: str) -> dict:
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens
     ref_loss.backward()
     ref_params = dict(ref.named_parameters())
+    oracle = (ids, targets, tokens, ref_logits, ref_loss, ref_params)
     out = {}
     for sp in (False, True):
         model = copy.deepcopy(ref)
         model.zero_grad(set_to_none=True)
-        stages = _stages(model, model.config)
-        for stage in stages:
-            names = [n for n, _ in stage.named_modules()]
-            apply_tp(stage, mesh, stage_tp_plan(model.config, names, sp, TP))
-        first, last = stages
-        seen = []  # tokens a norm inside a layer runs on: 1/tp of them under sequence parallelism
-        norm = last.model.layers[str(LAYERS - 1)].input_layernorm
-        norm.register_forward_hook(lambda _m, _a, o: seen.append(_local(o).shape[1]))
-        with torch.no_grad():
-            logits = last(first(ids))
-        h = first(ids)
-        sent = h.detach().requires_grad_()  # what crosses the pipeline boundary
-        last.head_in_loss = True
-        hidden = last(sent)
-        loss = vocab_parallel_loss_sum(last.logits(hidden), targets) / tokens
-        loss.backward()
-        h.backward(sent.grad)
-        grads, slices = 0.0, 0.0
-        for stage in stages:
-            for name, (placement, _shape) in param_layouts(stage).items():
-                local = stage.get_parameter(name).to_local()
-                slices = max(slices, (local - local_slice(ref_params[name], placement, rank, TP)).abs().max().item())
-            for name, p in stage.named_parameters():
-                grads = max(grads, (_full(p.grad) - ref_params[name].grad).abs().max().item())
-        out[sp] = {"plain": [type(t).__name__ for t in (h, hidden, logits)],
-                   "logits": (logits - ref_logits).abs().max().item(),
-                   "loss": abs(loss.item() - ref_loss.item()), "grads": grads, "slices": slices,
-                   "split": len(param_layouts(first)) + len(param_layouts(last)), "norm_tokens": seen}
+        out[("whole", sp)] = _run(_split(_stages(model, model.config), mesh, sp), mesh, oracle)
+    stages = _split(_stages(build_meta_model(config), config), mesh, True)
+    out[("meta", True)] = _run(_fill(stages, ref_params, mesh), mesh, oracle)
     return out
+
+
+def _split(stages, mesh, sp: bool):
+    from hfpipe.parallel.tensor import apply_tp
+    from hfpipe.parallel.tensor_plan import stage_tp_plan
+
+    for stage in stages:
+        names = [n for n, _ in stage.named_modules()]
+        apply_tp(stage, mesh, stage_tp_plan(stage.config, names, sp, TP))
+    return stages
+
+
+def _fill(stages, whole: dict, mesh):
+    """Materialise meta stages with this rank's slices of ``whole`` only, as a tp loader does."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from hfpipe.parallel.tensor import as_dtensor, local_slice
+    from hfpipe.pipeline.stage import rebuild_buffers
+
+    rank = mesh.get_local_rank()
+    for stage in stages:
+        stage.to_empty(device="cpu")
+        for name, p in list(stage.named_parameters()):
+            value = whole[name].detach().clone()
+            if isinstance(p, DTensor):
+                (placement,) = p.placements
+                value = as_dtensor(local_slice(value, placement, rank, TP).clone(), mesh, placement, p.shape)
+            owner, _, leaf = name.rpartition(".")
+            setattr(stage.get_submodule(owner), leaf, nn.Parameter(value))
+        rebuild_buffers(stage, torch.device("cpu"))
+    return stages
+
+
+def _run(stages, mesh, oracle) -> dict:
+    """Logits, then a loss step through the two stages as the pipeline runs them; diffs to the oracle."""
+    from hfpipe.parallel.tensor import local_slice, param_layouts, vocab_parallel_loss_sum
+
+    ids, targets, tokens, ref_logits, ref_loss, ref_params = oracle
+    first, last = stages
+    seen = []  # tokens a norm inside a layer runs on: 1/tp of them under sequence parallelism
+    norm = last.model.layers[str(LAYERS - 1)].input_layernorm
+    norm.register_forward_hook(lambda _m, _a, o: seen.append(_local(o).shape[1]))
+    with torch.no_grad():
+        logits = last(first(ids))
+    h = first(ids)
+    sent = h.detach().requires_grad_()  # what crosses the pipeline boundary
+    last.head_in_loss = True
+    hidden = last(sent)
+    loss = vocab_parallel_loss_sum(last.logits(hidden), targets) / tokens
+    loss.backward()
+    h.backward(sent.grad)
+    grads, slices = 0.0, 0.0
+    for stage in stages:
+        for name, (placement, _shape) in param_layouts(stage).items():
+            local = stage.get_parameter(name).to_local()
+            want = local_slice(ref_params[name], placement, mesh.get_local_rank(), TP)
+            slices = max(slices, (local - want).abs().max().item())
+        for name, p in stage.named_parameters():
+            grads = max(grads, (_full(p.grad) - ref_params[name].grad).abs().max().item())
+    return {"plain": [type(t).__name__ for t in (h, hidden, logits)],
+            "logits": (logits - ref_logits).abs().max().item(),
+            "loss": abs(loss.item() - ref_loss.item()), "grads": grads, "slices": slices,
+            "split": len(param_layouts(first)) + len(param_layouts(last)), "norm_tokens": seen}
 
 
 def _check(results: dict) -> None:
     print({rank: {sp: {k: r[k] for k in ("logits", "loss", "grads")} for sp, r in res.items()} for rank, res in results.items()})
     for rank, res in results.items():
-        for sp, r in res.items():
-            where = f"rank {rank}, sequence_parallel={sp}"
+        for (how, sp), r in res.items():
+            where = f"rank {rank}, {how} split, sequence_parallel={sp}"
             assert r["plain"] == ["Tensor"] * 3, f"{where}: a DTensor left a stage: {r['plain']}"
             assert r["split"] > 0, where
             assert r["norm_tokens"] == [SEQ // TP if sp else SEQ] * 2, f"{where}: {r['norm_tokens']}"
