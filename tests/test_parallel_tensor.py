@@ -38,14 +38,17 @@ def _init_tp():
 
 
 def _stages(model, config):
-    """The model cut in two stages (same modules, full names), as hfpipe's pipeline builds them."""
+    """The model cut in two stages (same modules, full names), as hfpipe's pipeline builds them; a
+    tied model stays one stage, so that its embedding and head share one split weight."""
     from hfpipe.models.registry import adapter_for
     from hfpipe.pipeline.stage import PipelineStageModule
     from hfpipe.plan.spec import StageSpec
 
-    half = LAYERS // 2
+    half = 0 if config.tie_word_embeddings else LAYERS // 2
     specs = [StageSpec(index=0, layers=tuple(range(half)), embed=True, head=False),
              StageSpec(index=1, layers=tuple(range(half, LAYERS)), embed=False, head=True)]
+    if config.tie_word_embeddings:
+        specs = [StageSpec(index=0, layers=tuple(range(LAYERS)), embed=True, head=True)]
     return [PipelineStageModule(s, config, model, adapter_for(config)) for s in specs]
 
 
@@ -91,7 +94,7 @@ def _tp_worker(kind: str) -> dict:
         model.zero_grad(set_to_none=True)
         out[("whole", sp)] = _run(_split(_stages(model, model.config), mesh, sp), mesh, oracle)
     stages = _split(_stages(build_meta_model(config), config), mesh, True)
-    out[("meta", True)] = _run(_fill(stages, ref_params, mesh), mesh, oracle)
+    out[("meta", True)] = _run(_fill(stages, ref_params, mesh), mesh, oracle, chunked=True)
     return out
 
 
@@ -116,35 +119,60 @@ def _fill(stages, whole: dict, mesh):
     rank = mesh.get_local_rank()
     for stage in stages:
         stage.to_empty(device="cpu")
-        for name, p in list(stage.named_parameters()):
-            value = whole[name].detach().clone()
-            if isinstance(p, DTensor):
-                (placement,) = p.placements
-                value = as_dtensor(local_slice(value, placement, rank, TP).clone(), mesh, placement, p.shape)
+        loaded = {}  # id of the meta parameter -> its loaded one: a tied weight is loaded once
+        for name, p in list(stage.named_parameters(remove_duplicate=False)):
+            if id(p) not in loaded:
+                value = whole[name].detach().clone()
+                if isinstance(p, DTensor):
+                    (placement,) = p.placements
+                    value = as_dtensor(local_slice(value, placement, rank, TP).clone(), mesh, placement, p.shape)
+                loaded[id(p)] = nn.Parameter(value)
             owner, _, leaf = name.rpartition(".")
-            setattr(stage.get_submodule(owner), leaf, nn.Parameter(value))
+            setattr(stage.get_submodule(owner), leaf, loaded[id(p)])
         rebuild_buffers(stage, torch.device("cpu"))
     return stages
 
 
-def _run(stages, mesh, oracle) -> dict:
+def _chunked_vocab_parallel_loss(logits_fn, hidden, targets, tokens):
+    from unittest import mock
+
+    from hfpipe.parallel.tensor import vocab_parallel_loss_sum
+    from hfpipe.pipeline import head_loss
+
+    def chunk_loss(fn, h, t, ignore_index):
+        return vocab_parallel_loss_sum(fn(h), t, ignore_index)
+
+    with mock.patch.object(head_loss, "_chunk_loss", chunk_loss):
+        return head_loss.chunked_loss_sum(logits_fn, hidden, targets, 5, float(tokens))
+
+
+def _run(stages, mesh, oracle, chunked: bool = False) -> dict:
     """Logits, then a loss step through the two stages as the pipeline runs them; diffs to the oracle."""
     from hfpipe.parallel.tensor import local_slice, param_layouts, vocab_parallel_loss_sum
 
     ids, targets, tokens, ref_logits, ref_loss, ref_params = oracle
-    first, last = stages
+    last = stages[-1]
     seen = []  # tokens a norm inside a layer runs on: 1/tp of them under sequence parallelism
     norm = last.model.layers[str(LAYERS - 1)].input_layernorm
     norm.register_forward_hook(lambda _m, _a, o: seen.append(_local(o).shape[1]))
     with torch.no_grad():
-        logits = last(first(ids))
-    h = first(ids)
-    sent = h.detach().requires_grad_()  # what crosses the pipeline boundary
+        logits = ids
+        for stage in stages:
+            logits = stage(logits)
+    x, sends = ids, []
+    for stage in stages[:-1]:
+        h = stage(x)
+        x = h.detach().requires_grad_()  # what crosses the pipeline boundary
+        sends.append((h, x))
     last.head_in_loss = True
-    hidden = last(sent)
-    loss = vocab_parallel_loss_sum(last.logits(hidden), targets) / tokens
+    hidden = last(x)
+    if chunked:  # the chunked head loss with its cross entropy swapped for the vocab-parallel one
+        loss = _chunked_vocab_parallel_loss(last.logits, hidden, targets, tokens)
+    else:
+        loss = vocab_parallel_loss_sum(last.logits(hidden), targets) / tokens
     loss.backward()
-    h.backward(sent.grad)
+    for h, x in reversed(sends):
+        h.backward(x.grad)
     grads, slices = 0.0, 0.0
     for stage in stages:
         for name, (placement, _shape) in param_layouts(stage).items():
@@ -153,10 +181,10 @@ def _run(stages, mesh, oracle) -> dict:
             slices = max(slices, (local - want).abs().max().item())
         for name, p in stage.named_parameters():
             grads = max(grads, (_full(p.grad) - ref_params[name].grad).abs().max().item())
-    return {"plain": [type(t).__name__ for t in (h, hidden, logits)],
+    return {"plain": {type(t).__name__ for t in (*(h for h, _ in sends), hidden, logits)},
             "logits": (logits - ref_logits).abs().max().item(),
             "loss": abs(loss.item() - ref_loss.item()), "grads": grads, "slices": slices,
-            "split": len(param_layouts(first)) + len(param_layouts(last)), "norm_tokens": seen}
+            "split": sum(len(param_layouts(s)) for s in stages), "norm_tokens": seen}
 
 
 def _check(results: dict) -> None:
@@ -164,7 +192,7 @@ def _check(results: dict) -> None:
     for rank, res in results.items():
         for (how, sp), r in res.items():
             where = f"rank {rank}, {how} split, sequence_parallel={sp}"
-            assert r["plain"] == ["Tensor"] * 3, f"{where}: a DTensor left a stage: {r['plain']}"
+            assert r["plain"] == {"Tensor"}, f"{where}: a DTensor left a stage: {r['plain']}"
             assert r["split"] > 0, where
             assert r["norm_tokens"] == [SEQ // TP if sp else SEQ] * 2, f"{where}: {r['norm_tokens']}"
             assert r["slices"] == 0.0, f"{where}: a local tensor is not the slice local_slice names"
@@ -177,7 +205,7 @@ def test_llama_split_over_two_tp_ranks_equals_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_family_split_over_two_tp_ranks_equals_one_process(kind):
     _check(run_ranks(_tp_worker, TP, kind))
 
