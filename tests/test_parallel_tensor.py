@@ -52,9 +52,9 @@ def _stages(model, config):
     return [PipelineStageModule(s, config, model, adapter_for(config)) for s in specs]
 
 
-def _batch(vocab: int):
+def _batch(vocab: int, seq: int):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
+    ids = torch.randint(3, vocab, (BATCH, seq), generator=g)
     targets = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)  # shifted, as the pipeline's
     targets[0, :5] = -100  # a masked prompt
     return ids, targets
@@ -68,7 +68,7 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _tp_worker(kind: str) -> dict:
+def _tp_worker(kind: str, seq: int = SEQ) -> dict:
     """Max |tp - one process| of logits, loss and grads: split from the whole model, without and with
     sequence parallelism; and split on the meta device, then filled from each rank's slices (the
     loader's way) under sequence parallelism."""
@@ -81,7 +81,7 @@ def _tp_worker(kind: str) -> dict:
     config = tiny_config(kind, num_hidden_layers=LAYERS)
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config).float()
-    ids, targets = _batch(config.vocab_size)
+    ids, targets = _batch(config.vocab_size, seq)
     ref_logits = ref(input_ids=ids).logits
     tokens = (targets != -100).sum()  # the pipeline divides the summed loss by the token count
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens
@@ -187,14 +187,15 @@ def _run(stages, mesh, oracle, chunked: bool = False) -> dict:
             "split": sum(len(param_layouts(s)) for s in stages), "norm_tokens": seen}
 
 
-def _check(results: dict) -> None:
+def _check(results: dict, seq: int = SEQ) -> None:
     print({rank: {sp: {k: r[k] for k in ("logits", "loss", "grads")} for sp, r in res.items()} for rank, res in results.items()})
     for rank, res in results.items():
         for (how, sp), r in res.items():
             where = f"rank {rank}, {how} split, sequence_parallel={sp}"
             assert r["plain"] == {"Tensor"}, f"{where}: a DTensor left a stage: {r['plain']}"
             assert r["split"] > 0, where
-            assert r["norm_tokens"] == [SEQ // TP if sp else SEQ] * 2, f"{where}: {r['norm_tokens']}"
+            mine = len(range(seq)[rank * -(-seq // TP):][:-(-seq // TP)])  # torch.chunk's share
+            assert r["norm_tokens"] == [mine if sp else seq] * 2, f"{where}: {r['norm_tokens']}"
             assert r["slices"] == 0.0, f"{where}: a local tensor is not the slice local_slice names"
             for key in ("logits", "loss", "grads"):
                 assert r[key] <= TOL, f"{where}: {key} differ by {r[key]:.2e}"
@@ -208,6 +209,11 @@ def test_llama_split_over_two_tp_ranks_equals_one_process():
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_family_split_over_two_tp_ranks_equals_one_process(kind):
     _check(run_ranks(_tp_worker, TP, kind))
+
+
+@pytest.mark.slow
+def test_a_sequence_that_tp_does_not_divide_is_split_exactly_too():
+    _check(run_ranks(_tp_worker, TP, "llama", 15), 15)  # rank 0 holds 8 tokens, rank 1 holds 7
 
 
 def _loss_worker() -> dict:
