@@ -88,6 +88,7 @@ def _tp_worker(kind: str, seq: int = SEQ) -> dict:
     ref_loss.backward()
     ref_params = dict(ref.named_parameters())
     oracle = (ids, targets, tokens, ref_logits, ref_loss, ref_params)
+    checkpoint = {**ref_params, **dict(ref.named_buffers())}
     out = {}
     for sp in (False, True):
         model = copy.deepcopy(ref)
@@ -97,7 +98,7 @@ def _tp_worker(kind: str, seq: int = SEQ) -> dict:
     for stage in stages:  # and every layer recomputed in backward (the hooks run twice)
         stage.train()
         stage.activation_checkpointing = "full"
-    out[("meta", True)] = _run(_fill(stages, ref_params, mesh), mesh, oracle, chunked=True)
+    out[("meta", True)] = _run(_fill(stages, checkpoint, mesh), mesh, oracle, chunked=True)
     return out
 
 
@@ -132,6 +133,10 @@ def _fill(stages, whole: dict, mesh):
                 loaded[id(p)] = nn.Parameter(value)
             owner, _, leaf = name.rpartition(".")
             setattr(stage.get_submodule(owner), leaf, loaded[id(p)])
+        kept = stage.state_dict().keys()  # persistent buffers (DeepSeek's e_score_correction_bias) load too
+        for name, buffer in stage.named_buffers():
+            if name in kept:
+                buffer.copy_(whole[name])
         rebuild_buffers(stage, torch.device("cpu"))
     return stages
 
