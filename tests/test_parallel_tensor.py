@@ -57,6 +57,7 @@ def _batch(vocab: int, seq: int):
     ids = torch.randint(3, vocab, (BATCH, seq), generator=g)
     targets = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)  # shifted, as the pipeline's
     targets[0, :5] = -100  # a masked prompt
+    ids[1, -3:] = 0  # padding: the embedding's padding row gets no gradient
     return ids, targets
 
 
@@ -99,6 +100,8 @@ def _tp_worker(kind: str, seq: int = SEQ) -> dict:
         stage.train()
         stage.activation_checkpointing = "full"
     out[("meta", True)] = _run(_fill(stages, checkpoint, mesh), mesh, oracle, chunked=True)
+    for r in out.values():
+        r["vocab"] = config.vocab_size
     return out
 
 
@@ -192,7 +195,8 @@ def _run(stages, mesh, oracle, chunked: bool = False) -> dict:
     return {"plain": {type(t).__name__ for t in (*(h for h, _ in sends), hidden, logits)},
             "logits": (logits - ref_logits).abs().max().item(),
             "loss": abs(loss.item() - ref_loss.item()), "grads": grads, "slices": slices,
-            "split": sum(len(param_layouts(s)) for s in stages), "norm_tokens": seen}
+            "split": sum(len(param_layouts(s)) for s in stages), "norm_tokens": seen,
+            "embed_grad": tuple(_local(stages[0].model.embed_tokens.weight.grad).shape)}
 
 
 def _check(results: dict, seq: int = SEQ) -> None:
@@ -202,6 +206,7 @@ def _check(results: dict, seq: int = SEQ) -> None:
             where = f"rank {rank}, {how} split, sequence_parallel={sp}"
             assert r["plain"] == {"Tensor"}, f"{where}: a DTensor left a stage: {r['plain']}"
             assert r["split"] > 0, where
+            assert r["embed_grad"][0] == r["vocab"] // TP, f"{where}: each rank keeps its rows' gradient only"
             mine = len(range(seq)[rank * -(-seq // TP):][:-(-seq // TP)])  # torch.chunk's share
             assert set(r["norm_tokens"]) == {mine if sp else seq}, f"{where}: {r['norm_tokens']}"
             assert r["slices"] == 0.0, f"{where}: a local tensor is not the slice local_slice names"
