@@ -7,10 +7,14 @@ other as the pipeline would: the hidden states cross the boundary as a detached 
 last stage hands its final hidden states to the vocab-parallel loss. Logits, the summed loss and
 every parameter's gradient must equal the oracle's within 1e-5, with and without sequence
 parallelism; each split parameter's local tensor must be exactly the slice :func:`local_slice` names.
+A third copy is split on the meta device and filled from each rank's slices only (the loader's way,
+:func:`as_dtensor`), then run under sequence parallelism, full activation checkpointing and the
+chunked head loss (hfpipe.pipeline.head_loss with its cross entropy swapped for the vocab-parallel one).
 
 Also here: the vocab-parallel loss alone against ``F.cross_entropy(reduction="sum")`` (targets on
 both ranks' halves, ignored positions, an all-ignored row), and the refusals. The default suite runs
-Llama; ``pytest -m slow`` adds Qwen3 (q/k norms), Qwen3-MoE (fused experts) and DeepSeek-V3 (MLA).
+Llama; ``pytest -m slow`` adds every other family of ``TP_FAMILIES`` (Qwen3: q/k norms; Qwen3-MoE: fused
+experts; DeepSeek-V3: MLA), a tied Llama as one stage and a sequence length tp does not divide.
 """
 
 from __future__ import annotations
@@ -219,7 +223,7 @@ def test_llama_split_over_two_tp_ranks_equals_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama_tied", "qwen3", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama_tied", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_family_split_over_two_tp_ranks_equals_one_process(kind):
     _check(run_ranks(_tp_worker, TP, kind))
 
