@@ -1,0 +1,289 @@
+"""Which module of a stage is split how over the tp ranks (``--tp``): a pure plan from the config.
+
+The plan is transformers' own ``config.base_model_tp_plan`` with its style names mapped to torch's
+``ParallelStyle`` classes (``parallelize_module`` applies them, see :mod:`hfpipe.parallel.tensor`),
+plus what transformers leaves out: the embedding and the head split over the vocabulary,
+DeepSeek-V3's attention (MLA), and sequence parallelism. Every stage takes and returns plain, whole
+tensors, so nothing tp-sharded crosses a pipeline boundary.
+
+Only families whose plan was checked against one-process transformers (tests/test_parallel_tensor.py)
+are planned; any other is refused in one line rather than run approximately.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from hfpipe.errors import HfpipeError
+
+__all__ = ["TensorParallelError", "TP_FAMILIES", "check_tp_config", "stage_tp_plan"]
+
+#: Families whose shipped plan (with hfpipe's additions) was checked exact; others are refused.
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+
+# DeepSeek-V3 ships a plan for its MLPs only and leaves MLA replicated: every tp rank would run the
+# whole attention. MLA shards by heads exactly as DeepSeek-V2's shipped plan does (the query and the
+# key/value up-projections by heads, the output by rows); the shared rope key needs its gradient
+# summed over the ranks (``mla_kv_a_proj``), since each rank's heads see only their part of it.
+_MLA_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.q_b_proj": "colwise",
+    "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+    "layers.*.self_attn.kv_b_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
+_EXTRA_PLANS = {"deepseek_v3": _MLA_PLAN}
+# Parameter entries of the shipped plans: the fused experts' stacks, split by _Experts itself.
+_EXPERT_PARAMS = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+
+
+class TensorParallelError(HfpipeError):
+    """A model or setting that tensor parallelism cannot split exactly (one line: what and the fix)."""
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; the gradient is summed over the tp ranks (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()  # a strided incoming gradient is unsafe in gloo collectives
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _HeadNorm(ParallelStyle):
+    """Qwen3's ``q_norm``/``k_norm``: a norm over ``head_dim`` applied to this rank's heads only.
+
+    The weight stays whole (a replicated DTensor) and the input is read as heads-sharded, so DTensor
+    sums the weight's gradient over the ranks. A gradient hook that all-reduces ``param.grad`` (what
+    transformers' ``replicated_with_grad_allreduce`` does) would re-add the already summed gradient
+    of earlier microbatches at every accumulation.
+    """
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            whole = distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(whole, requires_grad=p.requires_grad))
+
+        def heads_in(_module, args):  # (B, T, heads_local, head_dim)
+            x = args[0]
+            return (DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False), *args[1:])
+
+        module.register_forward_pre_hook(heads_in)
+        module.register_forward_hook(lambda _m, _a, out: out.to_local())
+        return module
+
+
+class _MlaKvA(ParallelStyle):
+    """``kv_a_proj_with_mqa`` stays whole; the rope key it emits is shared by all heads.
+
+    Its latent part flows into ``kv_b_proj`` (colwise, which sums its input gradient over the ranks),
+    but the rope part goes straight into each rank's heads: sum its gradient here.
+    """
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        group, rope = mesh.get_group(), self.rope_dim
+
+        def sum_rope_grad(_module, _args, out):
+            latent, rot = out.split([out.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([latent, _SumGrad.apply(rot, group)], dim=-1)
+
+        module.register_forward_hook(sum_rope_grad)
+        return module
+
+
+class _VocabEmbedding(ParallelStyle):
+    """The embedding split over the vocabulary: each rank looks up the ids it holds, zeros the
+    others, and the ranks' partial rows are summed (all-reduce; reduce-scatter by sequence under SP).
+
+    Written out because torch's ``RowwiseParallel`` on an ``nn.Embedding`` returns a replicated,
+    whole (V, H) weight gradient on every rank (measured, torch 2.13), which at a 128k vocabulary
+    costs each rank the memory the split was meant to save. Here the gradient is this rank's rows.
+    """
+
+    def __init__(self, output_layout):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        weight = module.weight
+        split = distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+        module.register_parameter("weight", nn.Parameter(split, requires_grad=weight.requires_grad))
+        rows = -(-module.num_embeddings // mesh.size())  # as torch.chunk splits them
+        start, layout = mesh.get_local_rank() * rows, self.output_layout
+
+        def forward(ids):
+            local = module.weight.to_local()  # (V/tp, H); its gradient stays this rank's rows
+            idx = ids - start
+            outside = (idx < 0) | (idx >= local.shape[0])
+            pad = module.padding_idx  # its row gets no gradient, as in nn.Embedding
+            pad = pad - start if pad is not None and 0 <= pad - start < local.shape[0] else None
+            rows_ = F.embedding(idx.masked_fill(outside, 0), local, pad, module.max_norm, module.norm_type,
+                                module.scale_grad_by_freq, module.sparse)
+            out = DTensor.from_local(rows_.masked_fill(outside.unsqueeze(-1), 0), mesh, [Partial()],
+                                     run_check=False).redistribute(mesh, [layout])
+            return out if isinstance(layout, Shard) else out.to_local()
+
+        module.forward = forward
+        return module
+
+
+class _Experts(ParallelStyle):
+    """Fused MoE expert stacks split along the intermediate size: transformers' own styles.
+
+    ``gate_up_proj`` [E, 2I, H] is packed (gate then up), so each rank takes its rows of both halves
+    (``packed_colwise``); ``down_proj`` [E, H, I] by its last dim; the forward runs on the local
+    stacks and sums the ranks' partial outputs (``moe_tp_experts``).
+    """
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        from transformers.distributed import tensor_parallel as hf
+
+        hf.PackedColwiseParallel().shard_param(module, "gate_up_proj", mesh)
+        hf.RowwiseParallel().shard_param(module, "down_proj", mesh)
+        hf.MoeExpertsParallel().install_forward(module, mesh)
+        return module
+
+
+def check_tp_config(config, tp_size: int) -> None:
+    """Refuse a model that ``tp_size`` ranks cannot split exactly (call it before any process starts).
+
+    Raises:
+        TensorParallelError: an unchecked family, or a size that does not divide by ``tp_size``.
+    """
+    family = config.model_type
+    if family not in TP_FAMILIES:
+        raise TensorParallelError(f"--tp {tp_size}: tensor parallelism is not checked exact for {family!r} "
+                                  f"(checked: {', '.join(TP_FAMILIES)}); run it with --tp 1")
+    sizes = {"num_attention_heads": config.num_attention_heads, "vocab_size": config.vocab_size,
+             "intermediate_size": config.intermediate_size}
+    if family != "deepseek_v3":  # MLA keeps one shared latent key/value: no kv heads to split
+        sizes["num_key_value_heads"] = config.num_key_value_heads
+    if getattr(config, "moe_intermediate_size", None):
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+    for field, size in sizes.items():
+        if size % tp_size:
+            raise TensorParallelError(f"--tp {tp_size}: {family} has {field}={size}, which {tp_size} tp ranks "
+                                      f"cannot split evenly; choose a --tp that divides it")
+
+
+def stage_tp_plan(config, stage_module_names, sequence_parallel: bool, tp_size: int) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan of one stage, keyed by the stage's own module names.
+
+    Args:
+        config: The model's transformers config.
+        stage_module_names: Every module name of the stage (``name for name, _ in stage.named_modules()``),
+            under the full model's names (``model.layers.17.mlp``, ``lm_head``).
+        sequence_parallel: Shard the residual stream by sequence inside the stage's layers (norms
+            run on 1/tp of the tokens; the all-reduces become reduce-scatter + all-gather).
+        tp_size: Ranks of the tp mesh.
+
+    Raises:
+        TensorParallelError: see :func:`check_tp_config`.
+    """
+    check_tp_config(config, tp_size)
+    names = set(stage_module_names)
+    layers = sorted((n for n in names if n.count(".") == 2 and n.startswith("model.layers.")),
+                    key=lambda n: int(n.rsplit(".", 1)[1]))
+    plan: dict[str, ParallelStyle] = {}
+    if "model.embed_tokens" in names:  # vocab-parallel: each rank looks up its rows, the ranks' sums add up
+        plan["model.embed_tokens"] = _VocabEmbedding(Shard(1) if sequence_parallel else Replicate())
+    shipped = {**config.base_model_tp_plan, **_EXTRA_PLANS.get(config.model_type, {})}
+    for layer in layers:
+        plan.update(_layer_plan(config, shipped, layer, names, sequence_parallel))
+    if sequence_parallel and layers:
+        plan.update(_boundaries(layers[0], layers[-1], first_stage="model.embed_tokens" in names))
+    if "lm_head" in names:  # the logits stay split over the vocabulary: the loss never gathers them
+        plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                          use_local_output=False)
+    return plan
+
+
+def _layer_plan(config, shipped: dict, layer: str, names: set, sp: bool) -> dict[str, ParallelStyle]:
+    """One decoder layer's entries: the shipped styles, and sequence parallelism around them."""
+    moe = f"{layer}.mlp.experts" in names
+    plan: dict[str, ParallelStyle] = {}
+    for pattern, style in shipped.items():
+        name = f"{layer}.{pattern.removeprefix('layers.*.')}"
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".experts") and _EXPERT_PARAMS.get(leaf) == style:
+            continue  # a parameter of the experts' stacks: _Experts on their module splits it
+        if name not in names:
+            continue  # a part this layer lacks (a dense layer's experts, a MoE layer's dense MLP)
+        plan[name] = _style(config, style, sp and _feeds_residual(layer, name, moe))
+    if not sp:
+        return plan
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        plan[f"{layer}.{norm}"] = SequenceParallel()
+    # Attention and MLP see the whole sequence as plain tensors (MLA's unsplit projections and
+    # the router are plain modules): each rank all-gathers the tokens on the way in.
+    plan[f"{layer}.self_attn"] = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=True)
+    if moe:  # experts and shared experts return whole, summed outputs: keep this rank's tokens
+        plan[f"{layer}.mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+    else:
+        plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                  use_local_output=True)
+    return plan
+
+
+def _feeds_residual(layer: str, name: str, moe: bool) -> bool:
+    """Whether a rowwise module's output is added to the residual stream directly (SP: reduce-scatter)."""
+    return name == f"{layer}.self_attn.o_proj" or (not moe and name == f"{layer}.mlp.down_proj")
+
+
+def _style(config, style: str, to_sequence: bool) -> ParallelStyle:
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        if to_sequence:
+            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        return RowwiseParallel()
+    if style == "replicated_with_grad_allreduce":
+        return _HeadNorm()
+    if style == "mla_kv_a_proj":
+        return _MlaKvA(config.qk_rope_head_dim)
+    if style == "moe_tp_experts":
+        return _Experts()
+    raise TensorParallelError(f"--tp: {config.model_type}'s tp plan uses the style {style!r}, which hfpipe does "
+                              "not map; run it with --tp 1")
+
+
+def _boundaries(first: str, last: str, first_stage: bool) -> dict[str, ParallelStyle]:
+    """Scatter the whole hidden states by sequence into the first layer, gather them after the last.
+
+    Only plain, whole tensors may cross a pipeline boundary (DTensors do not survive torch's P2P),
+    and the last stage's final norm and chunked head loss read whole hidden states too, so every
+    stage gathers after its last layer; a first stage's embedding already hands out sequence shards.
+    """
+    gather = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
+    scatter = dict(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
+    if first_stage:
+        return {last: PrepareModuleOutput(**gather)}
+    if first == last:
+        return {first: PrepareModuleInputOutput(**scatter, use_local_input=False, **gather)}
+    return {first: PrepareModuleInput(**scatter, use_local_output=False), last: PrepareModuleOutput(**gather)}
