@@ -59,7 +59,8 @@ def plan_kwargs(cfg) -> dict:
                 method=cfg.plan_method, microbatches=cfg.num_microbatches, seq_len=cfg.seq_len,
                 batch_size=cfg.batch_size, dtype=cfg.dtype,
                 activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
-                lora_targets=cfg.lora_targets, ep=cfg.ep, quantize_base=cfg.quantize_base)
+                lora_targets=cfg.lora_targets, ep=cfg.ep, quantize_base=cfg.quantize_base, tp=cfg.tp,
+                sequence_parallel=cfg.sequence_parallel, reshard_per_microbatch=cfg.reshard_per_microbatch)
 
 
 def report_for(model_config, cfg, name: str | None = None):
@@ -197,7 +198,7 @@ def format_fit(report, limit: int, suggestions: list[Suggestion] | None = None) 
             verdict = f"fits, {_size(f.limit - f.peak)} free" + (" (tight: under 10%)" if f.tight else "")
         lines.append(f"  rank {f.rank:>3}: {_size(f.peak):>10}  {verdict}")
     bad = [f for f in fits if not f.fits]
-    gpus = report.plan.pp * report.dp
+    gpus = report.gpus
     if not bad:
         lines.append(f"fits: every rank within {_size(limit)} ({gpus} GPUs)")
         return "\n".join(lines)
