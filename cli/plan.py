@@ -17,7 +17,7 @@ from hfpipe.cli.options import _opt, build_config
 
 __all__ = ["plan"]
 
-_FIELDS = ("pp", "dp", "ep", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
+_FIELDS = ("pp", "dp", "ep", "tp", "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
            "batch_size", "dtype", "activation_checkpointing", "trust_remote_code", "lora_rank",
            "lora_targets", "quantize_base")
 
@@ -37,6 +37,14 @@ def plan(
     pp: Annotated[Optional[int], _opt("pp")] = None,
     dp: Annotated[Optional[int], _opt("dp")] = None,
     ep: Annotated[Optional[int], _opt("ep")] = None,
+    tp: Annotated[Optional[int], _opt("tp")] = None,
+    sequence_parallel: Annotated[Optional[bool], _opt(
+        "sequence_parallel", "--sequence-parallel/--no-sequence-parallel")] = None,
+    reshard_per_microbatch: Annotated[Optional[bool], _opt(
+        "reshard_per_microbatch", "--reshard-per-microbatch/--no-reshard-per-microbatch")] = None,
+    gpus_per_node: Annotated[int, typer.Option(
+        help="GPUs in one node: the largest --tp the fit search proposes (tensor parallelism stays "
+             "inside a node).", min=1)] = 8,
     vpp: Annotated[Optional[int], _opt("vpp")] = None,
     schedule: Annotated[Optional[str], _opt("schedule")] = None,
     layout: Annotated[Optional[str], _opt("layout")] = None,
@@ -77,7 +85,8 @@ def plan(
     typer.echo(format_report(report))
     if limit is not None:
         fits = all(r.total_bytes <= limit for r in report.ranks)
-        typer.echo("\n" + format_fit(report, limit, None if fits else suggest(config, cfg, limit)))
+        found = None if fits else suggest(config, cfg, limit, gpus_per_node=gpus_per_node)
+        typer.echo("\n" + format_fit(report, limit, found))
     if png is not None:
         typer.echo(f"wrote {png}")
     if (ctx.obj or {}).get("console"):

@@ -285,6 +285,8 @@ BUNDLED = {
     "meta-llama/Llama-3.2-1B": dict(model_type="llama", num_hidden_layers=16, hidden_size=2048, tie_word_embeddings=True),
     "meta-llama/Llama-3.1-8B": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, tie_word_embeddings=False),
     "meta-llama/Llama-3.1-70B": dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, num_key_value_heads=8),
+    "meta-llama/Llama-3.1-405B": dict(model_type="llama", num_hidden_layers=126, hidden_size=16384, num_attention_heads=128,
+                                      num_key_value_heads=8, intermediate_size=53248, vocab_size=128256),
     "deepseek-ai/DeepSeek-V2-Lite": dict(model_type="deepseek_v2", num_hidden_layers=27, q_lora_rank=None, n_routed_experts=64),
     "deepseek-ai/DeepSeek-V3": dict(model_type="deepseek_v3", num_hidden_layers=61, num_nextn_predict_layers=1, first_k_dense_replace=3),
     "deepseek-ai/DeepSeek-V3.2-Exp": dict(model_type="deepseek_v32", num_hidden_layers=61, num_nextn_predict_layers=1),

@@ -81,12 +81,15 @@ def test_suggestions_are_the_nearest_rung_of_each_lever_that_fits():
     config, cfg = recipe("llama3_1_70b_sft_pp16_dp2", dp=1)
     limit = parse_memory("80GB")
     assert peak(report_for(config, cfg)) > limit
-    found = {tuple(s.changes): s for s in suggest(config, cfg, limit)}
-    assert set(found) == {("pp",), ("dp",)}  # already full activation checkpointing
-    for s in found.values():  # each suggestion, re-planned, fits with room to spare
+    every = suggest(config, cfg, limit)
+    found = {tuple(s.changes): s for s in every if not s.search}
+    # already full activation checkpointing; then pp, dp, tp, and dp with FSDP2 resharded per microbatch
+    assert set(found) == {("pp",), ("dp",), ("tp",), ("dp", "reshard_per_microbatch")}
+    for s in every:  # each suggestion, re-planned, fits with room to spare
         trial = dataclasses.replace(cfg, **s.changes)
-        assert peak(report_for(config, trial)) == s.peak <= 0.9 * limit
-        assert s.gpus == trial.pp * trial.dp
+        report = report_for(config, trial)
+        assert peak(report) == s.peak <= 0.9 * limit
+        assert s.gpus == trial.pp * trial.dp * trial.tp and s.bubble == report.bubble
     dp = found[("dp",)].changes["dp"]
     assert peak(report_for(config, dataclasses.replace(cfg, dp=dp // 2))) > 0.9 * limit
 

@@ -35,9 +35,11 @@ def test_the_recipes_are_there():
         "deepseek_v3_sft_pp8_ep32.yaml",
         "deepseek_v4_flash_lora_fp8_pp2_ep4.yaml",
         "deepseek_v4_flash_sft_pp4_ep32.yaml",
+        "llama3_1_405b_sft_pp16_tp8.yaml",
         "llama3_1_70b_lora_pp8.yaml",
         "llama3_1_70b_qlora_pp2.yaml",
         "llama3_1_70b_sft_pp16_dp2.yaml",
+        "llama3_1_70b_sft_pp3_tp8.yaml",
         "llama3_1_8b_sft_pp4.yaml",
         "llama3_2_1b_lora_pp2.yaml",
         "llama3_2_1b_sft_pp2.yaml",
@@ -56,7 +58,7 @@ def test_recipe_opens_with_purpose_and_command(path):
     cfg, text = FinetuneConfig.from_yaml(path), header(path)
     assert text.count("\n") >= 3, "open with a comment: purpose, launch command, memory"
     assert f"hfpipe finetune --recipe {path.stem}" in text
-    if cfg.pp * cfg.dp > 8:  # more than one 8-GPU node
+    if cfg.pp * cfg.dp * cfg.tp > 8:  # more than one 8-GPU node
         assert "torchrun --nnodes" in text and "srun" in text
 
 
@@ -83,7 +85,7 @@ def test_recipe_plans(path):
 def test_recipe_fits_the_gpus_its_comment_names(path):
     recipe, cfg = Recipe.read(path), FinetuneConfig.from_yaml(path)
     assert recipe.gpus is not None, "name the GPUs in a `# Fits: N x SIZE GPUs` line"
-    assert recipe.gpus == cfg.pp * cfg.dp
+    assert recipe.gpus == cfg.pp * cfg.dp * cfg.tp
     report = report_for(hf_config(cfg), cfg)
     limit = parse_memory(recipe.gpu_memory)
     worst = max(r.total_bytes for r in report.ranks)
@@ -141,3 +143,13 @@ def test_one_recipe_runs_on_cpu_processes_and_one_gpu():
     assert "CPU" in text and "--pp 1" in text
     one_gpu = FinetuneConfig.from_yaml(path, pp=1)
     assert max(r.total_bytes for r in report_for(hf_config(one_gpu), one_gpu).ranks) <= 0.95 * parse_memory("24GB")
+
+
+def test_the_tensor_parallel_recipes_keep_tp_inside_a_node_with_a_small_bubble():
+    # issue #24: tp at most the 8 GPUs of a node; 405B on 128 x 80 GB at 8k tokens (Megatron-Bridge's tp8 x pp16)
+    for name in ("llama3_1_70b_sft_pp3_tp8", "llama3_1_405b_sft_pp16_tp8"):
+        cfg = FinetuneConfig.from_yaml(find_recipe(name))
+        report = report_for(hf_config(cfg), cfg)
+        assert cfg.tp == 8 and cfg.sequence_parallel and report.bubble <= 0.15
+    cfg = FinetuneConfig.from_yaml(find_recipe("llama3_1_405b_sft_pp16_tp8"))
+    assert (cfg.pp, cfg.tp, cfg.dp, cfg.seq_len, cfg.dtype) == (16, 8, 1, 8192, "bf16-mixed")

@@ -125,7 +125,7 @@ def _check_finite(c: "FinetuneConfig") -> None:
 
 
 def _check_ranges(c: "FinetuneConfig") -> None:
-    ParallelDims(pp=c.pp, dp=c.dp, ep=c.ep)  # the degrees, checked where every layout is
+    ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep)  # the degrees, checked where every layout is
     for name in _AT_LEAST_ONE + _NONE_OR_AT_LEAST_ONE:
         value = getattr(c, name)
         if value is not None and value < 1:
@@ -167,7 +167,7 @@ def _check_bounds(c: "FinetuneConfig") -> None:
 def _check_layout(c: "FinetuneConfig") -> None:
     """The parallel layout's rules (hfpipe.parallel.rules, as the API and plan check them); vpp left at 1
     becomes the 2 a multi-stage schedule needs."""
-    layout = check_layout(ParallelDims(pp=c.pp, dp=c.dp, ep=c.ep), c.schedule, vpp=c.vpp,
+    layout = check_layout(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep), c.schedule, vpp=c.vpp,
                           microbatches=c.microbatches, batch_size=c.batch_size)
     c.vpp = layout.vpp
 

@@ -44,10 +44,20 @@ class FinetuneConfig:
     pp: int = 1
     """Pipeline-parallel degree: ranks per pipeline."""
     dp: int = 1
-    """Data-parallel degree: pipelines side by side; world size is pp * dp."""
+    """Data-parallel degree: pipelines side by side; world size is pp * dp * tp."""
     ep: int = 1
     """Expert-parallel degree: each MoE layer's routed experts are sharded over ep ranks of the
     data-parallel group (ep divides dp); tokens reach their experts by all-to-all."""
+    tp: int = 1
+    """Tensor-parallel degree: each decoder layer's matrices, the embedding and the head are split
+    over tp consecutive ranks (inside one node); world size is pp * dp * tp."""
+    sequence_parallel: bool = True
+    """With tp > 1, also split the norms' and residual activations over the tp ranks along the
+    sequence (all-gather + reduce-scatter instead of all-reduce)."""
+    reshard_per_microbatch: bool = False
+    """FSDP under the pipeline: reshard each stage's weights after every microbatch's forward and
+    reduce-scatter its gradients after every backward, so that weights and gradients divide by dp
+    too, at the price of an all-gather and reduce-scatter per microbatch (default: once per step)."""
     vpp: int = 1
     """Stages per rank. Left at 1, it becomes 2 for the interleaved and V schedules."""
     schedule: str = "1f1b"
@@ -190,7 +200,7 @@ class FinetuneConfig:
         """The parallel degrees (:class:`hfpipe.parallel.dims.ParallelDims`)."""
         from hfpipe.parallel.dims import ParallelDims
 
-        return ParallelDims(pp=self.pp, dp=self.dp, ep=self.ep)
+        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep)
 
     @property
     def num_microbatches(self) -> int:

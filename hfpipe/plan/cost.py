@@ -39,6 +39,8 @@ class CostModel:
     mtp_params: int
     num_mtp: int
     layer_routed_params: tuple[int, ...] = ()  # per layer, the routed experts' parameters (0: dense)
+    layer_replicated_params: tuple[int, ...] = ()  # per layer, what tensor parallelism keeps whole
+    head_replicated_params: int = 0  # the final norm: whole on every tensor-parallel rank
 
 
 def layer_costs(config, seq_len: int = 4096) -> CostModel:
@@ -85,8 +87,8 @@ def _layer_costs(config, seq_len: int) -> CostModel:
     key = (config_key(config), type(config))
     if key not in _COUNTS:
         _COUNTS[key] = _param_counts(config)
-    embed_p, head_p, per_layer = _COUNTS[key]
-    totals, active, moe, routed = zip(*per_layer)
+    embed_p, head_p, head_rep, per_layer = _COUNTS[key]
+    totals, active, moe, routed, replicated = zip(*per_layer)
     attn = _attention_flops(config, seq_len)
     layers = tuple(2.0 * a + f for a, f in zip(active, attn))
     head = 2.0 * head_p
@@ -100,11 +102,13 @@ def _layer_costs(config, seq_len: int) -> CostModel:
         embed=float(_EMBED_FLOPS_PER_HIDDEN * hidden), head=head, layers=layers, mtp=mtp,
         embed_params=embed_p, head_params=head_p, layer_params=totals, layer_active_params=active,
         is_moe=moe, mtp_params=mtp_params, num_mtp=num_mtp, layer_routed_params=routed,
+        layer_replicated_params=replicated, head_replicated_params=head_rep,
     )
 
 
-def _param_counts(config) -> tuple[int, int, list[tuple[int, float, bool, int]]]:
-    """(embed, head, per layer (total, active, is_moe, routed)) counted on a meta-device model."""
+def _param_counts(config) -> tuple[int, int, int, list[tuple[int, float, bool, int, int]]]:
+    """(embed, head, head's replicated, per layer (total, active, is_moe, routed, replicated)) counted
+    on a meta-device model."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes only: no memory, fast even for 671B parameters
@@ -117,7 +121,8 @@ def _param_counts(config) -> tuple[int, int, list[tuple[int, float, bool, int]]]
     head.update({id(p): p for p in (out.parameters() if out is not None else ())})
     experts = _expert_fraction(config)
     per_layer = [_layer_params(layer, experts) for layer in layers]
-    return sum(p.numel() for p in embed.values()), sum(p.numel() for p in head.values()), per_layer
+    head_rep = sum(p.numel() for n, p in model.named_parameters() if id(p) in head and _replicated(n))
+    return sum(p.numel() for p in embed.values()), sum(p.numel() for p in head.values()), head_rep, per_layer
 
 
 def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
@@ -136,18 +141,27 @@ def _expert_fraction(config) -> float:
     return top_k / count if count and top_k else 1.0
 
 
-def _layer_params(layer: torch.nn.Module, expert_fraction: float) -> tuple[int, float, bool, int]:
-    """(total, active, is_moe, routed) of one decoder layer.
+def _layer_params(layer: torch.nn.Module, expert_fraction: float) -> tuple[int, float, bool, int, int]:
+    """(total, active, is_moe, routed, replicated) of one decoder layer.
 
     Routed experts live under a module named ``experts`` (fused or a ModuleList);
     ``shared_experts`` / ``shared_expert`` run for every token and count in full.
     """
-    total = routed = 0
+    total = routed = replicated = 0
     for name, param in layer.named_parameters():
         total += param.numel()
         if "experts" in name.split("."):
             routed += param.numel()
-    return total, total - routed + routed * expert_fraction, routed > 0, routed
+        elif _replicated(name):
+            replicated += param.numel()
+    return total, total - routed + routed * expert_fraction, routed > 0, routed, replicated
+
+
+def _replicated(name: str) -> bool:
+    """Whether tensor parallelism keeps a parameter whole on every rank: the norms (layer, q/k and
+    MLA's low-rank ones) and a MoE router (``mlp.gate``); every matrix else is split."""
+    parts = name.split(".")
+    return "gate" in parts or any("norm" in part for part in parts)
 
 
 def _attention_flops(config, seq_len: int) -> list[float]:

@@ -27,16 +27,18 @@ from hfpipe.plan.memory import ACT_BYTES, param_bytes
 
 __all__ = ["all_to_all_bytes", "describe_ep", "price_ranks"]
 
-def price_ranks(ranks, plan, costs, dtype: str, dp: int, ep: int) -> tuple:
+def price_ranks(ranks, plan, costs, dtype: str, dp: int, ep: int, reshard: bool = False) -> tuple:
     """``ranks`` (full-run :class:`~hfpipe.plan.report.RankReport`) with each rank's experts cut to
-    ``1 / ep`` and priced as FSDP2 shards over ``dp / ep`` (the module docstring)."""
+    ``1 / ep`` and priced as FSDP2 shards over ``dp / ep`` (the module docstring); ``reshard``: FSDP2
+    reshards every microbatch (:func:`hfpipe.plan.memory.param_bytes`)."""
     if ep == 1:
         return tuple(ranks)
     out = []
     for r in ranks:
         routed = _routed_on(plan, r.rank, costs)
         other, held = r.params - routed, routed // ep
-        w, g, o = (a * other + b * held for a, b in zip(param_bytes(dtype, dp), param_bytes(dtype, dp // ep)))
+        w, g, o = (a * other + b * held for a, b in zip(param_bytes(dtype, dp, reshard),
+                                                          param_bytes(dtype, dp // ep, reshard)))
         out.append(dataclasses.replace(r, params=other + held, weight_bytes=int(w), grad_bytes=int(g),
                                        optimizer_bytes=int(o)))
     return tuple(out)

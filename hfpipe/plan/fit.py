@@ -9,8 +9,12 @@ the CLI then follow without change.
 
 The suggestions try one lever at a time, cheapest first, and report the smallest step of each that
 fits with 10% to spare: activation checkpointing (selective, then full), more pipeline ranks, more data-parallel
-pipelines, and for a MoE model expert parallelism (more ep over the dp ranks there are, or more dp
-with ep over them); if no single lever fits, full activation checkpointing together with one of these.
+pipelines, for a MoE model expert parallelism (more ep over the dp ranks there are, or more dp
+with ep over them), more tensor parallelism (powers of two up to the GPUs of one node), and FSDP2
+resharded per microbatch (at the dp there is, or with more dp); if no single lever fits, full
+activation checkpointing together with one of these. Then a search over every axis at once
+(:func:`fewest_gpus`), whatever the starting mesh: the meshes that fit on the fewest GPUs. Each
+suggestion carries its bubble, the price of a longer pipeline.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from hfpipe.errors import PlanError
 from hfpipe.models.moe import routed_experts
 
-__all__ = ["RankFit", "Suggestion", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
+__all__ = ["RankFit", "Suggestion", "fewest_gpus", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
            "report_for", "suggest"]
 
 _AC_ORDER = ("none", "selective", "full")
@@ -59,7 +63,8 @@ def plan_kwargs(cfg) -> dict:
                 method=cfg.plan_method, microbatches=cfg.num_microbatches, seq_len=cfg.seq_len,
                 batch_size=cfg.batch_size, dtype=cfg.dtype,
                 activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
-                lora_targets=cfg.lora_targets, ep=cfg.ep, quantize_base=cfg.quantize_base)
+                lora_targets=cfg.lora_targets, ep=cfg.ep, quantize_base=cfg.quantize_base, tp=cfg.tp,
+                sequence_parallel=cfg.sequence_parallel, reshard_per_microbatch=cfg.reshard_per_microbatch)
 
 
 def report_for(model_config, cfg, name: str | None = None):
@@ -74,7 +79,7 @@ def report_for(model_config, cfg, name: str | None = None):
     kwargs = plan_kwargs(cfg)
     key = (config_key(model_config), type(model_config), name or cfg.model, tuple(sorted(kwargs.items())))
     if key not in _REPORTS:
-        if len(_REPORTS) >= 256:
+        if len(_REPORTS) >= 4096:  # a mesh search prices a few hundred plans
             _REPORTS.clear()
         _REPORTS[key] = plan_report(model_config, name=name or cfg.model, **kwargs)
     return _REPORTS[key]
@@ -111,37 +116,51 @@ class Suggestion:
 
     changes: dict  # FinetuneConfig field -> new value
     peak: int
-    gpus: int  # pp * dp
+    gpus: int  # pp * dp * tp
+    bubble: float = 0.0  # idle share of a step at the new mesh
+    search: bool = False  # found by the search over every axis (fewest_gpus), not one lever
 
     def flags(self) -> str:
-        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.changes.items())
+        return " ".join(_flag(k, v) for k, v in self.changes.items())
 
 
-def suggest(model_config, cfg, limit: int) -> list[Suggestion]:
-    """The nearest changes of ``cfg`` that fit ``limit`` bytes per rank (see the module docstring)."""
+def _flag(key: str, value) -> str:
+    name = f"--{key.replace('_', '-')}"
+    if isinstance(value, bool):
+        return name if value else f"--no-{key.replace('_', '-')}"
+    return f"{name} {value}"
+
+
+_LEVERS = ("pp", "dp", "ep", "dp+ep", "tp", "reshard", "dp+reshard")
+
+
+def suggest(model_config, cfg, limit: int, gpus_per_node: int = 8) -> list[Suggestion]:
+    """The nearest changes of ``cfg`` that fit ``limit`` bytes per rank, then the meshes of fewest GPUs
+    that do (see the module docstring); tp goes up to ``gpus_per_node``."""
     experts = routed_experts(model_config)[0]
-    found = [s for s in (_lever(model_config, cfg, limit, changes) for changes in _single_levers(cfg, experts))
-             if s is not None]
-    if found or cfg.activation_checkpointing == "full":
-        return found
-    full = {"activation_checkpointing": "full"}
-    for lever in ("pp", "dp", "ep", "dp+ep"):
-        s = _lever(model_config, cfg, limit, [{**full, **c} for c in _ladder(cfg, lever, experts)])
-        if s is not None:
-            found.append(s)
-    return found
+    levers = [_ladder(cfg, lever, experts, gpus_per_node) for lever in _LEVERS]
+    ac = [[{"activation_checkpointing": a} for a in _AC_ORDER[_AC_ORDER.index(cfg.activation_checkpointing) + 1:]]]
+    found = [s for s in (_lever(model_config, cfg, limit, changes) for changes in ac + levers) if s is not None]
+    if not found and cfg.activation_checkpointing != "full":
+        full = {"activation_checkpointing": "full"}
+        found = [s for s in (_lever(model_config, cfg, limit, [{**full, **c} for c in ladder]) for ladder in levers)
+                 if s is not None]
+    seen = {s.flags() for s in found}
+    return found + [s for s in fewest_gpus(model_config, cfg, limit, gpus_per_node) if s.flags() not in seen]
 
 
-def _single_levers(cfg, experts: int = 0) -> list[list[dict]]:
-    """Per lever, the changes to try in order (nearest first)."""
-    ac = _AC_ORDER[_AC_ORDER.index(cfg.activation_checkpointing) + 1:]
-    return [[{"activation_checkpointing": a} for a in ac]] + [
-        _ladder(cfg, lever, experts) for lever in ("pp", "dp", "ep", "dp+ep")]
-
-
-def _ladder(cfg, lever: str, experts: int = 0) -> list[dict]:
+def _ladder(cfg, lever: str, experts: int = 0, gpus_per_node: int = 8) -> list[dict]:
     """The rungs of one lever. ``ep``: shard a MoE model's routed experts over more of the dp
-    ranks it has; ``dp+ep``: more pipelines, the experts sharded over as many of them as divide."""
+    ranks it has; ``dp+ep``: more pipelines, the experts sharded over as many of them as divide;
+    ``tp``: powers of two up to a node; ``reshard``: FSDP2 per microbatch, at this dp or more."""
+    if lever == "tp":
+        return [{"tp": t} for t in _powers_of_two(gpus_per_node) if t > cfg.tp]  # plan refuses a t heads refuse
+    if lever == "reshard" or lever == "dp+reshard":
+        if cfg.reshard_per_microbatch or cfg.lora_rank is not None:
+            return []
+        if lever == "reshard":
+            return [{"reshard_per_microbatch": True}] if cfg.dp > 1 else []
+        return [{"dp": d, "reshard_per_microbatch": True} for d in _DP_STEPS if d > cfg.dp]
     if lever == "ep":
         return [{"ep": e} for e in range(cfg.ep + 1, cfg.dp + 1) if experts and not cfg.dp % e
                 and not experts % e]
@@ -180,8 +199,66 @@ def _lever(model_config, cfg, limit: int, ladder: list[dict]) -> Suggestion | No
             continue
         peak = max(r.total_bytes for r in report.ranks)
         if peak <= _HEADROOM * limit:  # a suggestion should not be tight itself
-            return Suggestion(changes, peak, trial.pp * trial.dp)
+            return Suggestion(changes, peak, report.gpus, report.bubble)
     return None
+
+
+def _powers_of_two(most: int) -> list[int]:
+    return [2**i for i in range(most.bit_length()) if 2**i <= most]
+
+
+def _tp_choices(model_config, most: int) -> list[int]:
+    """Powers of two up to ``most`` that split the attention and key/value heads (hfpipe.plan.tensor)."""
+    heads = model_config.num_attention_heads
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    return [t for t in _powers_of_two(most) if not heads % t and not kv % t]
+
+
+def fewest_gpus(model_config, cfg, limit: int, gpus_per_node: int = 8, keep: int = 3) -> list[Suggestion]:
+    """The meshes on the fewest GPUs that fit ``limit`` with 10% to spare, searched over every axis
+    from any start: tp (powers of two up to a node), dp (with ep over as many of its ranks as divide
+    a MoE model's experts), FSDP2 per microbatch or per step, activation checkpointing as set or
+    full, and for each the fewest pipeline ranks that fit. Fewest GPUs first, then smallest bubble."""
+    experts = routed_experts(model_config)[0]
+    best: list[Suggestion] = []
+    most = 4096  # GPUs: a bound the search tightens as meshes fit
+    for ac in dict.fromkeys((cfg.activation_checkpointing, "full")):
+        for tp in reversed(_tp_choices(model_config, gpus_per_node)):
+            for dp in (1,) + _DP_STEPS:
+                for reshard in ((False, True) if dp > 1 and cfg.lora_rank is None else (False,)):
+                    if dp * tp > most:
+                        continue
+                    mesh = {"tp": tp, "dp": dp, "ep": math.gcd(dp, experts) if experts else cfg.ep,
+                            "reshard_per_microbatch": reshard, "activation_checkpointing": ac}
+                    s = _fewest_pp(model_config, cfg, limit, mesh, most // (dp * tp))
+                    if s is not None:
+                        best.append(s)
+                        most = min(most, s.gpus)
+    best = sorted((s for s in best if s.gpus == most), key=lambda s: (s.bubble, s.peak))
+    return best[:keep]
+
+
+def _fewest_pp(model_config, cfg, limit: int, mesh: dict, most: int) -> Suggestion | None:
+    """The fewest pipeline ranks (at most ``most``) on which ``cfg`` with ``mesh`` fits, by bisection."""
+    if cfg.layout:  # a pinned layout fixes the stage count
+        candidates = [cfg.pp] if cfg.pp <= most else []
+    else:
+        candidates = list(range(1, min(most, model_config.num_hidden_layers) + 1))
+    lo, hi, found = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        s = _lever(model_config, cfg, limit, [_mesh_changes(cfg, {**mesh, **_with_microbatches(cfg, candidates[mid])})])
+        if s is None:
+            lo = mid + 1
+        else:
+            found, hi = dataclasses.replace(s, search=True), mid - 1
+    return found
+
+
+def _mesh_changes(cfg, mesh: dict) -> dict:
+    """``mesh`` as flags: the three degrees always, the rest only where they differ from ``cfg``."""
+    first = {k: mesh[k] for k in ("pp", "dp", "tp")}
+    return {**first, **{k: v for k, v in mesh.items() if k not in first and getattr(cfg, k) != v}}
 
 
 def format_fit(report, limit: int, suggestions: list[Suggestion] | None = None) -> str:
@@ -197,15 +274,25 @@ def format_fit(report, limit: int, suggestions: list[Suggestion] | None = None) 
             verdict = f"fits, {_size(f.limit - f.peak)} free" + (" (tight: under 10%)" if f.tight else "")
         lines.append(f"  rank {f.rank:>3}: {_size(f.peak):>10}  {verdict}")
     bad = [f for f in fits if not f.fits]
-    gpus = report.plan.pp * report.dp
+    gpus = report.gpus
     if not bad:
         lines.append(f"fits: every rank within {_size(limit)} ({gpus} GPUs)")
         return "\n".join(lines)
     lines.append(f"does NOT fit: {len(bad)} of {len(fits)} ranks over {_size(limit)}")
-    if suggestions:
+    levers, meshes = ([s for s in suggestions or () if s.search == flag] for flag in (False, True))
+    if levers:
         lines.append("nearest changes that fit (with 10% to spare):")
-        lines += [f"  {s.flags():<48} peak {_size(s.peak)}, {s.gpus} GPUs" for s in suggestions]
-    elif suggestions is not None:
+        lines += [f"  {s.flags():<48} {_fit_price(s)}" for s in levers]
+    if meshes:
+        lines.append("fewest GPUs that fit, every axis searched (tp up to a node):")
+        lines += [f"  {s.flags():<48} {_fit_price(s)}" for s in meshes]
+    if suggestions is not None and not suggestions:
         lines.append("no single change fits; a rank cannot hold its share at this size even with "
                      "full activation checkpointing and more pp or dp")
     return "\n".join(lines)
+
+
+def _fit_price(s: Suggestion) -> str:
+    from hfpipe.plan.report import _size
+
+    return f"peak {_size(s.peak)}, {s.gpus} GPUs, bubble {100 * s.bubble:.1f}%"

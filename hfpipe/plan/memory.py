@@ -26,15 +26,19 @@ def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
     return _FSDP_BYTES[dtype]
 
 
-def param_bytes(dtype: str, dp: int = 1) -> tuple[float, float, float]:
+def param_bytes(dtype: str, dp: int = 1, reshard: bool = False) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter on one rank at data-parallel ``dp``.
 
     ``dp == 1`` is :data:`BYTES_PER_PARAM`; above it, FSDP2's shards plus the whole compute-dtype
     parameters and reduce-dtype gradients a pipeline step keeps (see the module docstring).
+    ``reshard`` (``--reshard-per-microbatch``): those two are sharded too; the one unit FSDP2 holds
+    gathered at a time is priced apart (:func:`hfpipe.plan.tensor.gathered_unit`).
     """
     if dp == 1:
         return BYTES_PER_PARAM[dtype]
     master, compute, grad, optim = _FSDP_BYTES[dtype]
+    if reshard:
+        return master / dp + compute / dp, grad / dp, optim / dp
     return master / dp + compute, grad + grad / dp, optim / dp
 
 

@@ -44,6 +44,10 @@ since the weight gradient needs the layer inputs. This gives 1F1B ``min(p - rank
 GPipe all ``m``; a rank's activation peak is the largest sum over its stages at any point of its
 action list. Bubble fractions are :func:`hfpipe.plan.split.bubble_fraction`'s analytic ones.
 
+``tp > 1`` splits every matrix, the embedding, the head and the activations (all of them with
+sequence parallelism, 24/34 of them without) over tp ranks and counts the tensor-parallel
+collectives; ``reshard_per_microbatch`` shards the step's gathered weights and whole gradients over
+dp too and counts FSDP2's traffic (both: :mod:`hfpipe.plan.tensor`).
 ``ep > 1`` re-prices each rank's routed experts (:mod:`hfpipe.plan.experts`: ``1/ep`` of them,
 FSDP2 over ``dp/ep``) and counts the all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
 its frozen base (:mod:`hfpipe.plan.quant`) and adds the transient dequantized weight.
@@ -62,6 +66,7 @@ from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as pr
 from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
 from hfpipe.plan.model_config import load_model_config
 from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
+from hfpipe.plan import tensor
 
 __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
@@ -96,6 +101,8 @@ class RankReport:
     activation_bytes: int  # the peak over the rank's schedule, not the sum of stage peaks
     transient_bytes: int = 0  # a quantized base's dequantized weights (hfpipe.plan.quant)
     all_to_all_bytes: int = 0  # expert-parallel traffic one GPU sends per step (not memory)
+    tp_bytes: int = 0  # tensor-parallel traffic one GPU moves per step (not memory)
+    fsdp_bytes: int = 0  # FSDP2's all-gather + reduce-scatter traffic one GPU moves per step
 
     @property
     def total_bytes(self) -> int:
@@ -128,6 +135,13 @@ class PlanReport:
     hidden: int = 0
     ep: int = 1  # expert-parallel degree (hfpipe.plan.experts)
     notes: tuple[str, ...] = ()  # lines about expert parallelism, a quantized base, idle ranks
+    tp: int = 1  # tensor-parallel degree (hfpipe.plan.tensor)
+    sequence_parallel: bool = True
+    reshard_per_microbatch: bool = False  # FSDP2 reshards weights and gradients every microbatch
+
+    @property
+    def gpus(self) -> int:
+        return self.plan.pp * self.dp * self.tp
 
 
 def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
@@ -135,7 +149,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                 batch_size: int | None = None, dtype: str = "bf16-mixed",
                 activation_checkpointing: str = "none", name: str | None = None,
                 dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear",
-                ep: int = 1, quantize_base: str | None = None) -> PlanReport:
+                ep: int = 1, quantize_base: str | None = None, tp: int = 1, sequence_parallel: bool = True,
+                reshard_per_microbatch: bool = False) -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -157,6 +172,10 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         lora_rank, lora_targets: Price a LoRA run instead (frozen base, fp32 adapters).
         ep: Expert-parallel degree: routed experts sharded over ep ranks of dp (hfpipe.plan.experts).
         quantize_base: ``nf4`` or ``fp8``: a LoRA run's frozen base quantized (hfpipe.plan.quant).
+        tp, sequence_parallel: Tensor-parallel degree, and whether activations split over the
+            sequence too (hfpipe.plan.tensor).
+        reshard_per_microbatch: FSDP2 reshards weights and reduce-scatters gradients every
+            microbatch instead of once per step (hfpipe.plan.tensor).
 
     Raises:
         PlanError, ParallelError, UnsupportedModelError: the plan cannot be made (the message
@@ -172,9 +191,11 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if activation_checkpointing not in _AC_MODES:
         raise PlanError(f"--activation-checkpointing must be one of {', '.join(_AC_MODES)}; "
                         f"got {activation_checkpointing!r}")
-    dims = ParallelDims(pp=pp, dp=dp, ep=ep)
+    dims = ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep)
     check_quant(quantize_base, lora_rank)
     get_adapter(config)
+    sp, reshard = sequence_parallel and tp > 1, reshard_per_microbatch
+    tensor.check_tp(config, tp, dp=dp, reshard=reshard, lora=lora_rank is not None)
     from hfpipe.config.options import require_positive
 
     require_positive(seq_len=seq_len, microbatches=microbatches, batch_size=batch_size)
@@ -188,8 +209,9 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     costs = layer_costs(config, seq_len)
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens = batch // m * seq_len
-    per_layer = layer_bytes_per_token(config, dtype)
-    per_mb = [_stage_activations(config, s, tokens, dtype, activation_checkpointing, per_layer)
+    measured = layer_bytes_per_token(config, dtype)
+    per_layer = tensor.layer_bytes(measured, tp, sp)
+    per_mb = [_stage_activations(config, s, tokens, dtype, activation_checkpointing, per_layer, tp, sp)
               for s in plan.stages]
     counts, peaks = in_flight(actions, per_mb)
     extra = tokens * max(per_layer, default=0) if activation_checkpointing != "none" else 0  # one recompute
@@ -199,9 +221,9 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         s.cost / mean_cost, counts[s.index], per_mb[s.index],
         counts[s.index] * per_mb[s.index] + (extra if s.layers else 0)) for s in plan.stages)
     recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
-    ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, dp), peaks[r] + recomputes[r])
-                  for r in range(pp))
-    ranks = price_ep(ranks, plan, costs, dtype, dp, ep)
+    ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, dp, reshard),
+                               peaks[r] + recomputes[r]) for r in range(pp))
+    ranks = price_ep(ranks, plan, costs, dtype, dp, ep, reshard)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
     lora, notes = None, []
@@ -212,6 +234,9 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                                     total - costs.embed_params * tied, dp)
         if ep > 1 or quantize_base:
             ranks = price_base(ranks, plan, config, quantize_base, dtype, dp, ep)
+    ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens,
+                                    activation_checkpointing)
+    notes += lines
     if ep > 1:
         a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing)
         ranks = tuple(dataclasses.replace(r, all_to_all_bytes=a) for r, a in zip(ranks, a2a))
@@ -225,8 +250,29 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         schedule=schedule, microbatches=m, microbatch_size=batch // m, seq_len=seq_len,
         dtype=dtype, activation_checkpointing=activation_checkpointing, stages=stages,
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
-        actions=actions, dp=dp, lora=lora, layer_act=(min(per_layer, default=0), max(per_layer, default=0)),
-        hidden=config.hidden_size, ep=ep, notes=tuple(notes))
+        actions=actions, dp=dp, lora=lora, layer_act=(min(measured, default=0), max(measured, default=0)),
+        hidden=config.hidden_size, ep=ep, notes=tuple(notes), tp=tp, sequence_parallel=sp,
+        reshard_per_microbatch=reshard)
+
+
+def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens, ac):
+    """``ranks`` cut to one tensor-parallel rank's share, with FSDP2's gathered unit when it reshards
+    per microbatch, and the traffic of both (:mod:`hfpipe.plan.tensor`); and the lines that say so."""
+    ranks = tensor.price_ranks(ranks, plan, costs, tp)
+    if reshard:
+        ranks = tensor.gathered_unit(ranks, plan, costs, dtype, tp, ep)
+    tp_bytes = tensor.tp_traffic(plan, costs, _hidden_elements(config), tp, m, tokens, dtype, ac)
+    traffic = [tensor.fsdp_traffic(plan, costs, dtype, dp, ep, tp, m, r) for r in (False, reshard)]
+    ranks = tuple(dataclasses.replace(r, tp_bytes=t, fsdp_bytes=f)
+                  for r, t, f in zip(ranks, tp_bytes, traffic[1]))
+    return ranks, tensor.describe(tp, sp, dp, reshard, tp_bytes, *traffic, _size)
+
+
+def _hidden_elements(config) -> int:
+    """Elements per token of the hidden states a layer takes (``h``; ``hc * h`` for DeepSeek-V4's streams)."""
+    from hfpipe.models.support import get_adapter
+
+    return math.prod(get_adapter(config).hidden_shape(config, 1, 1)[2:])
 
 
 def _stage_params(stage, costs) -> int:
@@ -235,21 +281,22 @@ def _stage_params(stage, costs) -> int:
             + costs.head_params * stage.head)
 
 
-def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...]) -> int:
-    """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward."""
-    from hfpipe.models.support import get_adapter
-
+def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...],
+                       tp: int = 1, sp: bool = False) -> int:
+    """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward, on one
+    tensor-parallel rank (``per_layer`` already is that rank's; a residual splits only with ``sp``)."""
     act = _ACT_BYTES[dtype]
-    boundary = math.prod(get_adapter(config).hidden_shape(config, 1, 1)[2:]) * act  # a layer's input
+    residual = tp if sp else 1
+    boundary = _hidden_elements(config) * act / residual  # a layer's input
     checkpointed = {"none": 0, "full": 1, "selective": 2}[ac]  # every layer, or every other one
     layers = sum(boundary if checkpointed and j % checkpointed == 0 else per_layer[i]
                  for j, i in enumerate(stage.layers))
-    logits = config.vocab_size * (act + 4)
+    logits = config.vocab_size * (act + 4) / tp  # vocabulary-parallel
     h = config.hidden_size
     if stage.head and 0 < chunk_tokens(config.vocab_size) < tokens:
         # hfpipe.pipeline.head_loss: no logits kept, but the hidden states' gradient and the head's
         # (vocab x hidden) gradient wait for the backward (one chunk's logits are transient)
-        kept = tokens * h * act + config.vocab_size * h * act
+        kept = tokens * h * act / residual + config.vocab_size * h * act / tp
         return int(layers * tokens + kept)
     return int((layers + logits * stage.head) * tokens)
 
@@ -311,9 +358,11 @@ def _per_layer(r: PlanReport) -> str:
 def format_report(report: PlanReport) -> str:
     """The report as plain-text tables: stages, then ranks, then balance and bubble."""
     r, plan = report, report.plan
-    w, g, o = (f"{b:g}" for b in param_bytes(r.dtype, r.dp))
-    sharding = f", dp {r.dp} (FSDP2)" if r.dp > 1 else ""
-    fsdp = f", FSDP2 over dp {r.dp}" if r.dp > 1 else ""
+    w, g, o = (f"{b:g}" for b in param_bytes(r.dtype, r.dp, r.reshard_per_microbatch))
+    per_mb = ", resharded per microbatch" if r.reshard_per_microbatch else ""
+    sharding = f", dp {r.dp} (FSDP2{per_mb})" if r.dp > 1 else ""
+    sharding += f", tp {r.tp}{' (sequence parallel)' if r.sequence_parallel else ''}" if r.tp > 1 else ""
+    fsdp = (f", FSDP2 over dp {r.dp}{per_mb}" if r.dp > 1 else "") + (f", / tp {r.tp}" if r.tp > 1 else "")
     lines = [
         f"{r.model}: {_count(r.total_params)} parameters, {r.num_layers} decoder layers",
         f"pipeline: pp {plan.pp} x vpp {plan.vpp} ({plan.style} style){sharding}, schedule {r.schedule}, "
@@ -325,13 +374,16 @@ def format_report(report: PlanReport) -> str:
         [s.index, s.rank, s.holds, _count(s.params), f"{s.cost_share:.3f}", s.in_flight,
          _size(s.activation_bytes)] for s in r.stages], left=2)
     lines.append("")
-    dequant, a2a = any(k.transient_bytes for k in r.ranks), r.ep > 1
+    dequant, a2a, tpc, fsc = (any(k.transient_bytes for k in r.ranks), r.ep > 1, r.tp > 1,
+                              r.reshard_per_microbatch)
     lines += _table(["rank", "stages", "params", "weights", "grads", "optimizer", "activations"]
-                    + ["dequant"] * dequant + ["total"] + ["all-to-all/step"] * a2a, [
+                    + ["dequant"] * dequant + ["total"] + ["all-to-all/step"] * a2a + ["tp comm/step"] * tpc
+                    + ["fsdp comm/step"] * fsc, [
         [k.rank, ",".join(map(str, k.stages)), _count(k.params), _size(k.weight_bytes),
          _size(k.grad_bytes), _size(k.optimizer_bytes), _size(k.activation_bytes)]
         + [_size(k.transient_bytes)] * dequant + [_size(k.total_bytes)]
-        + [_size(k.all_to_all_bytes)] * a2a for k in r.ranks])
+        + [_size(k.all_to_all_bytes)] * a2a + [_size(k.tp_bytes)] * tpc + [_size(k.fsdp_bytes)] * fsc
+        for k in r.ranks])
     worst = max(r.ranks, key=lambda k: k.total_bytes)
     tokens = r.microbatches * r.microbatch_size * r.seq_len * r.dp
     lines += [
@@ -339,7 +391,7 @@ def format_report(report: PlanReport) -> str:
         f"balance {r.balance:.3f} (costliest stage / mean; 1.000 is perfect)",
         f"bubble {100 * r.bubble:.1f}% of each step idle ({r.schedule}, analytic)",
         f"tokens per schedule step: {tokens:,} ({r.microbatches * r.microbatch_size} sequences x "
-        f"{r.seq_len} x dp {r.dp}) on {plan.pp * r.dp} GPUs",
+        f"{r.seq_len} x dp {r.dp}) on {r.gpus} GPUs" + (f" (pp {plan.pp} x dp {r.dp} x tp {r.tp})" if r.tp > 1 else ""),
         f"peak memory {_size(worst.total_bytes)} on rank {worst.rank}",
         f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "
         f"{_per_layer(r)} per token per layer (measured on transformers' layer), logits on the head stage",

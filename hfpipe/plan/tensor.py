@@ -1,0 +1,190 @@
+"""What tensor parallelism (``--tp N``) and FSDP resharding per microbatch cost each rank, for ``hfpipe plan``.
+
+**Tensor parallelism** splits every matrix of a decoder layer (q/k/v/o, gate/up/down, each
+expert's matrices) over ``tp`` ranks, and the embedding and head by vocabulary rows; the norms and
+a MoE router stay whole on every rank (:func:`hfpipe.plan.cost._replicated` counts them). A rank's
+weights, gradients and optimizer state then scale by the share of parameters it keeps:
+``(params - whole) / tp + whole``.
+
+Activations follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
+Models"): of a GPT block's ``34 * h`` bytes per token, tensor parallelism alone divides ``24 * h``
+(what sits between the split matmuls) and leaves ``10 * h`` whole (the norms' and residuals' inputs
+and the dropout masks, replicated on every rank); sequence parallelism splits those over the
+sequence too, so everything divides by tp. hfpipe measures each layer's bytes
+(:mod:`hfpipe.plan.activations`) and splits them in that ratio. A layer's input kept under
+activation checkpointing is a residual: whole without sequence parallelism, ``1 / tp`` with it. The
+head's logits are vocabulary-parallel (``1 / tp``).
+
+Collectives per step: each decoder layer runs two all-reduces of the microbatch's hidden states in
+forward (after attention and after the MLP) and two in backward; sequence parallelism swaps each
+for an all-gather plus a reduce-scatter, the same bytes. A ring all-reduce moves
+``2 * (tp - 1) / tp * size`` per rank. A recomputed layer runs its forward pair once more. The
+embedding's and the head's one collective each are left out (under ``1 / (2 * layers)`` of it).
+
+**FSDP resharded per microbatch** (``--reshard-per-microbatch``): instead of holding its stage's
+compute-dtype weights gathered and its gradients unsharded for the whole step, a rank reshards
+after each microbatch's forward and reduce-scatters after each backward (NeMo AutoModel's
+``defer_fsdp_grad_sync=False``). Weights and gradients then divide by dp
+(:func:`hfpipe.plan.memory.param_bytes` with ``reshard``) plus the one unit FSDP2 holds gathered at
+a time: the stage's root (embedding, final norm, head) and its largest decoder layer, in the compute
+dtype, with their gradient unsharded in the reduce dtype. Traffic per microbatch: an all-gather in
+forward, another in backward (resharded after forward) and a reduce-scatter, each moving
+``(dp - 1) / dp`` of the rank's parameters (routed experts over their ``dp / ep`` replicas);
+without the option, one all-gather and one reduce-scatter per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hfpipe.errors import PlanError
+from hfpipe.plan.memory import ACT_BYTES, fsdp_bytes
+
+__all__ = ["check_tp", "describe", "fsdp_traffic", "gathered_unit", "layer_bytes", "price_ranks",
+           "tp_traffic"]
+
+#: Korthikanti et al.'s 34 h bytes per token of a block, of which tensor parallelism alone splits 24 h.
+_SPLIT_BY_TP = 24 / 34
+
+
+def check_tp(config, tp: int, *, dp: int = 1, reshard: bool = False, lora: bool = False) -> None:
+    """Refuse a tp the model's attention cannot split, and a resharding with nothing to shard.
+
+    Key/value heads are split, not replicated: a rank holding a copy of a kv head would need its
+    gradient summed over the ranks sharing it, which the runtime's plan does not do.
+    """
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise PlanError(f"--tp {tp} must divide the {heads} attention heads of this {config.model_type} "
+                        f"model; use one of {', '.join(map(str, _divisors(heads)))}")
+    if kv % tp:
+        raise PlanError(f"--tp {tp} must divide the {kv} key/value heads of this {config.model_type} model "
+                        f"(each rank holds whole kv heads, none replicated); use one of "
+                        f"{', '.join(map(str, _divisors(kv)))}")
+    if reshard and dp == 1:
+        raise PlanError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
+                        "is nothing to shard: raise --dp or leave it out")
+    if reshard and lora:
+        raise PlanError("--reshard-per-microbatch prices full fine-tuning; a LoRA run keeps its frozen "
+                        "base as FSDP2 holds it per step: leave it out with --lora-rank")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16, 32, 64) if n % d == 0]
+
+
+def layer_bytes(per_layer: tuple[int, ...], tp: int, sp: bool) -> tuple[int, ...]:
+    """Each layer's activation bytes per token on one tensor-parallel rank (module docstring)."""
+    if tp == 1:
+        return tuple(per_layer)
+    share = 1 / tp if sp else _SPLIT_BY_TP / tp + (1 - _SPLIT_BY_TP)
+    return tuple(int(b * share) for b in per_layer)
+
+
+def price_ranks(ranks, plan, costs, tp: int) -> tuple:
+    """``ranks`` with weights, gradients, optimizer state and dequantized weights cut to the share
+    of parameters one tensor-parallel rank keeps (the norms and routers stay whole)."""
+    if tp == 1:
+        return tuple(ranks)
+    out = []
+    for r in ranks:
+        whole = _replicated_on(plan, r.rank, costs)
+        params = (r.params - whole) // tp + whole
+        share = params / max(1, r.params)
+        out.append(dataclasses.replace(
+            r, params=params, weight_bytes=int(r.weight_bytes * share), grad_bytes=int(r.grad_bytes * share),
+            optimizer_bytes=int(r.optimizer_bytes * share), transient_bytes=int(r.transient_bytes * share)))
+    return tuple(out)
+
+
+def _replicated_on(plan, rank: int, costs) -> int:
+    rep = costs.layer_replicated_params
+    return sum((rep[i] if rep else 0) for s in plan.stages_of_rank(rank) for i in s.layers) + sum(
+        costs.head_replicated_params for s in plan.stages_of_rank(rank) if s.head)
+
+
+def _held(costs, layer: int, tp: int, ep: int) -> tuple[float, float]:
+    """(params FSDP shards over dp, routed-expert params it shards over dp / ep) of one layer on a rank."""
+    routed = costs.layer_routed_params[layer] if costs.layer_routed_params else 0
+    whole = costs.layer_replicated_params[layer] if costs.layer_replicated_params else 0
+    other = costs.layer_params[layer] - routed
+    return (other - whole) / tp + whole, routed / ep / tp
+
+
+def _root(costs, stage, tp: int) -> float:
+    """The stage's own FSDP unit (embedding, final norm, head), on one tensor-parallel rank."""
+    split = costs.embed_params * stage.embed + (costs.head_params - costs.head_replicated_params) * stage.head
+    return split / tp + costs.head_replicated_params * stage.head
+
+
+def gathered_unit(ranks, plan, costs, dtype: str, tp: int, ep: int) -> tuple:
+    """``ranks`` plus the unit FSDP2 holds gathered when it reshards per microbatch: a stage's root
+    and its largest decoder layer, in the compute dtype, and their unsharded gradient."""
+    _, compute, grad, _ = fsdp_bytes(dtype)
+    out = []
+    for r in ranks:
+        unit = max((_root(costs, s, tp) + max((sum(_held(costs, i, tp, ep)) for i in s.layers), default=0)
+                    for s in plan.stages_of_rank(r.rank)), default=0)
+        out.append(dataclasses.replace(r, weight_bytes=int(r.weight_bytes + unit * compute),
+                                       grad_bytes=int(r.grad_bytes + unit * grad)))
+    return tuple(out)
+
+
+def tp_traffic(plan, costs, hidden: int, tp: int, microbatches: int, tokens: int, dtype: str,
+               ac: str) -> tuple[int, ...]:
+    """Per pipeline rank, the bytes one GPU moves in tensor-parallel collectives per schedule step.
+
+    Args:
+        hidden: Elements per token of the hidden states between layers (``h``; ``hc * h`` for streams).
+    """
+    if tp == 1:
+        return (0,) * plan.pp
+    one = 2 * (tp - 1) / tp * tokens * hidden * ACT_BYTES[dtype]  # one all-reduce (or AG + RS)
+    step = {"none": 0, "full": 1, "selective": 2}[ac]
+    out = []
+    for rank in range(plan.pp):
+        calls = 0
+        for stage in plan.stages_of_rank(rank):
+            recomputed = sum(1 for j, _ in enumerate(stage.layers) if j % step == 0) if step else 0
+            calls += 4 * len(stage.layers) + 2 * recomputed  # 2 forward + 2 backward, + forward again
+        out.append(int(calls * one * microbatches))
+    return tuple(out)
+
+
+def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatches: int,
+                 reshard: bool) -> tuple[int, ...]:
+    """Per pipeline rank, the bytes one GPU moves in FSDP2's all-gathers and reduce-scatters per step."""
+    if dp == 1:
+        return (0,) * plan.pp
+    _, compute, grad, _ = fsdp_bytes(dtype)
+    rounds, gathers = (microbatches, 2) if reshard else (1, 1)
+    edp = dp // ep
+    out = []
+    for rank in range(plan.pp):
+        other = expert = 0.0
+        for s in plan.stages_of_rank(rank):
+            other += _root(costs, s, tp)
+            for i in s.layers:
+                o, e = _held(costs, i, tp, ep)
+                other, expert = other + o, expert + e
+        moved = other * (dp - 1) / dp + expert * (edp - 1) / edp
+        out.append(int(rounds * moved * (gathers * compute + grad)))
+    return tuple(out)
+
+
+def describe(tp: int, sp: bool, dp: int, reshard: bool, tp_bytes, fsdp_once, fsdp_now, size) -> list[str]:
+    """The lines ``hfpipe plan`` prints about tensor parallelism and FSDP's resharding."""
+    lines = []
+    if tp > 1:
+        how = ("sequence parallel: activations / tp" if sp else
+               "no sequence parallelism: norms' and residuals' activations whole")
+        lines.append(f"tensor parallel: tp {tp}, every matrix, the embedding and the head split {tp} ways "
+                     f"(norms and routers whole; rank params count the share); {how}; all-reduce "
+                     f"{'(all-gather + reduce-scatter) ' if sp else ''}{size(max(tp_bytes))} per GPU per "
+                     f"step on the busiest rank")
+    if reshard:
+        lines.append(f"FSDP2 resharded per microbatch: weights and grads / dp {dp} plus one gathered "
+                     f"layer and stage root; all-gather + reduce-scatter {size(max(fsdp_now))} per GPU per "
+                     f"step on the busiest rank (once per step: {size(max(fsdp_once))})")
+    return lines

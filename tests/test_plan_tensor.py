@@ -1,0 +1,193 @@
+"""Spec of ``hfpipe plan --tp`` and ``--reshard-per-microbatch`` (issue #24, the planner's part):
+tensor parallelism divides a rank's weights, gradients, AdamW state and activations (with and
+without sequence parallelism) and costs collectives; FSDP2 resharded per microbatch divides the
+step's gathered weights and whole gradients by dp and costs an all-gather and reduce-scatter per
+microbatch; the fit search proposes tp and that option; and the issue's two bars hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from typer.testing import CliRunner
+
+from hfpipe.cli.main import app
+from hfpipe.config.run import FinetuneConfig
+from hfpipe.config.run import bundled_config_dir
+from hfpipe.errors import PlanError
+from hfpipe.plan import tensor
+from hfpipe.plan.activations import layer_bytes_per_token
+from hfpipe.plan.cost import layer_costs
+from hfpipe.plan.fit import fewest_gpus, parse_memory, report_for, suggest
+from hfpipe.plan.memory import fsdp_bytes, param_bytes
+from hfpipe.plan.report import load_model_config, plan_report
+from hfpipe.tiny import tiny_config
+
+GIB = 2**30
+runner = CliRunner()
+
+
+def peak(report) -> int:
+    return max(r.total_bytes for r in report.ranks)
+
+
+def test_the_issues_70b_plan_fits_80gb_at_tp8_with_a_bubble_under_15_percent():
+    result = runner.invoke(app, ["plan", "meta-llama/Llama-3.1-70B", "--pp", "4", "--tp", "8", "--microbatches",
+                                 "32", "--batch-size", "32", "--seq-len", "4096", "--dtype", "bf16-mixed",
+                                 "--activation-checkpointing", "full", "--gpu-memory", "80GB"])
+    assert result.exit_code == 0, result.output
+    assert "fits: every rank within 80.0 GiB (32 GPUs)" in result.stdout
+    assert "bubble 8.6% of each step idle" in result.stdout
+    report = plan_report(load_model_config("meta-llama/Llama-3.1-70B"), 4, tp=8, microbatches=32, batch_size=32,
+                         seq_len=4096, dtype="bf16-mixed", activation_checkpointing="full")
+    assert report.bubble < 0.15 and peak(report) < 0.9 * 80 * GIB and report.gpus == 32
+
+
+def test_the_issues_405b_config_fits_128_gpus_of_80gb_on_a_mesh_the_fit_search_proposes():
+    path = bundled_config_dir("meta-llama/Llama-3.1-405B") / "config.json"
+    config = load_model_config(str(path))
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size) == (16384, 126, 128, 8, 53248, 128256)
+    cfg = FinetuneConfig(model=str(path), pp=16, microbatches=128, batch_size=128, seq_len=8192,
+                         dtype="bf16-mixed", activation_checkpointing="full")
+    limit = parse_memory("80GB")
+    assert peak(report_for(config, cfg)) > limit
+    proposed = [s for s in suggest(config, cfg, limit) if s.changes.get("tp") and s.gpus <= 128]
+    assert proposed and {"tp": 8} in [s.changes for s in proposed]
+    for s in proposed:  # each fits when planned as proposed
+        report = report_for(config, dataclasses.replace(cfg, **s.changes))
+        assert peak(report) == s.peak <= 0.9 * limit and report.gpus == s.gpus and report.bubble == s.bubble
+    result = runner.invoke(app, ["plan", str(path), "--pp", "16", "--tp", "8", "--microbatches", "128",
+                                 "--batch-size", "128", "--seq-len", "8192", "--dtype", "bf16-mixed",
+                                 "--activation-checkpointing", "full", "--gpu-memory", "80GB"])
+    assert result.exit_code == 0, result.output
+    assert "fits: every rank within 80.0 GiB (128 GPUs)" in result.stdout
+
+
+def test_the_fit_search_proposes_tp_for_405b_from_a_single_gpu():
+    config = load_model_config("meta-llama/Llama-3.1-405B")
+    cfg = FinetuneConfig(model="meta-llama/Llama-3.1-405B", microbatches=64, batch_size=64, seq_len=8192,
+                         dtype="bf16-mixed", activation_checkpointing="full")
+    found = fewest_gpus(config, cfg, parse_memory("80GB"))
+    assert found and all(s.search and s.changes["tp"] == 8 and s.gpus <= 128 for s in found)
+    assert found == sorted(found, key=lambda s: (s.gpus, s.bubble, s.peak))
+    eight = fewest_gpus(config, cfg, parse_memory("80GB"), gpus_per_node=4)
+    assert all(s.changes["tp"] <= 4 for s in eight)  # tp stays inside a node
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16-mixed", "bf16"])
+def test_tp2_halves_weights_grads_and_adamw_but_keeps_the_norms_whole(dtype):
+    config = tiny_config("llama", num_hidden_layers=4)
+    costs = layer_costs(config, 16)
+    one, two = (plan_report(config, 2, seq_len=16, dtype=dtype, tp=t) for t in (1, 2))
+    for a, b in zip(one.ranks, two.ranks):
+        whole = sum(costs.layer_replicated_params[i] for s in one.plan.stages_of_rank(a.rank) for i in s.layers)
+        whole += costs.head_replicated_params * any(s.head for s in one.plan.stages_of_rank(a.rank))
+        layers = sum(len(s.layers) for s in one.plan.stages_of_rank(a.rank))
+        head = any(s.head for s in one.plan.stages_of_rank(a.rank))
+        assert whole == (2 * layers + head) * config.hidden_size  # two RMSNorms a layer, the final norm
+        assert b.params == (a.params - whole) // 2 + whole
+        share = b.params / a.params
+        for field in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
+            assert getattr(b, field) == int(getattr(a, field) * share)
+    big = [plan_report(load_model_config("meta-llama/Llama-3.1-8B"), 2, seq_len=4096, tp=t) for t in (1, 2)]
+    for a, b in zip(big[0].ranks, big[1].ranks):  # the norms are a rounding error on a real model
+        assert b.weight_bytes == pytest.approx(a.weight_bytes / 2, rel=1e-4)
+        assert b.optimizer_bytes == pytest.approx(a.optimizer_bytes / 2, rel=1e-4)
+
+
+def test_activations_divide_by_tp_with_sequence_parallelism_and_24_of_34_parts_without():
+    config = tiny_config("llama", num_hidden_layers=6)
+    kw = dict(seq_len=16, batch_size=4, microbatches=4, dtype="fp32")
+    measured = layer_bytes_per_token(config, "fp32")
+    one, sp, no_sp = (plan_report(config, 3, tp=t, sequence_parallel=s, **kw)
+                      for t, s in ((1, True), (2, True), (2, False)))
+    middle = 1  # layers only: no embedding, no head
+    layers = one.plan.stages[middle].layers
+    assert one.stages[middle].activation_bytes_per_microbatch == sum(measured[i] for i in layers) * 16
+    assert sp.stages[middle].activation_bytes_per_microbatch == sum(int(measured[i] / 2) for i in layers) * 16
+    assert no_sp.stages[middle].activation_bytes_per_microbatch == sum(
+        int(measured[i] * (24 / 34 / 2 + 10 / 34)) for i in layers) * 16
+    assert sp.sequence_parallel and not no_sp.sequence_parallel and not one.sequence_parallel
+    # under full recompute a layer keeps its input: a residual, split only over the sequence
+    full = [plan_report(config, 3, tp=t, sequence_parallel=s, activation_checkpointing="full", **kw)
+            for t, s in ((1, True), (2, True), (2, False))]
+    kept = [r.stages[middle].activation_bytes_per_microbatch for r in full]
+    assert kept == [len(layers) * 16 * 64 * 4, len(layers) * 16 * 64 * 4 // 2, len(layers) * 16 * 64 * 4]
+
+
+@pytest.mark.parametrize("ac, recomputed", [("none", lambda n: 0), ("full", lambda n: n),
+                                            ("selective", lambda n: (n + 1) // 2)])
+def test_tp_collectives_are_four_all_reduces_of_the_hidden_states_per_layer_and_microbatch(ac, recomputed):
+    config = tiny_config("llama", num_hidden_layers=4)  # hidden 64
+    kw = dict(seq_len=16, batch_size=8, microbatches=4, dtype="bf16", activation_checkpointing=ac)
+    report = plan_report(config, 2, tp=2, **kw)
+    tokens, hidden, act = 2 * 16, 64, 2  # 2 sequences of 16 tokens per microbatch, bf16
+    one = 2 * (2 - 1) / 2 * tokens * hidden * act  # a ring all-reduce: bytes each rank moves
+    for r in report.ranks:
+        n = sum(len(s.layers) for s in report.plan.stages_of_rank(r.rank))
+        # 2 forward + 2 backward per layer, a recomputed layer's forward pair again; 4 microbatches
+        assert r.tp_bytes == int((4 * n + 2 * recomputed(n)) * one * 4)
+    assert [r.tp_bytes for r in plan_report(config, 2, **kw).ranks] == [0, 0]
+    no_sp = plan_report(config, 2, tp=2, sequence_parallel=False, **kw)  # all-reduce or AG + RS: same bytes
+    assert [r.tp_bytes for r in no_sp.ranks] == [r.tp_bytes for r in report.ranks]
+
+
+def test_resharding_per_microbatch_divides_weights_and_grads_by_dp_and_prices_its_traffic():
+    config = tiny_config("llama", num_hidden_layers=4)
+    kw = dict(seq_len=16, batch_size=4, microbatches=4, dtype="bf16-mixed")
+    step, micro = (plan_report(config, 2, dp=4, reshard_per_microbatch=r, **kw) for r in (False, True))
+    costs = layer_costs(config, 16)
+    master, compute, grad, adamw = fsdp_bytes("bf16-mixed")
+    assert param_bytes("bf16-mixed", 4, reshard=True) == (master / 4 + compute / 4, grad / 4, adamw / 4)
+    for r, s in zip(micro.ranks, step.ranks):
+        stage = micro.plan.stages_of_rank(r.rank)[0]
+        unit = (costs.embed_params * stage.embed + costs.head_params * stage.head
+                + max(costs.layer_params[i] for i in stage.layers))  # the one unit FSDP2 holds gathered
+        assert r.weight_bytes == int(int(r.params * (master / 4 + compute / 4)) + unit * compute)
+        assert r.grad_bytes == int(int(r.params * grad / 4) + unit * grad)
+        assert r.optimizer_bytes == s.optimizer_bytes and r.weight_bytes < s.weight_bytes
+        moved = r.params * 3 / 4  # (dp - 1) / dp of the rank's parameters, each way
+        assert r.fsdp_bytes == int(4 * moved * (2 * compute + grad))  # per microbatch: 2 all-gathers + 1 RS
+        assert s.fsdp_bytes == int(moved * (compute + grad))  # per step: 1 all-gather + 1 reduce-scatter
+    text = "\n".join(micro.notes)
+    assert "FSDP2 resharded per microbatch" in text and "once per step" in text
+
+
+def test_the_fit_search_proposes_resharding_when_dp_alone_cannot_fit():
+    config, cfg = load_model_config("meta-llama/Llama-3.1-70B"), FinetuneConfig(
+        model="meta-llama/Llama-3.1-70B", pp=4, microbatches=32, batch_size=32, seq_len=4096,
+        dtype="bf16-mixed", activation_checkpointing="full")
+    limit = parse_memory("80GB")
+    found = [s.changes for s in suggest(config, cfg, limit, gpus_per_node=1) if not s.search]
+    reshard = [c for c in found if c.get("reshard_per_microbatch")]
+    assert reshard and not [c for c in found if "tp" in c]  # no tp over a 1-GPU node
+    dp = reshard[0]["dp"]
+    assert peak(report_for(config, dataclasses.replace(cfg, dp=dp))) > 0.9 * limit  # dp alone does not
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tp=3), "--tp 3 must divide the 4 attention heads"),
+    (dict(tp=4), "--tp 4 must divide the 2 key/value heads"),
+    (dict(reshard_per_microbatch=True), "--reshard-per-microbatch shards over the data-parallel ranks"),
+    (dict(dp=2, reshard_per_microbatch=True, lora_rank=8), "--reshard-per-microbatch prices full fine-tuning"),
+    (dict(tp=0), "--tp must be >= 1"),
+])
+def test_a_tp_the_heads_cannot_split_is_refused_in_one_line(kwargs, match):
+    with pytest.raises(Exception, match=match) as e:
+        plan_report(tiny_config("llama"), 2, seq_len=16, **kwargs)
+    assert isinstance(e.value, ValueError) and "\n" not in str(e.value)
+
+
+def test_bad_tp_gets_one_line_and_exit_2_from_the_cli(tmp_path):
+    tiny_config("llama").save_pretrained(tmp_path)
+    result = runner.invoke(app, ["plan", str(tmp_path), "--pp", "2", "--seq-len", "16", "--tp", "4"])
+    assert result.exit_code == 2, result.output
+    assert "must divide the 2 key/value heads" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_plan_error_is_what_refuses_heads():
+    with pytest.raises(PlanError):
+        tensor.check_tp(tiny_config("llama"), 3)
