@@ -45,8 +45,8 @@ def _stages(model, config):
     """The model cut in two stages (same modules, full names), as hfpipe's pipeline builds them; a
     tied model stays one stage, so that its embedding and head share one split weight."""
     from hfpipe.models.registry import adapter_for
-    from hfpipe.pipeline.stage import PipelineStageModule
-    from hfpipe.plan.spec import StageSpec
+    from hfpipe.models.stage import PipelineStageModule
+    from hfpipe.models.spec import StageSpec
 
     half = 0 if config.tie_word_embeddings else LAYERS // 2
     specs = [StageSpec(index=0, layers=tuple(range(half)), embed=True, head=False),
@@ -125,7 +125,7 @@ def _fill(stages, whole: dict, mesh):
     from torch.distributed.tensor import DTensor
 
     from hfpipe.parallel.tensor import as_dtensor, local_slice
-    from hfpipe.pipeline.stage import rebuild_buffers
+    from hfpipe.models.stage import rebuild_buffers
 
     rank = mesh.get_local_rank()
     for stage in stages:

@@ -111,11 +111,14 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def local_rows(param) -> tuple[int, int] | None:
-    """The rows ``[lo, hi)`` of dim 0 a DTensor parameter holds on this rank (``None``: a plain tensor)."""
-    from torch.distributed.tensor import DTensor
+    """The rows ``[lo, hi)`` of dim 0 a DTensor parameter holds on this rank (``None``: a plain tensor, or a
+    split that is not one run of rows)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
         return None
+    if not all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in param.placements):
+        return None  # a column split or packed blocks: not one run of rows (the loader reads the whole)
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return offset[0], offset[0] + shape[0]

@@ -4,7 +4,7 @@ The CLI's config, the Python API (``load_pipeline``), ``plan`` and the run's pre
 so a layout gets the same message, in the same order, wherever it is given: the degrees
 (:class:`~hfpipe.parallel.dims.ParallelDims`), the schedule and its stages per rank, the
 microbatches, the batch, the schedules FSDP cannot run, then what the model allows (--ep over its
-routed experts). The schedule names live here too, the one table the config, the planner and the
+routed experts, --tp over its heads and sizes). The schedule names live here too, the one table the config, the planner and the
 pipeline read.
 """
 
@@ -92,6 +92,10 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
                             "looped-bfs with --dp > 1, or --dp 1")
     if model_config is not None:
         _check_experts(dims.ep, model_config)
+        if dims.tp > 1:
+            from hfpipe.parallel.tensor_plan import check_tp_config  # torch's styles: only when asked
+
+            check_tp_config(model_config, dims.tp)
     return Layout(dims, schedule, vpp, microbatches)
 
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from hfpipe.errors import HfpipeError
+from hfpipe.errors import ParallelError
 
 __all__ = ["TensorParallelError", "TP_FAMILIES", "check_tp_config", "stage_tp_plan"]
 
@@ -49,7 +49,7 @@ _EXTRA_PLANS = {"deepseek_v3": _MLA_PLAN}
 _EXPERT_PARAMS = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
 
 
-class TensorParallelError(HfpipeError):
+class TensorParallelError(ParallelError):
     """A model or setting that tensor parallelism cannot split exactly (one line: what and the fix)."""
 
 

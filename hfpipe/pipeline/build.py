@@ -8,6 +8,8 @@ shape or storage comes before one that wraps it):
  when    step            what it does
 ======  ==============  =========================================================================
  meta    build           the stage's transformers modules under the full model's names (models/stage.py)
+ meta    ``apply_tp``    every matrix split over tp (transformers' plan, hfpipe.parallel.tensor_plan), so
+                         the loader then reads only a rank's slice
  meta    ``apply_ep``    routed experts sharded over ep (transformers' expert-parallel plan)
  meta    ``apply_quant`` a LoRA base's linears and expert stacks swapped for quantized storage
  meta    ``apply_ac``    activation checkpointing of each decoder layer
@@ -18,8 +20,7 @@ shape or storage comes before one that wraps it):
                          tensors of a stage and FSDP2 keeps them as dp shards
 ======  ==============  =========================================================================
 
-A new axis is one more ``apply_<axis>`` here, at its place in the order (tensor parallelism goes
-first, before ep: it changes every matrix's shape, and the loader then reads only its slice).
+A new axis is one more ``apply_<axis>`` here, at its place in the order.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class StageOptions:
         lora: A ``peft.LoraConfig`` (adapters trained, base frozen), or ``None``.
         seed: Seeds each LoRA adapter's initialisation.
         quantize: A :class:`hfpipe.quant.linear.QuantSpec` (a quantized frozen base), or ``None``.
+        sequence_parallel: Under ``--tp``, also split the norms and the activations between layers by sequence.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -70,11 +72,13 @@ class StageOptions:
     lora: object = None
     seed: int = 0
     quantize: object = None
+    sequence_parallel: bool = True
 
 
-def _default_pp(dp: int) -> int:
+def _default_pp(others: int) -> int:
+    """The pipeline size the started world leaves once the other degrees (their product) are taken."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return max(1, world // dp)
+    return max(1, world // others)
 
 
 _CHECKPOINTING = ("none", "full", "selective")
@@ -97,7 +101,8 @@ def _check_arguments(*, activation_checkpointing: str, **counts) -> None:
                             f"choose one of {', '.join(_CHECKPOINTING)}")
 
 
-def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, vpp: int | None = None,
+def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, tp: int = 1,
+                  sequence_parallel: bool = True, vpp: int | None = None,
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
                   trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
@@ -111,6 +116,10 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         pp: Pipeline ranks (default: WORLD_SIZE / dp).
         dp: Data-parallel replicas (FSDP2 over the dp dimension).
         ep: Expert-parallel degree: MoE routed experts sharded over ep ranks of the dp group.
+        tp: Tensor-parallel degree: each stage's matrices, embedding and head split over tp ranks
+            (:mod:`hfpipe.parallel.tensor`); the world is pp * dp * tp processes.
+        sequence_parallel: With tp > 1, also split the norms and the activations between layers by
+            sequence (default on).
         vpp: Stages per rank (default 1, or 2 for multi-stage schedules).
         schedule: A name from :data:`hfpipe.pipeline.schedule.SCHEDULES`.
         microbatches: Microbatches per step (default: the number of stages).
@@ -130,13 +139,13 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
             checkpoint's own tiles, else 128).
         model_class: The :class:`PipelineModel` subclass to return (:mod:`hfpipe.api` passes its own).
     """
-    check_degrees("load_pipeline", **({} if pp is None else {"pp": pp}), dp=dp, ep=ep)
+    check_degrees("load_pipeline", **({} if pp is None else {"pp": pp}), dp=dp, ep=ep, tp=tp)
     _check_arguments(vpp=vpp, microbatches=microbatches, seed=seed, loss_chunk_tokens=loss_chunk_tokens,
                      activation_checkpointing=activation_checkpointing)
     quantize = _quant_spec(quantize_base, quantize_block_size, lora)
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
-    dims = ParallelDims(pp=pp or (dist.pp if dist else _default_pp(dp)), dp=dp, ep=ep)
+    dims = ParallelDims(pp=pp or (dist.pp if dist else _default_pp(dp * tp)), dp=dp, tp=tp, ep=ep)
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
     checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, model_config=source.config)
@@ -145,7 +154,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     param_dtype, compute_dtype = DTYPES[dtype]
     if quantize is not None:
         quantize = dataclasses.replace(quantize, dtype=str(param_dtype).removeprefix("torch."))
-    options = StageOptions(param_dtype, compute_dtype, activation_checkpointing, lora, seed, quantize)
+    options = StageOptions(param_dtype, compute_dtype, activation_checkpointing, lora, seed, quantize,
+                           bool(sequence_parallel))
     modules, stats, lora = build_rank_stages(source, plan, dist, options)
     log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
              stats.bytes_read / 1e6, len(stats.files_opened))
@@ -185,6 +195,8 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
     Returns ``(modules, stats, lora)``: ``lora`` is the resolved ``peft.LoraConfig`` (or ``None``).
     """
     modules = _meta_stages(source, plan, dist.pp_rank, options.param_dtype)
+    if dist.dims.tp > 1:
+        apply_tp(modules, dist.mesh["tp"], options)
     if dist.dims.ep > 1:
         apply_ep(modules, dist.expert_mesh())
     quantizer = apply_quant(modules, source.config, options)
@@ -210,6 +222,16 @@ def load_rank_stages(source, plan, pp_rank: int, device: torch.device, dtype: to
 def _meta_stages(source, plan, pp_rank: int, dtype: torch.dtype) -> list:
     config = model_config(source.config)
     return build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype, adapter=adapter_for(config))
+
+
+def apply_tp(modules: list, tp_mesh, options: StageOptions) -> None:
+    """Every matrix of the meta stage split over ``tp_mesh`` (a stage still takes and returns whole tensors)."""
+    from hfpipe.parallel.tensor import apply_tp as split
+    from hfpipe.parallel.tensor_plan import stage_tp_plan
+
+    for m in modules:
+        names = [n for n, _ in m.named_modules()]
+        split(m, tp_mesh, stage_tp_plan(m.config, names, options.sequence_parallel, tp_mesh.size()))
 
 
 def apply_ep(modules: list, expert_mesh) -> None:

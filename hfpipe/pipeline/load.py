@@ -271,8 +271,10 @@ def _place(holders, tensor, device, dtype, unit: _Unit, source) -> None:
     owner, attr = holders[0]
     is_param = attr in owner._parameters
     old = owner._parameters[attr] if is_param else owner._buffers[attr]
-    sharded = getattr(old, "device_mesh", None) is not None  # experts sharded over ep: a DTensor
+    sharded = getattr(old, "device_mesh", None) is not None  # split over ep or tp: a DTensor
     expected = old.to_local().shape if sharded else old.shape
+    if sharded and tuple(tensor.shape) == tuple(old.shape) != tuple(expected):
+        tensor = _local_part(tensor, old)  # read whole (a column split, packed blocks): keep this rank's part
     if tuple(tensor.shape) != tuple(expected):
         raise LoadError(
             f"{source.weight_map.get(unit.sources[0], '?')}: {unit.sources[0]!r} has shape "
@@ -291,6 +293,16 @@ def _place(holders, tensor, device, dtype, unit: _Unit, source) -> None:
         new = nn.Parameter(new, requires_grad=old.requires_grad)
     for module, name in holders:
         (module._parameters if is_param else module._buffers)[name] = new
+
+
+def _local_part(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's part of ``full`` as DTensor ``like`` holds it (one mesh dimension after another)."""
+    from hfpipe.parallel.tensor import local_slice
+
+    mesh = like.device_mesh
+    for i, placement in enumerate(like.placements):
+        full = local_slice(full, placement, mesh.get_local_rank(i), mesh.size(i))
+    return full.contiguous()
 
 
 def _stage_targets(stages) -> dict[str, list[tuple[nn.Module, str]]]:

@@ -14,7 +14,7 @@ import torch
 
 from hfpipe.parallel.mesh import Dist
 from hfpipe.pipeline.inputs import check_batches
-from hfpipe.pipeline.params import unique_parameters
+from hfpipe.pipeline.params import by_mesh, unique_parameters
 from hfpipe.pipeline.schedule import Pipeline
 from hfpipe.plan.split import Plan
 from hfpipe.source.folder import ModelSource
@@ -68,6 +68,9 @@ class PipelineModel:
         refuses), so the same optimizer line runs on every rank and its steps do nothing there.
         """
         params = [p for _, p in unique_parameters(self.modules)]
+        runs = by_mesh(params)
+        if len(runs) > 1:  # DTensors beside plain tensors (--tp): a group each, so foreach optimizers run
+            return [{"params": run} for run in runs]
         return params or [{"params": []}]
 
     def named_parameters(self):

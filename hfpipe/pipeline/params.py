@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["unique_parameters"]
+__all__ = ["by_mesh", "unique_parameters"]
 
 
 def unique_parameters(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -18,3 +18,16 @@ def unique_parameters(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parame
                 seen.add(id(p))
                 out.append((name, p))
     return out
+
+
+def by_mesh(params: list) -> list[list]:
+    """``params`` in runs that share a device mesh (plain tensors apart from DTensors), in first-seen order.
+
+    torch's foreach optimizers refuse a list that mixes DTensors (``--tp``, FSDP2) with plain tensors
+    (what tp leaves whole, such as norms without sequence parallelism): one parameter group per run
+    keeps any optimizer's foreach path legal, and changes no update (AdamW is elementwise).
+    """
+    runs: dict = {}
+    for p in params:
+        runs.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+    return list(runs.values())

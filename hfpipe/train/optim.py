@@ -7,16 +7,18 @@ import math
 import torch
 from torch import nn
 
-from hfpipe.pipeline.params import unique_parameters
+from hfpipe.pipeline.params import by_mesh, unique_parameters
 
 __all__ = ["unique_parameters", "param_groups", "build_optimizer", "lr_lambda", "build_scheduler"]
 
 
 def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms and biases (1-D tensors) get no weight decay."""
+    """Decay matrices only: norms and biases (1-D tensors) get no weight decay. Each group holds tensors of
+    one device mesh (:func:`hfpipe.pipeline.params.by_mesh`)."""
     decay = [p for _, p in named if p.ndim >= 2]
     no_decay = [p for _, p in named if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": run, "weight_decay": wd} for params, wd in ((decay, weight_decay), (no_decay, 0.0))
+              for run in by_mesh(params) or [[]]]
     # A rank whose stages are all empty (a layout like ``E||t*30|L``) keeps one empty group: torch
     # optimizers refuse an empty parameter list but accept a group without parameters.
     return [g for g in groups if g["params"]] or groups[:1]

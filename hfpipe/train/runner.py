@@ -192,7 +192,8 @@ def run_worker(cfg_dict: dict) -> dict:
     torch.manual_seed(cfg.seed)
     dist_info = init_distributed(cfg.dims, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
-    pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, vpp=cfg.vpp, schedule=cfg.schedule,
+    pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
+                       vpp=cfg.vpp, schedule=cfg.schedule,
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
                        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
                        trust_remote_code=cfg.trust_remote_code, dist=dist_info,

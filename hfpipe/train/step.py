@@ -131,8 +131,13 @@ class PipelineTrainer:
         if self.max_grad_norm:
             coef = min(1.0, self.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             grads = [p.grad for p in self._params if p.grad is not None]
-            if coef < 1.0 and grads:  # a rank of empty stages has none (foreach refuses an empty list)
-                torch._foreach_mul_(grads, coef)
+            # foreach refuses an empty list (a rank of empty stages) and a list mixing DTensors (--tp, FSDP)
+            # with plain tensors (norms replicated over tp), or two meshes: one call per mesh
+            by_mesh: dict = {}
+            for g in grads:
+                by_mesh.setdefault(id(getattr(g, "device_mesh", None)), []).append(g)
+            for same in by_mesh.values() if coef < 1.0 else ():
+                torch._foreach_mul_(same, coef)
         return norm
 
     def _share_loss(self, loss: torch.Tensor) -> float:
