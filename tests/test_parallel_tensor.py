@@ -124,7 +124,7 @@ def _fill(stages, whole: dict, mesh):
     from torch import nn
     from torch.distributed.tensor import DTensor
 
-    from hfpipe.parallel.tensor import as_dtensor, local_slice
+    from hfpipe.parallel.tensor_slices import as_dtensor, local_slice
     from hfpipe.models.stage import rebuild_buffers
 
     rank = mesh.get_local_rank()
@@ -149,21 +149,16 @@ def _fill(stages, whole: dict, mesh):
 
 
 def _chunked_vocab_parallel_loss(logits_fn, hidden, targets, tokens):
-    from unittest import mock
-
-    from hfpipe.parallel.tensor import vocab_parallel_loss_sum
+    """The pipeline's chunked head loss itself: it takes vocabulary-split logits as they come."""
     from hfpipe.pipeline import head_loss
 
-    def chunk_loss(fn, h, t, ignore_index):
-        return vocab_parallel_loss_sum(fn(h), t, ignore_index)
-
-    with mock.patch.object(head_loss, "_chunk_loss", chunk_loss):
-        return head_loss.chunked_loss_sum(logits_fn, hidden, targets, 5, float(tokens))
+    return head_loss.chunked_loss_sum(logits_fn, hidden, targets, 5, float(tokens))
 
 
 def _run(stages, mesh, oracle, chunked: bool = False) -> dict:
     """Logits, then a loss step through the two stages as the pipeline runs them; diffs to the oracle."""
-    from hfpipe.parallel.tensor import local_slice, param_layouts, vocab_parallel_loss_sum
+    from hfpipe.parallel.tensor import param_layouts
+    from hfpipe.parallel.tensor_slices import local_slice, vocab_parallel_loss_sum
 
     ids, targets, tokens, ref_logits, ref_loss, ref_params = oracle
     last = stages[-1]
@@ -236,7 +231,7 @@ def test_a_sequence_that_tp_does_not_divide_is_split_exactly_too():
 def _loss_worker() -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from hfpipe.parallel.tensor import vocab_parallel_loss_sum
+    from hfpipe.parallel.tensor_slices import vocab_parallel_loss_sum
 
     mesh = _init_tp()
     g = torch.Generator().manual_seed(2)

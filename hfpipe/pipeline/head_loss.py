@@ -51,7 +51,7 @@ def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chu
 def _chunk_loss(logits_fn, hidden, targets, ignore_index) -> torch.Tensor:
     logits = logits_fn(hidden)  # (B, t, V), the only logits alive at a time
     if getattr(logits, "device_mesh", None) is not None:  # --tp: split over the vocabulary, never gathered
-        from hfpipe.parallel.tensor import vocab_parallel_loss_sum
+        from hfpipe.parallel.tensor_slices import vocab_parallel_loss_sum
 
         return vocab_parallel_loss_sum(logits, targets, ignore_index)
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,

@@ -297,7 +297,7 @@ def _place(holders, tensor, device, dtype, unit: _Unit, source) -> None:
 
 def _local_part(full: torch.Tensor, like) -> torch.Tensor:
     """This rank's part of ``full`` as DTensor ``like`` holds it (one mesh dimension after another)."""
-    from hfpipe.parallel.tensor import local_slice
+    from hfpipe.parallel.tensor_slices import local_slice
 
     mesh = like.device_mesh
     for i, placement in enumerate(like.placements):

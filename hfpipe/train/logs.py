@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import time
 from pathlib import Path
 
 __all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "duration", "format_line", "log_formatter", "log_line",
