@@ -25,6 +25,11 @@ def finetune(
     pp: Annotated[Optional[int], _opt("pp")] = None,
     dp: Annotated[Optional[int], _opt("dp")] = None,
     ep: Annotated[Optional[int], _opt("ep")] = None,
+    tp: Annotated[Optional[int], _opt("tp")] = None,
+    sequence_parallel: Annotated[Optional[bool], _opt(
+        "sequence_parallel", "--sequence-parallel/--no-sequence-parallel")] = None,
+    reshard_per_microbatch: Annotated[Optional[bool], _opt(
+        "reshard_per_microbatch", "--reshard-per-microbatch/--no-reshard-per-microbatch")] = None,
     vpp: Annotated[Optional[int], _opt("vpp")] = None,
     schedule: Annotated[Optional[str], _opt("schedule")] = None,
     layout: Annotated[Optional[str], _opt("layout")] = None,
@@ -86,7 +91,7 @@ def finetune(
     rdzv_endpoint: Annotated[Optional[str], typer.Option(
         help="host:port every node can reach, for nnodes > 1.", show_default=False)] = None,
 ) -> None:
-    """Fine-tune a model with pipeline (and data) parallelism: starts pp * dp local processes,
+    """Fine-tune a model with pipeline (and data, tensor) parallelism: starts pp * dp * tp local processes,
     or joins the ones torchrun / srun started."""
     given = {k: v for k, v in locals().items() if k in _FIELDS and v is not None}
     config = build_config(recipe, given)

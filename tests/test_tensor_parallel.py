@@ -64,3 +64,8 @@ def test_without_sequence_parallelism():
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen3"])
 def test_tied_embeddings_and_qk_norms_at_pp2_x_tp2(kind):
     _run(kind, 2, 2, ("1f1b",))
+
+
+def test_dp2_x_pp2_x_tp2_with_fsdp_resharding_every_microbatch_matches_transformers():
+    """FSDP that shards under the pipeline too (``--reshard-per-microbatch``) on a tp-split stage."""
+    _run("llama", 2, 2, ("1f1b",), dp=2, reshard_per_microbatch=True)

@@ -167,8 +167,8 @@ def _check_bounds(c: "FinetuneConfig") -> None:
 def _check_layout(c: "FinetuneConfig") -> None:
     """The parallel layout's rules (hfpipe.parallel.rules, as the API and plan check them); vpp left at 1
     becomes the 2 a multi-stage schedule needs."""
-    layout = check_layout(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep), c.schedule, vpp=c.vpp,
-                          microbatches=c.microbatches, batch_size=c.batch_size)
+    layout = check_layout(c.dims, c.schedule, vpp=c.vpp, microbatches=c.microbatches, batch_size=c.batch_size,
+                          reshard_per_microbatch=c.reshard_per_microbatch)
     c.vpp = layout.vpp
 
 

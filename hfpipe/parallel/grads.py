@@ -48,5 +48,7 @@ def _shards_of(g: torch.Tensor) -> tuple[list, torch.Tensor]:
     if any(p.is_partial() for p in g.placements):
         g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
     mesh, names = g.device_mesh, g.device_mesh.mesh_dim_names
-    groups = [(names[i], mesh.get_group(i)) for i, p in enumerate(g.placements) if p.is_shard() and mesh.size(i) > 1]
+    # any split counts, _StridedShard too (FSDP2's dp split of a tp-split dim 0; not a Shard subclass in torch 2.13)
+    split = [not (p.is_replicate() or p.is_partial()) for p in g.placements]
+    groups = [(names[i], mesh.get_group(i)) for i, s in enumerate(split) if s and mesh.size(i) > 1]
     return groups, g.to_local()

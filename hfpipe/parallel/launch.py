@@ -34,7 +34,7 @@ def check_launch(world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | N
         raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
     if world % nnodes:
         raise LaunchError(f"--nnodes {nnodes} does not divide the {world} ranks (--pp x --dp); "
-                          "choose a divisor of pp * dp")
+                          "choose a divisor of the world size (pp * dp * tp)")
     if not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node-rank {node_rank} is out of range for --nnodes {nnodes}; use 0 .. {nnodes - 1}")
     if nnodes > 1 and not rdzv_endpoint:

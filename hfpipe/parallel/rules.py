@@ -68,7 +68,8 @@ class Layout:
 
 
 def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None = None,
-                 microbatches: int | None = None, batch_size: int | None = None, model_config=None) -> Layout:
+                 microbatches: int | None = None, batch_size: int | None = None, model_config=None,
+                 reshard_per_microbatch: bool = False) -> Layout:
     """Raise :class:`~hfpipe.errors.ParallelError` unless the layout can run; return it resolved.
 
     ``vpp`` None (or 1 for a schedule that needs several stages per rank) becomes the schedule's
@@ -90,6 +91,9 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError(f"--schedule {schedule} with --dp {dims.dp}{needs}: zero-bubble schedules leave FSDP's "
                             "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
                             "looped-bfs with --dp > 1, or --dp 1")
+    if reshard_per_microbatch and dims.dp == 1:
+        raise ParallelError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
+                            "is nothing to shard: raise --dp or leave it out")
     if model_config is not None:
         _check_experts(dims.ep, model_config)
         if dims.tp > 1:

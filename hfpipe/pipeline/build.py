@@ -64,6 +64,8 @@ class StageOptions:
         seed: Seeds each LoRA adapter's initialisation.
         quantize: A :class:`hfpipe.quant.linear.QuantSpec` (a quantized frozen base), or ``None``.
         sequence_parallel: Under ``--tp``, also split the norms and the activations between layers by sequence.
+        reshard_per_microbatch: FSDP2 reshards weights after every microbatch's forward and backward and
+            reduce-scatters gradients every microbatch (:mod:`hfpipe.pipeline.stage_sync`).
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -73,6 +75,7 @@ class StageOptions:
     seed: int = 0
     quantize: object = None
     sequence_parallel: bool = True
+    reshard_per_microbatch: bool = False
 
 
 def _default_pp(others: int) -> int:
@@ -102,7 +105,7 @@ def _check_arguments(*, activation_checkpointing: str, **counts) -> None:
 
 
 def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, tp: int = 1,
-                  sequence_parallel: bool = True, vpp: int | None = None,
+                  sequence_parallel: bool = True, reshard_per_microbatch: bool = False, vpp: int | None = None,
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
                   trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
@@ -120,6 +123,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
             (:mod:`hfpipe.parallel.tensor`); the world is pp * dp * tp processes.
         sequence_parallel: With tp > 1, also split the norms and the activations between layers by
             sequence (default on).
+        reshard_per_microbatch: With dp > 1, FSDP2 shards weights and gradients under the pipeline too:
+            reshard after every microbatch's forward and backward, reduce-scatter every microbatch.
         vpp: Stages per rank (default 1, or 2 for multi-stage schedules).
         schedule: A name from :data:`hfpipe.pipeline.schedule.SCHEDULES`.
         microbatches: Microbatches per step (default: the number of stages).
@@ -148,14 +153,15 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     dims = ParallelDims(pp=pp or (dist.pp if dist else _default_pp(dp * tp)), dp=dp, tp=tp, ep=ep)
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
-    checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, model_config=source.config)
+    checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, model_config=source.config,
+                           reshard_per_microbatch=reshard_per_microbatch)
     plan = plan_pipeline(source.config, dims.pp, vpp=checked.vpp, style=checked.style, method=method, layout=layout)
     dist = _with_dims(dist, dims) if dist else init_distributed(dims)
     param_dtype, compute_dtype = DTYPES[dtype]
     if quantize is not None:
         quantize = dataclasses.replace(quantize, dtype=str(param_dtype).removeprefix("torch."))
     options = StageOptions(param_dtype, compute_dtype, activation_checkpointing, lora, seed, quantize,
-                           bool(sequence_parallel))
+                           bool(sequence_parallel), bool(reshard_per_microbatch))
     modules, stats, lora = build_rank_stages(source, plan, dist, options)
     log.info("rank %d loaded %d tensors (%.1f MB) from %d shards", dist.rank, len(stats.keys_read),
              stats.bytes_read / 1e6, len(stats.files_opened))
@@ -164,7 +170,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     # one rank holding both ends already shares one parameter between them
     group = dist.tied_group(first, last) if tied and first != last else None
     pipe = Pipeline(modules, len(plan.stages), schedule, checked.microbatches, dist.pp_group, dist.device,
-                    loss_chunk_tokens=loss_chunk_tokens)
+                    loss_chunk_tokens=loss_chunk_tokens, reduce_every_microbatch=options.reshard_per_microbatch)
     return (model_class or PipelineModel)(source, plan, dist, modules, pipe, group, lora, quantize, ep)
 
 
@@ -275,7 +281,8 @@ def apply_fsdp(modules: list, dist, options: StageOptions) -> None:
     With sharded experts, a MoE layer's experts, attention and MoE block are units of their own first
     (:func:`hfpipe.parallel.expert.shard_moe_layer`). FSDP2 also carries bf16-mixed: fp32 sharded masters
     (and so fp32 optimizer state), bf16 compute, fp32 gradient reduction. No reshard after forward: under
-    pipelining a stage runs forward for several microbatches before their backward.
+    pipelining a stage runs forward for several microbatches before their backward; unless
+    ``reshard_per_microbatch``, which trades an all-gather per microbatch for weights divided by dp.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -286,7 +293,7 @@ def apply_fsdp(modules: list, dist, options: StageOptions) -> None:
         from hfpipe.quant.linear import check_shardable
 
         check_shardable(modules, dims.dp)
-    mesh = dist.fsdp_mesh
+    mesh, again = dist.fsdp_mesh, options.reshard_per_microbatch
     mp = MixedPrecisionPolicy(param_dtype=options.compute_dtype, reduce_dtype=torch.float32)
     # A stage's float inputs are hidden states, already in the compute dtype, and the fp32 router
     # sums of MoE aux losses (hfpipe.models.router_loss), which must stay fp32: bf16 counts
@@ -297,5 +304,5 @@ def apply_fsdp(modules: list, dist, options: StageOptions) -> None:
         for layer in m.model.layers.values():
             if dims.ep > 1 and experts_of(layer):
                 shard_moe_layer(layer, mesh, dist.expert_mesh(), mp, dims.grad_divide_factor)
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=again)
+        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=again)

@@ -18,6 +18,7 @@ from torch.distributed.pipelining import PipelineStage
 from hfpipe.errors import HfpipeError
 from hfpipe.pipeline.head_loss import chunk_tokens, chunked_loss_sum
 from hfpipe.pipeline.shapes import resize_schedule
+from hfpipe.pipeline.stage_sync import ReducingStage
 from hfpipe.parallel.rules import SINGLE_STAGE, V_SCHEDULES
 from hfpipe.parallel.schedules import schedule_class
 
@@ -88,11 +89,14 @@ class Pipeline:
         loss_chunk_tokens: Tokens per chunk of the last stage's loss (hfpipe.pipeline.head_loss); ``None``
             sizes chunks to a logits budget and chunks only microbatches larger than one chunk;
             0 computes the full logits in the last stage's forward.
+        reduce_every_microbatch: FSDP2 reduce-scatters and reshards after every microbatch
+            (hfpipe.pipeline.stage_sync), instead of once a step.
     """
 
     def __init__(self, stages, num_stages: int, schedule: str, microbatches: int, group, device,
-                 loss_chunk_tokens: int | None = None) -> None:
+                 loss_chunk_tokens: int | None = None, reduce_every_microbatch: bool = False) -> None:
         self.modules = stages
+        self.stage_class = ReducingStage if reduce_every_microbatch else PipelineStage
         self.loss_chunk_tokens = loss_chunk_tokens
         self.num_stages = num_stages
         self.schedule_name = schedule
@@ -129,7 +133,7 @@ class Pipeline:
             if rest or not resize_schedule(entry[1], (rows, shape[1])):
                 entry = None
         if entry is None:
-            pstages = [PipelineStage(m, m.spec.index, self.num_stages, self.device, group=self.group)
+            pstages = [self.stage_class(m, m.spec.index, self.num_stages, self.device, group=self.group)
                        for m in self.modules]
             cls = schedule_class(self.schedule_name)
             arg = pstages[0] if self.schedule_name in SINGLE_STAGE else pstages

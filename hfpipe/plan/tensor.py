@@ -48,23 +48,8 @@ _SPLIT_BY_TP = 24 / 34
 
 
 def check_tp(config, tp: int, *, dp: int = 1, reshard: bool = False, lora: bool = False) -> None:
-    """Refuse a tp the model's attention cannot split, and a resharding with nothing to shard.
-
-    Key/value heads are split, not replicated: a rank holding a copy of a kv head would need its
-    gradient summed over the ranks sharing it, which the runtime's plan does not do.
-    """
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads % tp:
-        raise PlanError(f"--tp {tp} must divide the {heads} attention heads of this {config.model_type} "
-                        f"model; use one of {', '.join(map(str, _divisors(heads)))}")
-    if kv % tp:
-        raise PlanError(f"--tp {tp} must divide the {kv} key/value heads of this {config.model_type} model "
-                        f"(each rank holds whole kv heads, none replicated); use one of "
-                        f"{', '.join(map(str, _divisors(kv)))}")
-    if reshard and dp == 1:
-        raise PlanError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
-                        "is nothing to shard: raise --dp or leave it out")
+    """Refuse what the planner cannot price. What a run cannot do (tp over the heads and sizes, resharding
+    with nothing to shard) is :func:`hfpipe.parallel.rules.check_layout`'s, which ``plan_report`` calls too."""
     if reshard and lora:
         raise PlanError("--reshard-per-microbatch prices full fine-tuning; a LoRA run keeps its frozen "
                         "base as FSDP2 holds it per step: leave it out with --lora-rank")

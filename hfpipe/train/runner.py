@@ -42,6 +42,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
     get_adapter(source.config)
     layout = check_layout(cfg.dims, cfg.schedule, vpp=cfg.vpp, microbatches=cfg.microbatches,
+                          reshard_per_microbatch=cfg.reshard_per_microbatch,
                           batch_size=cfg.batch_size, model_config=source.config)
     plan_pipeline(source.config, cfg.pp, vpp=layout.vpp, style=layout.style,
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
@@ -133,7 +134,7 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     """Run a fine-tuning job; return the summary of the rank that reports the loss.
 
     Under torchrun/srun (RANK and WORLD_SIZE, or SLURM_PROCID set) this process is one worker;
-    otherwise ``pp * dp`` local workers are started through torch's elastic launcher.
+    otherwise ``pp * dp * tp`` local workers are started through torch's elastic launcher.
     """
     from hfpipe.parallel.mesh import in_launched_env, launched_node
     from hfpipe.parallel.launch import check_launch, launch
@@ -151,11 +152,11 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
         preflight(cfg, check_data=rank == "0")
         with lock:
             return _finish(run_worker(cfg.to_dict()))
-    check_launch(cfg.pp * cfg.dp, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
+    check_launch(cfg.dims.world, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
     lock = run_lock(cfg.output_dir, nnodes, node_rank)
     lock.check()  # a busy folder is named before any other work
     preflight(cfg)
-    nprocs = cfg.pp * cfg.dp // nnodes
+    nprocs = cfg.dims.world // nnodes
     with lock:
         results = launch(run_worker, nprocs, cfg.to_dict(), nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, threads_per_rank=cfg.threads_per_rank,
@@ -193,6 +194,7 @@ def run_worker(cfg_dict: dict) -> dict:
     dist_info = init_distributed(cfg.dims, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
     pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
+                       reshard_per_microbatch=cfg.reshard_per_microbatch,
                        vpp=cfg.vpp, schedule=cfg.schedule,
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
                        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
