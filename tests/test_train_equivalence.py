@@ -12,6 +12,8 @@ The default suite runs a representative slice; ``pytest -m slow`` runs every sch
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -87,7 +89,7 @@ def train_reference(model, batches, opt, sched) -> dict:
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     moved = max((weights[k] - start[k]).abs().max().item() for k in weights)
     return {"loss": losses, "norm": norms, "grads": grads, "weights": weights, "drift": drift.drift,
-            "moved": moved}
+            "vocab": drift.vocab, "moved": moved}
 
 
 def pipeline_worker(path: str, pp: int, dp: int, schedules: tuple[str, ...], accum: int = 1,
@@ -149,7 +151,7 @@ def check_equal(ref: dict, ranks: dict, schedules) -> None:
                                        msg=lambda m: f"{schedule} {what}: {m}")
         held: dict[str, torch.Tensor] = {}
         for r in per_rank:
-            assert_grads_close(r["grads"], ref["grads"], f"{schedule} step-1 gradient of")
+            assert_grads_close(r["grads"], ref["grads"], ref["vocab"], f"{schedule} step-1 gradient of")
             assert_weights_close(r["weights"], ref["weights"], ref["drift"], TOL, schedule)
             for name, w in r["weights"].items():
                 assert torch.equal(held.setdefault(name, w), w), f"{schedule} {name}: copies differ between ranks"
@@ -193,3 +195,53 @@ def test_gradient_accumulation_and_full_activation_checkpointing_change_nothing(
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_training_matrix(kind, pp):
     _run(kind, pp, ALL_SCHEDULES)
+
+
+# --- The comparison itself: it passes a legitimate reordering and catches real errors ----------
+def _oracle(path: str, plant: str | None = None) -> dict:
+    """The oracle's 3-step run, with one legitimate change or one planted error."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    batches = [b for (b,) in make_batches(model.config.vocab_size, steps=3)]
+    if plant == "rows reordered":  # the mean over valid tokens does not depend on the row order
+        batches = [{k: v.flip(0) for k, v in b.items()} for b in batches]
+    if plant == "loss per row":  # each row's mean, averaged: the per-microbatch normalisation bug
+        model.register_forward_hook(_loss_per_row, with_kwargs=True)
+    run = train_reference(model, batches, *_optimizer(list(model.named_parameters()), lr_total_steps=3))
+    if plant == "a trained weight off by 1e-4":  # e.g. a stage that hands back a stale copy
+        run["weights"]["model.layers.1.mlp.down_proj.weight"][3, 5] += 1e-4
+    if plant == "a gradient off by 1e-6":  # ~1e-3 of that gradient: far above rounding, far below a norm
+        run["grads"]["model.layers.1.mlp.down_proj.weight"][3, 5] += 1e-6
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_oracle(path: str) -> dict:
+    return _oracle(path)
+
+
+def _loss_per_row(module, args, kwargs, out):
+    logits, labels = out.logits[:, :-1].float(), kwargs["labels"][:, 1:]
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    valid = (labels != -100).sum(1).clamp(min=1)
+    out.loss = (per_token.sum(1) / valid).mean()
+    return out
+
+
+def test_the_comparison_passes_a_legitimate_reordering():
+    path = str(tiny_checkpoint("deepseek_v3"))
+    ref, other = _plain_oracle(path), _oracle(path, "rows reordered")
+    assert any(not torch.equal(other["weights"][k], w) for k, w in ref["weights"].items())  # it did reorder
+    check_equal(ref, {0: {"rows reordered": other}}, ["rows reordered"])
+
+
+@pytest.mark.parametrize("plant, caught_by", [
+    ("a trained weight off by 1e-4", "model.layers.1.mlp.down_proj.weight: 1 of"),
+    ("a gradient off by 1e-6", "step-1 gradient of model.layers.1.mlp.down_proj.weight: 1 of"),
+    ("loss per row", "loss"),
+])
+def test_the_comparison_catches_a_planted_error(plant, caught_by):
+    path = str(tiny_checkpoint("deepseek_v3"))
+    with pytest.raises(AssertionError, match=caught_by):
+        check_equal(_plain_oracle(path), {0: {plant: _oracle(path, plant)}}, [plant])
