@@ -3,8 +3,12 @@
 The oracle is ``AutoModelForCausalLM.from_pretrained`` trained on the full batch with AdamW (same
 no-decay groups), the same LR schedule and ``clip_grad_norm_``. Batches hold right padding and
 prompt masking, so the valid-token counts differ between microbatches: only a loss normalised by
-the global token count matches. Per step, loss and grad norm must agree within 1e-5, and so must
-every weight after the last step.
+the global token count matches. Per step, loss and grad norm must agree within 1e-5 (and be the
+same on every rank, to the bit); the gradients of step 1 element by element within reordering noise
+(``_dist.grad_noise``); every weight after the last step within 1e-5 plus the drift AdamW's
+normalised step can make of that noise (``_dist.AdamDrift``); a weight held on two ranks (tied
+embedding, dp replicas) bit-equal on both. The last tests show that this comparison passes a
+legitimate reordering and catches planted errors.
 
 The default suite runs a representative slice; ``pytest -m slow`` runs every schedule x pp in
 {2, 3, 4} x {Llama tied, Llama untied, DeepSeek-V3}.
@@ -74,7 +78,7 @@ def train_reference(model, batches, opt, sched) -> dict:
     (:class:`AdamDrift`) and the largest distance any weight moved."""
     model.train()
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    drift = AdamDrift(model)
+    drift = AdamDrift(model.named_parameters(remove_duplicate=False), model.config.vocab_size)
     losses, norms, grads = [], [], {}
     for batch in batches:
         loss = model(**batch, use_cache=False).loss
@@ -151,7 +155,8 @@ def check_equal(ref: dict, ranks: dict, schedules) -> None:
                                        msg=lambda m: f"{schedule} {what}: {m}")
         held: dict[str, torch.Tensor] = {}
         for r in per_rank:
-            assert_grads_close(r["grads"], ref["grads"], ref["vocab"], f"{schedule} step-1 gradient of")
+            if "grads" in r:  # the expert-parallel worker's grads are ep shards: its weights say it
+                assert_grads_close(r["grads"], ref["grads"], ref["vocab"], f"{schedule} step-1 gradient of")
             assert_weights_close(r["weights"], ref["weights"], ref["drift"], TOL, schedule)
             for name, w in r["weights"].items():
                 assert torch.equal(held.setdefault(name, w), w), f"{schedule} {name}: copies differ between ranks"
