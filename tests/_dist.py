@@ -39,7 +39,8 @@ def folder_tensors(folder) -> dict:
 
 # --- Comparing trained weights with the oracle's -------------------------------------------------
 #: A gradient element may differ from the oracle's by reordered float sums (microbatches, another
-#: matmul blocking): at most this many fp32 ulps of the terms it sums (5 seen on x86 here).
+#: matmul blocking): at most this many fp32 ulps of the terms it sums (at most 9 seen here, on
+#: Llama and DeepSeek-V3 under every schedule).
 GRAD_ULPS = 64
 FP32_ULP = 2.0 ** -23
 
@@ -116,9 +117,9 @@ def _assert_within(name: str, got: torch.Tensor, want: torch.Tensor, allowed, wh
     assert got.shape == want.shape, f"{what} {name}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
     err = (got.double() - want.double()).abs().flatten()
     allowed = torch.as_tensor(allowed, dtype=torch.float64).expand(want.shape).flatten()
-    excess = err - allowed
-    if excess.numel() and excess.max() > 0:
-        i = int(excess.argmax())
-        raise AssertionError(f"{what} {name}: {int((excess > 0).sum())} of {err.numel()} elements beyond "
+    bad = ~(err <= allowed)  # NaN is beyond every tolerance
+    if bad.any():
+        i = int(torch.where(bad, (err - allowed).nan_to_num(nan=float("inf")), -1.0).argmax())
+        raise AssertionError(f"{what} {name}: {int(bad.sum())} of {err.numel()} elements beyond "
                              f"tolerance; worst [{i}] differs by {float(err[i]):.3g}, allowed "
                              f"{float(allowed[i]):.3g} ({why})")

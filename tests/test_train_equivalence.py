@@ -157,7 +157,8 @@ def check_equal(ref: dict, ranks: dict, schedules) -> None:
         for r in per_rank:
             if "grads" in r:  # the expert-parallel worker's grads are ep shards: its weights say it
                 assert_grads_close(r["grads"], ref["grads"], ref["vocab"], f"{schedule} step-1 gradient of")
-            assert_weights_close(r["weights"], ref["weights"], ref["drift"], TOL, schedule)
+            # a reference that is another pipeline run (a resume) has no oracle Adam state: no drift
+            assert_weights_close(r["weights"], ref["weights"], ref.get("drift", {}), TOL, schedule)
             for name, w in r["weights"].items():
                 assert torch.equal(held.setdefault(name, w), w), f"{schedule} {name}: copies differ between ranks"
         seen = set(held)
