@@ -5,8 +5,9 @@ trained on the full batch with the same AdamW groups, LR schedule and ``clip_gra
 trainable parameters. Both start from the same adapters: the pipeline's PEFT-initialised ones with
 every ``lora_B`` set to seeded random values (PEFT starts B at zero, which would leave A's first
 gradient zero and the test weaker), copied into the ``PeftModel`` by name. Per step, loss and grad
-norm must agree within 1e-5, and so must every adapter after the last step; base weights must not
-move, and only adapters may be trainable.
+norm must agree within 1e-5 (the same on every rank, to the bit), and every adapter after the last
+step within 1e-5 plus the drift AdamW's normalised step can make of rounding noise
+(``_dist.AdamDrift``); base weights must not move, and only adapters may be trainable.
 
 The default suite runs a slice; ``pytest -m slow`` runs every schedule at pp 2 on tied Llama and
 pp 3 and 4 on Llama and DeepSeek-V3.
@@ -19,7 +20,7 @@ import zlib
 import pytest
 import torch
 
-from _dist import run_ranks, tiny_checkpoint
+from _dist import AdamDrift, assert_weights_close, run_ranks, tiny_checkpoint
 from test_train_equivalence import ALL_SCHEDULES, HP, LAYERS, MICRO, _optimizer, make_batches
 
 TOL = 1e-5
@@ -116,6 +117,7 @@ def reference_run(path: str, kw: dict, start: dict[str, torch.Tensor], dp: int =
         for n, p in named:
             p.copy_(ours[n])
     opt, sched = _optimizer(named)
+    drift = AdamDrift([(n.removeprefix("base_model.model."), p) for n, p in named], model.config.vocab_size)
     losses, norms = [], []
     for shards in make_batches(model.config.vocab_size, dp=dp):
         batch = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
@@ -124,11 +126,12 @@ def reference_run(path: str, kw: dict, start: dict[str, torch.Tensor], dp: int =
         norms.append(float(torch.nn.utils.clip_grad_norm_([p for _, p in named], HP["max_grad_norm"])))
         losses.append(float(loss.detach()))
         opt.step()
+        drift.step(opt)
         sched.step()
         opt.zero_grad()
     final = {n.removeprefix("base_model.model."): p.detach().clone() for n, p in named}
     moved = max((final[k] - start[k]).abs().max().item() for k in final)
-    return {"loss": losses, "norm": norms, "final": final, "moved": moved}
+    return {"loss": losses, "norm": norms, "final": final, "drift": drift.drift, "moved": moved}
 
 
 def merged(ranks: dict, schedule: str, key: str) -> dict[str, torch.Tensor]:
@@ -150,18 +153,18 @@ def run_and_check(kind: str, pp: int, schedules, kw: dict = LORA, options: dict 
         # the same adapters start every run: their initialisation does not depend on the layout
         for name, t in merged(ranks, schedule, "start").items():
             assert torch.equal(t, start[name]), f"{schedule} {name}: another initial adapter"
+        first = next(iter(ranks.values()))[schedule]
         for r in ranks.values():
             got = r[schedule]
             assert got["base_frozen"], f"{schedule}: a base weight moved"
             assert all(".lora_" in k for k in got["view_keys"]), "checkpoint view holds only adapters"
+            assert (got["loss"], got["norm"]) == (first["loss"], first["norm"]), f"{schedule}: ranks disagree"
             for what in ("loss", "norm"):
                 torch.testing.assert_close(torch.tensor(got[what]), torch.tensor(ref[what]), atol=tol, rtol=0,
                                            msg=lambda m: f"{schedule} {what}: {m}")
         final = merged(ranks, schedule, "final")
         assert sorted(final) == sorted(ref["final"]), f"{schedule}: adapters not covered"
-        for name, w in final.items():
-            torch.testing.assert_close(w, ref["final"][name], atol=tol, rtol=0,
-                                       msg=lambda m: f"{schedule} {name}: {m}")
+        assert_weights_close(final, ref["final"], ref["drift"], tol, schedule)
     return ranks
 
 

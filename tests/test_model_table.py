@@ -18,7 +18,7 @@ import torch
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.tiny import TABLE_KINDS, TINY_KINDS
 from test_stage_equivalence import logit_batches
-from test_train_equivalence import HP, check_equal, make_batches, train_reference
+from test_train_equivalence import HP, check_equal, first_gradients, make_batches, train_reference
 
 LAYERS = 4
 TOL = 1e-5
@@ -52,7 +52,7 @@ def _reference(path: str) -> dict:
     opt, sched = _optimizer(list(model.named_parameters()), lr_total_steps=STEPS)
     run = train_reference(model, (b for (b,) in make_batches(model.config.vocab_size, steps=STEPS)), opt, sched)
     assert run["moved"] > 100 * TOL, "training did not move the weights: agreement would be trivial"
-    return {"logits": logits, "loss": run["loss"], "norm": run["norm"], "weights": run["weights"]}
+    return {"logits": logits, **run}
 
 
 def _worker(paths: dict[str, str], pp: int, schedule: str, layout: str | None) -> dict:
@@ -66,6 +66,7 @@ def _worker(paths: dict[str, str], pp: int, schedule: str, layout: str | None) -
         vocab = pm.source.config.vocab_size
         logits = {n: pm.forward(b) for n, b in logit_batches(vocab).items()}
         opt, sched = _optimizer(pm.named_parameters(), lr_total_steps=STEPS)
+        grads = first_gradients(opt, pm.named_parameters())
         trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
         losses, norms = [], []
         for (batch,) in make_batches(vocab, steps=STEPS):
@@ -73,7 +74,7 @@ def _worker(paths: dict[str, str], pp: int, schedule: str, layout: str | None) -
             losses.append(step.loss)
             norms.append(step.grad_norm)
         weights = {k: v.detach().clone() for k, v in pm.model_state_dict().items()}
-        out[kind] = {"logits": logits, "train": {"loss": losses, "norm": norms, "weights": weights}}
+        out[kind] = {"logits": logits, "train": {"loss": losses, "norm": norms, "grads": grads, "weights": weights}}
     return out
 
 
