@@ -4,8 +4,9 @@ Each stage's matrices, embedding and head are split over tp ranks (transformers'
 torch's ``parallelize_module``, :mod:`hfpipe.parallel.tensor_plan`); the loader reads a rank's slice;
 the loss is taken on vocabulary-split logits. The oracle and the batches are
 ``tests/test_train_equivalence.py``'s: full-batch AdamW with clipping, padded and prompt-masked rows,
-a sequence length that changes between steps. Loss and grad norm per step and every weight after the
-last step agree within 1e-5.
+a sequence length that changes between steps. Loss and grad norm per step agree within 1e-5, step-1
+gradients within reordering noise, and every weight after the last step within 1e-5 plus AdamW's
+derived drift (``tests/_dist.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from _dist import run_ranks, tiny_checkpoint
-from test_train_equivalence import HP, LAYERS, MICRO, _full, _optimizer, check_equal, make_batches, reference_run
+from test_train_equivalence import (HP, LAYERS, MICRO, _full, _optimizer, check_equal, first_gradients, make_batches,
+                                    reference_run)
 
 
 def tp_worker(path: str, pp: int, dp: int, tp: int, schedules: tuple[str, ...], options: dict) -> dict:
@@ -27,6 +29,7 @@ def tp_worker(path: str, pp: int, dp: int, tp: int, schedules: tuple[str, ...], 
     for schedule in schedules:
         pm = load_pipeline(path, pp=pp, dp=dp, tp=tp, schedule=schedule, microbatches=MICRO, dist=dist, **options)
         opt, sched = _optimizer(pm.named_parameters())
+        grads = first_gradients(opt, pm.named_parameters())  # whole, gathered over tp (and dp)
         trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
         losses, norms = [], []
         for shards in make_batches(pm.source.config.vocab_size, dp=dp):
@@ -34,7 +37,7 @@ def tp_worker(path: str, pp: int, dp: int, tp: int, schedules: tuple[str, ...], 
             losses.append(out.loss)
             norms.append(out.grad_norm)
         weights = {k: _full(v) for k, v in pm.model_state_dict().items()}
-        results[schedule] = {"loss": losses, "norm": norms, "weights": weights}
+        results[schedule] = {"loss": losses, "norm": norms, "grads": grads, "weights": weights}
     return results
 
 
