@@ -15,8 +15,6 @@ from typer.testing import CliRunner
 from hfpipe.cli.main import app
 from hfpipe.config.run import FinetuneConfig
 from hfpipe.config.run import bundled_config_dir
-from hfpipe.errors import PlanError
-from hfpipe.plan import tensor
 from hfpipe.plan.activations import layer_bytes_per_token
 from hfpipe.plan.cost import layer_costs
 from hfpipe.plan.fit import fewest_gpus, parse_memory, report_for, suggest
@@ -168,8 +166,9 @@ def test_the_fit_search_proposes_resharding_when_dp_alone_cannot_fit():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(tp=3), "--tp 3 must divide the 4 attention heads"),
-    (dict(tp=4), "--tp 4 must divide the 2 key/value heads"),
+    (dict(tp=3), "--tp 3: llama has num_attention_heads=4, which 3 tp ranks cannot split evenly"),
+    (dict(tp=4), "--tp 4: llama has num_key_value_heads=2, which 4 tp ranks cannot split evenly"),
+    (dict(tp=2, lora_rank=8), "--tp 2 with --lora-rank: LoRA on tensor-parallel stages is not checked"),
     (dict(reshard_per_microbatch=True), "--reshard-per-microbatch shards over the data-parallel ranks"),
     (dict(dp=2, reshard_per_microbatch=True, lora_rank=8), "--reshard-per-microbatch prices full fine-tuning"),
     (dict(tp=0), "--tp must be >= 1"),
@@ -184,10 +183,18 @@ def test_bad_tp_gets_one_line_and_exit_2_from_the_cli(tmp_path):
     tiny_config("llama").save_pretrained(tmp_path)
     result = runner.invoke(app, ["plan", str(tmp_path), "--pp", "2", "--seq-len", "16", "--tp", "4"])
     assert result.exit_code == 2, result.output
-    assert "must divide the 2 key/value heads" in result.output and "Traceback" not in result.output
+    assert "num_key_value_heads=2, which 4 tp ranks" in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 
-def test_plan_error_is_what_refuses_heads():
-    with pytest.raises(PlanError):
-        tensor.check_tp(tiny_config("llama"), 3)
+def test_plan_and_finetune_refuse_heads_with_one_rule():
+    """The heads rule is the runtime's (hfpipe.parallel.tensor_plan via check_layout): plan gives its message."""
+    from hfpipe.errors import ParallelError
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
+
+    with pytest.raises(ParallelError) as run:
+        check_layout(ParallelDims(pp=2, tp=3), model_config=tiny_config("llama"))
+    with pytest.raises(ParallelError) as plan:
+        plan_report(tiny_config("llama"), 2, seq_len=16, tp=3)
+    assert str(run.value) == str(plan.value)

@@ -168,7 +168,8 @@ def _check_layout(c: "FinetuneConfig") -> None:
     """The parallel layout's rules (hfpipe.parallel.rules, as the API and plan check them); vpp left at 1
     becomes the 2 a multi-stage schedule needs."""
     layout = check_layout(c.dims, c.schedule, vpp=c.vpp, microbatches=c.microbatches, batch_size=c.batch_size,
-                          reshard_per_microbatch=c.reshard_per_microbatch)
+                          reshard_per_microbatch=c.reshard_per_microbatch, lora=c.lora_rank is not None,
+                          quantize_base=c.quantize_base)
     c.vpp = layout.vpp
 
 

@@ -69,7 +69,7 @@ class Layout:
 
 def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None = None,
                  microbatches: int | None = None, batch_size: int | None = None, model_config=None,
-                 reshard_per_microbatch: bool = False) -> Layout:
+                 reshard_per_microbatch: bool = False, lora: bool = False, quantize_base: str | None = None) -> Layout:
     """Raise :class:`~hfpipe.errors.ParallelError` unless the layout can run; return it resolved.
 
     ``vpp`` None (or 1 for a schedule that needs several stages per rank) becomes the schedule's
@@ -91,6 +91,7 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError(f"--schedule {schedule} with --dp {dims.dp}{needs}: zero-bubble schedules leave FSDP's "
                             "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
                             "looped-bfs with --dp > 1, or --dp 1")
+    _check_tp_with(dims, lora, quantize_base)
     if reshard_per_microbatch and dims.dp == 1:
         raise ParallelError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
                             "is nothing to shard: raise --dp or leave it out")
@@ -129,6 +130,21 @@ def _check_microbatches(schedule: str, pp: int, vpp: int, microbatches: int) -> 
         if microbatches % rounds:
             raise ParallelError(f"--schedule {schedule} needs --microbatches <= --pp or a multiple of the "
                                 f"rounds ({rounds}); got {microbatches}: use {rounds * pp}")
+
+
+def _check_tp_with(dims: ParallelDims, lora: bool, quantize_base: str | None) -> None:
+    """What tensor parallelism does not compose with yet: refused in one line, never run half-right."""
+    if dims.tp == 1:
+        return
+    if dims.ep > 1:
+        raise ParallelError(f"--tp {dims.tp} with --ep {dims.ep}: tensor and expert parallelism together are "
+                            "not checked exact yet; use one of them")
+    if lora:
+        raise ParallelError(f"--tp {dims.tp} with --lora-rank: LoRA on tensor-parallel stages is not checked "
+                            "exact against PEFT yet; use --tp 1 (with more --pp or --dp) for LoRA")
+    if quantize_base:
+        raise ParallelError(f"--tp {dims.tp} with --quantize-base {quantize_base}: a quantized base is not split "
+                            "over tp ranks yet; use --tp 1")
 
 
 def _check_experts(ep: int, config) -> None:

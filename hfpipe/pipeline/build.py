@@ -154,7 +154,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
     checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, model_config=source.config,
-                           reshard_per_microbatch=reshard_per_microbatch)
+                           reshard_per_microbatch=reshard_per_microbatch, lora=lora is not None,
+                           quantize_base=quantize_base)
     plan = plan_pipeline(source.config, dims.pp, vpp=checked.vpp, style=checked.style, method=method, layout=layout)
     dist = _with_dims(dist, dims) if dist else init_distributed(dims)
     param_dtype, compute_dtype = DTYPES[dtype]
