@@ -154,8 +154,9 @@ def test_slurm_tasks_map_to_torch_ranks():
     seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert [s["rank"] for s in seen] == [0, 1, 2, 3] and {s["world"] for s in seen} == {4}
     assert [s["local_rank"] for s in seen] == [0, 1, 0, 1]
-    # the mesh is (dp, pp): a node's two tasks are one pipeline, the nodes are the dp replicas
-    assert [(s["dp_rank"], s["pp_rank"]) for s in seen] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # the mesh is (pp, dp, cp, tp), pp outermost (hfpipe.parallel.dims): a node's two tasks are the dp
+    # replicas of one pipeline rank, and only activations cross between the nodes
+    assert [(s["dp_rank"], s["pp_rank"]) for s in seen] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 
 def test_the_first_node_of_a_slurm_job_hosts_the_rendezvous():

@@ -162,7 +162,7 @@ def test_plan_counts_the_chunked_head(monkeypatch):
     """Llama-3 8B at 4096 tokens: the head stage keeps hidden and head gradients, not the logits."""
     from transformers import LlamaConfig
 
-    import hfpipe.pipeline.head_loss as head_loss
+    import hfpipe.plan.memory as memory  # the chunk budget the head loss and the plan share
     from hfpipe.plan.report import plan_report
 
     monkeypatch.delenv("HFPIPE_LOSS_CHUNK_TOKENS", raising=False)
@@ -173,7 +173,7 @@ def test_plan_counts_the_chunked_head(monkeypatch):
         return plan_report(cfg, 4, seq_len=4096, batch_size=4, dtype="bf16-mixed").stages[-1]
 
     chunked = head_stage().activation_bytes_per_microbatch
-    monkeypatch.setattr(head_loss, "AUTO_CHUNK_BYTES", 1 << 62)  # one chunk: the plain head
+    monkeypatch.setattr(memory, "AUTO_CHUNK_BYTES", 1 << 62)  # one chunk: the plain head
     plain = head_stage().activation_bytes_per_microbatch
     tokens, v, h = 4096, 128256, 4096
     assert plain - chunked == tokens * v * (2 + 4) - (tokens * h * 2 + v * h * 2)

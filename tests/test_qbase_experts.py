@@ -113,7 +113,7 @@ def test_an_expert_saves_only_its_fp8_codes_for_backward():
     x = torch.randn(5, 32, generator=g, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = _ExpertLinear.apply(x, q, s, None, None, 1.0, 16, False)
+        y = _ExpertLinear.apply(x, q, s, None, None, 1.0, 16, dequantize_blocks, False)
     assert all(t.dtype != torch.float32 or t.numel() < w.numel() for t in saved), [t.dtype for t in saved]
     y.sum().backward()
     dense = dequantize_blocks(q, s, 16)

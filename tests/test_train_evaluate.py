@@ -131,7 +131,7 @@ def test_log_rows_and_plain_lines_follow_log_every(run):
     err = run["proc"].stderr
     assert "\r" not in err  # stderr is a pipe: no progress bars, neither ours nor datasets'
     assert any(run["out"].parent.joinpath("hf_cache").rglob("cache-*.arrow"))  # tokenised afresh
-    lines = [x for x in err.splitlines() if re.search(r"\d\d:\d\d:\d\d (eval )?step \d+/4 ", x)]
+    lines = [x for x in err.splitlines() if re.search(r"\d\d:\d\d:\d\d INFO .*: (eval )?step \d+/4 ", x)]
     assert [re.search(r"(eval )?step \d", x).group() for x in lines] == [
         "step 2", "eval step 2", "step 4", "eval step 4"]
 

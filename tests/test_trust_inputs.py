@@ -202,7 +202,7 @@ CASES = [
 
 
 #: what may come before the error: log lines of work done so far, transformers' loading bar
-PROGRESS = re.compile(r"^(\d\d:\d\d:\d\d (INFO|WARNING) hfpipe\.|Loading weights: )")
+PROGRESS = re.compile(r"^((\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d (INFO|WARNING) (\[rank\d+\] )?hfpipe\.|Loading weights: )")
 
 
 def _setup(line: str, tiny: Path, ckpt: Path, root: Path, marker: Path) -> dict[str, str]:

@@ -24,7 +24,7 @@ from hfpipe.tiny import make_tiny_checkpoint
 
 WEIGHT = "model.model.layers.1.self_attn.q_proj.weight"
 FT = ["finetune", "{tiny}", "--pp", "2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "1"]
-PROGRESS = re.compile(r"^(\d\d:\d\d:\d\d (INFO|WARNING) hfpipe\.|Loading weights: )")
+PROGRESS = re.compile(r"^((\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d (INFO|WARNING) (\[rank\d+\] )?hfpipe\.|Loading weights: )")
 GIB = 1 << 30
 HUGE = (256 << 20) + 1  # one byte past the cap on every side file (hfpipe.files.MAX_SIDE_FILE)
 

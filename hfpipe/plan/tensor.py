@@ -55,10 +55,6 @@ def check_tp(config, tp: int, *, dp: int = 1, reshard: bool = False, lora: bool 
                         "base as FSDP2 holds it per step: leave it out with --lora-rank")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in (1, 2, 4, 8, 16, 32, 64) if n % d == 0]
-
-
 def layer_bytes(per_layer: tuple[int, ...], tp: int, sp: bool) -> tuple[int, ...]:
     """Each layer's activation bytes per token on one tensor-parallel rank (module docstring)."""
     if tp == 1:
