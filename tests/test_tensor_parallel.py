@@ -64,8 +64,10 @@ def test_without_sequence_parallelism():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama_tied", "qwen3"])
-def test_tied_embeddings_and_qk_norms_at_pp2_x_tp2(kind):
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen3", "mistral", "qwen3_moe", "deepseek_v3"])
+def test_every_accepted_family_at_pp2_x_tp2(kind):
+    """Tied embeddings across stages, q/k norms, MoE experts split over tp (read whole from per-expert
+    keys, then sliced), DeepSeek-V3's MLA heads split by hand."""
     _run(kind, 2, 2, ("1f1b",))
 
 
