@@ -19,14 +19,16 @@ from _dist import tiny_checkpoint
 from test_e2e import hfpipe
 
 
-def _finetune(model: Path, cwd: Path, *mesh) -> tuple[list[dict], Path]:
-    out = "out-" + "-".join(map(str, mesh))
-    run = hfpipe("finetune", model, *mesh, "--max-steps", 3, "--seq-len", 32, "--batch-size", 4,
-                 "--microbatches", 2, "--lr", 3e-3, "--output-dir", out, "--save-every", 3, cwd=cwd, timeout=900)
+def _finetune(model: Path, cwd: Path, *mesh, steps: int = 3, out: str | None = None, resume: bool = False):
+    """``hfpipe finetune`` for ``steps`` steps (constant lr, so a resume continues the same run);
+    (metrics rows, the last checkpoint)."""
+    out = out or "out-" + "-".join(map(str, mesh))
+    run = hfpipe("finetune", model, *mesh, "--max-steps", steps, "--seq-len", 32, "--batch-size", 4,
+                 "--microbatches", 2, "--lr", 3e-3, "--lr-schedule", "constant", "--output-dir", out,
+                 "--save-every", steps, *(["--resume", "auto"] if resume else []), cwd=cwd, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (cwd / out / "metrics.jsonl").read_text().splitlines()]
-    (ckpt,) = sorted((cwd / out / "checkpoints").glob("step-*"))
-    return rows, ckpt
+    return rows, sorted((cwd / out / "checkpoints").glob("step-*"))[-1]
 
 
 @pytest.mark.slow
@@ -48,3 +50,16 @@ def test_pp2_x_tp2_equals_pp1_and_exports_the_source_keys(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+@pytest.mark.slow
+def test_a_run_saved_at_tp2_resumes_at_tp1_equal_to_the_uninterrupted_run(tmp_path):
+    """DCP keeps tp-split tensors under their full names and shapes: the checkpoint reshards to tp 1."""
+    model = tiny_checkpoint("llama", num_hidden_layers=4)
+    whole, _ = _finetune(model, tmp_path, "--pp", 1, steps=4)
+    _finetune(model, tmp_path, "--pp", 2, "--tp", 2, steps=2, out="resumed")
+    rows, _ = _finetune(model, tmp_path, "--pp", 1, steps=4, out="resumed", resume=True)
+    resumed = {r["step"]: r for r in rows if "loss" in r}
+    for step in (3, 4):
+        for what in ("loss", "grad_norm"):
+            assert abs(resumed[step][what] - whole[step - 1][what]) <= 1e-5, (step, what, resumed[step], whole[step - 1])
