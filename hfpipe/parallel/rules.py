@@ -91,7 +91,7 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError(f"--schedule {schedule} with --dp {dims.dp}{needs}: zero-bubble schedules leave FSDP's "
                             "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
                             "looped-bfs with --dp > 1, or --dp 1")
-    _check_tp_with(dims, lora, quantize_base)
+    _check_tp_with(dims, schedule, lora, quantize_base)
     if reshard_per_microbatch and dims.dp == 1:
         raise ParallelError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
                             "is nothing to shard: raise --dp or leave it out")
@@ -132,10 +132,14 @@ def _check_microbatches(schedule: str, pp: int, vpp: int, microbatches: int) -> 
                                 f"rounds ({rounds}); got {microbatches}: use {rounds * pp}")
 
 
-def _check_tp_with(dims: ParallelDims, lora: bool, quantize_base: str | None) -> None:
+def _check_tp_with(dims: ParallelDims, schedule: str, lora: bool, quantize_base: str | None) -> None:
     """What tensor parallelism does not compose with yet: refused in one line, never run half-right."""
     if dims.tp == 1:
         return
+    if schedule in SPLIT_BACKWARD:  # measured: torch 2.13's input-gradient pass fails on the tp-split stage
+        raise ParallelError(f"--tp {dims.tp} with --schedule {schedule}: the zero-bubble schedules' split "
+                            "backward does not run on tensor-parallel stages yet (torch 2.13); use 1f1b, gpipe, "
+                            "interleaved-1f1b or looped-bfs")
     if dims.ep > 1:
         raise ParallelError(f"--tp {dims.tp} with --ep {dims.ep}: tensor and expert parallelism together are "
                             "not checked exact yet; use one of them")
