@@ -267,8 +267,8 @@ def test_finetune_refuses_ep_in_one_line_exit_2_writing_nothing(kind, flags, say
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_router_aux_loss_with_ep_matches_transformers(kind):
-    """``output_router_logits`` on: the pipelined aux loss (tests/test_router_loss.py's oracle) also holds
+    """``output_router_logits`` on: the pipelined aux loss (tests/test_pipeline_router_loss.py's oracle) also holds
     with the experts sharded (pp 2 x dp 2 x ep 2)."""
-    from test_router_loss import check
+    from test_pipeline_router_loss import check
 
     check(kind, 2, "1f1b", 4, dp=2, options={"ep": 2})
