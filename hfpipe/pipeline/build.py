@@ -116,7 +116,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
 
     Args:
         model: Local HF folder or hub id.
-        pp: Pipeline ranks (default: WORLD_SIZE / dp).
+        pp: Pipeline ranks (default: WORLD_SIZE / (dp * tp)).
         dp: Data-parallel replicas (FSDP2 over the dp dimension).
         ep: Expert-parallel degree: MoE routed experts sharded over ep ranks of the dp group.
         tp: Tensor-parallel degree: each stage's matrices, embedding and head split over tp ranks
@@ -126,7 +126,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         reshard_per_microbatch: With dp > 1, FSDP2 shards weights and gradients under the pipeline too:
             reshard after every microbatch's forward and backward, reduce-scatter every microbatch.
         vpp: Stages per rank (default 1, or 2 for multi-stage schedules).
-        schedule: A name from :data:`hfpipe.pipeline.schedule.SCHEDULES`.
+        schedule: A name from :data:`hfpipe.parallel.rules.SCHEDULES`.
         microbatches: Microbatches per step (default: the number of stages).
         method, layout: How to split the layers (see :func:`hfpipe.plan.split.plan_pipeline`).
         dtype: ``fp32``, ``bf16-mixed`` (fp32 master weights, bf16 compute) or ``bf16``.
