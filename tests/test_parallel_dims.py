@@ -103,3 +103,21 @@ def test_one_message_for_ep_with_a_zero_bubble_schedule_wherever_it_is_given():
     """The CLI's config, the API and plan all call check_layout: dp > 1 with zbv is refused once, the same."""
     with pytest.raises(ParallelError, match="zero-bubble schedules leave FSDP's gradients empty"):
         check_layout(ParallelDims(pp=2, dp=2, ep=2), "zbv", microbatches=4)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9 is more than the 8 routed experts"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size=0 leaves the experts no width"),
+])
+def test_an_impossible_moe_config_is_refused_by_plan_and_the_layout_alike(change, says):
+    """issue #27: plan answered as if these were fine, finetune crashed in a worker; one rule now."""
+    from hfpipe.plan.report import plan_report
+    from hfpipe.tiny import tiny_config
+
+    config = tiny_config("deepseek_v3")
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ParallelError, match=says):
+        check_layout(ParallelDims(pp=2), model_config=config)
+    with pytest.raises(ParallelError, match=says):
+        plan_report(config, 2, seq_len=16)

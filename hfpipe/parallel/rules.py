@@ -96,6 +96,7 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
                             "is nothing to shard: raise --dp or leave it out")
     if model_config is not None:
+        _check_moe_config(model_config)
         _check_experts(dims.ep, model_config)
         if dims.tp > 1:
             from hfpipe.parallel.tensor_plan import check_tp_config  # torch's styles: only when asked
@@ -149,6 +150,19 @@ def _check_tp_with(dims: ParallelDims, schedule: str, lora: bool, quantize_base:
     if quantize_base:
         raise ParallelError(f"--tp {dims.tp} with --quantize-base {quantize_base}: a quantized base is not split "
                             "over tp ranks yet; use --tp 1")
+
+
+def _check_moe_config(config) -> None:
+    """A MoE config that cannot run at all: said here for plan, finetune and the API alike, before a worker
+    meets it as ``selected index k out of range`` or an empty matmul."""
+    experts, top_k = routed_experts(config)
+    if experts and top_k > experts:
+        raise ParallelError(f"config.json: num_experts_per_tok={top_k} is more than the {experts} routed experts "
+                            f"of this {config.model_type} model; the config is damaged or mistyped")
+    for key in ("moe_intermediate_size", "intermediate_size"):
+        size = getattr(config, key, None)
+        if experts and isinstance(size, int) and size < 1:
+            raise ParallelError(f"config.json: {key}={size} leaves the experts no width; it must be >= 1")
 
 
 def _check_experts(ep: int, config) -> None:
