@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hfpipe.errors import HfpipeError
+
 from test_cli import assert_user_error, run, tiny  # noqa: F401 - fixture
 
 pytest.importorskip("torchao", reason="--quantize-base nf4 needs torchao (pip install 'hfpipe[qlora]')")
@@ -35,6 +37,9 @@ def test_quantize_base_needs_lora(tiny):  # noqa: F811
 
     with pytest.raises(ValueError, match="add --lora-rank"):
         _quant_spec("nf4", None, None)
+    for block in (64.0, "64", True, 0):  # the Python API names the argument (was a bare TypeError for a float)
+        with pytest.raises(HfpipeError, match=r"^load_pipeline\(quantize_block_size="):
+            _quant_spec("nf4", block, object())
 
 
 def test_nf4_block_size_must_divide_every_weight_row(tiny):  # noqa: F811

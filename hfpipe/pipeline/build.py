@@ -187,6 +187,9 @@ def _with_dims(dist: Dist, dims: ParallelDims) -> Dist:
 
 def _quant_spec(kind: str | None, block: int | None, lora):
     """The :class:`~hfpipe.quant.linear.QuantSpec` of ``quantize_base``, checked against ``lora``."""
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise PipelineError(f"load_pipeline(quantize_block_size={block!r}): quantize_block_size must be an "
+                            "integer >= 1 (or None for the default)")
     if kind is None:
         if block is not None:
             raise PipelineError("--quantize-block-size applies with --quantize-base nf4|fp8 only")
