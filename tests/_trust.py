@@ -6,10 +6,14 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
+
+from hfpipe.tiny import make_tiny_checkpoint
 
 
 class RunsCode:
@@ -210,3 +214,24 @@ def rerecord_metadata(ckpt: Path) -> None:
     meta = json.loads((ckpt / "hfpipe.json").read_text())
     meta["checksums"]["digest"] = _digest(text.encode())
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
+
+
+#: Lines a one-line refusal may come with on stderr: hfpipe's own log lines and transformers' load bar.
+PROGRESS = re.compile(r"^((\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d (INFO|WARNING) (\[rank\d+\] )?hfpipe\.|Loading weights: )")
+
+
+def error_lines(stderr: str) -> list[str]:
+    """What a command said on stderr besides its progress lines (one ``error: ...`` for a refusal)."""
+    return [ln for ln in stderr.splitlines() if ln.strip() and not PROGRESS.match(ln)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A tiny Llama folder the trust suites attack (import it: ``from _trust import tiny``)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny, tmp_path_factory) -> Path:
+    """A good training checkpoint of ``tiny``, with its record and checksums."""
+    return make_checkpoint(tiny, tmp_path_factory.mktemp("good") / "step-00000001")

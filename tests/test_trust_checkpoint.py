@@ -22,27 +22,19 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from _trust import PAYLOADS, RunsCode, copy_checkpoint, flip, flip_file, make_checkpoint, plant, replace_item, tree
+from _trust import (  # noqa: F401 - ckpt and tiny are fixtures
+    PAYLOADS, ckpt, copy_checkpoint, flip, flip_file, plant, replace_item, RunsCode, tiny, tree,
+)
 from hfpipe.checkpoint.checksums import DamagedCheckpointError
 from hfpipe.checkpoint.dcp import CheckpointError, check_stored_data, resolve_resume
-from hfpipe.checkpoint.safe_metadata import _DcpReader
 from hfpipe.checkpoint.export import ExportError, export_checkpoint
-from hfpipe.checkpoint.safe_metadata import SafeLoadPlanner, SafeReader, UnsafeMetadataError, read_metadata, safe_load
-from hfpipe.tiny import make_tiny_checkpoint
+from hfpipe.checkpoint.safe_metadata import (SafeLoadPlanner, SafeReader, UnsafeMetadataError, _DcpReader,
+                                             read_metadata, safe_load)
 
 LR = "optim.param_groups.model.layers.0.mlp.up_proj.weight.lr"
 BETAS = "optim.param_groups.lm_head.weight.betas"
 WEIGHT = "model.model.layers.1.self_attn.q_proj.weight"  # DCP key: "model." + the full model's name
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny, tmp_path_factory) -> Path:
-    return make_checkpoint(tiny, tmp_path_factory.mktemp("run") / "step-00000001")
 
 
 @pytest.fixture

@@ -13,31 +13,22 @@ whole matrix is ``-m slow``.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from _trust import PAYLOADS, copy_checkpoint, flip, flip_file, make_checkpoint, plant, replace_item, tree
+from _trust import (  # noqa: F401 - ckpt and tiny are fixtures
+    PAYLOADS, ckpt, copy_checkpoint, error_lines, flip, flip_file, plant, replace_item, tiny, tree,
+)
 from hfpipe.cli.main import app
-from hfpipe.tiny import make_tiny_checkpoint
 
 LR = "optim.param_groups.model.layers.0.mlp.up_proj.weight.lr"
 BETAS = "optim.param_groups.lm_head.weight.betas"
 WEIGHT = "model.model.layers.1.self_attn.q_proj.weight"
 FT = "finetune {tiny} --pp 2 --seq-len 32 --batch-size 2 --max-steps 1"
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny, tmp_path_factory) -> Path:
-    return make_checkpoint(tiny, tmp_path_factory.mktemp("good") / "step-00000001")
 
 
 # --- inputs broken in one way each; every function gets (folder, marker) ----------------------------
@@ -202,7 +193,6 @@ CASES = [
 
 
 #: what may come before the error: log lines of work done so far, transformers' loading bar
-PROGRESS = re.compile(r"^((\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d (INFO|WARNING) (\[rank\d+\] )?hfpipe\.|Loading weights: )")
 
 
 def _setup(line: str, tiny: Path, ckpt: Path, root: Path, marker: Path) -> dict[str, str]:
@@ -260,7 +250,7 @@ def test_a_hostile_input_is_one_line_exit_2_and_changes_nothing(tiny, ckpt, tmp_
     before, model_before = tree(root), tree(tiny)
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, (result.exit_code, result.stderr[-2000:])
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip() and not PROGRESS.match(ln)]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     assert message in lines[0], lines[0]
     assert "Traceback" not in result.stdout + result.stderr

@@ -10,33 +10,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from _trust import copy_checkpoint, flip, make_checkpoint, tree
+from _trust import ckpt, copy_checkpoint, error_lines, flip, tiny, tree  # noqa: F401 - ckpt and tiny are fixtures
 from hfpipe.checkpoint.dcp import record_checksums
 from hfpipe.cli.main import app
-from hfpipe.tiny import make_tiny_checkpoint
 
 WEIGHT = "model.model.layers.1.self_attn.q_proj.weight"
 FT = ["finetune", "{tiny}", "--pp", "2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "1"]
-PROGRESS = re.compile(r"^((\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d (INFO|WARNING) (\[rank\d+\] )?hfpipe\.|Loading weights: )")
 GIB = 1 << 30
 HUGE = (256 << 20) + 1  # one byte past the cap on every side file (hfpipe.files.MAX_SIDE_FILE)
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny, tmp_path_factory) -> Path:
-    return make_checkpoint(tiny, tmp_path_factory.mktemp("good") / "step-00000001")
 
 
 def _edit_meta(ckpt: Path, edit) -> None:
@@ -55,7 +43,7 @@ def _refused(args: list[str], message: str | tuple[str, ...], *watched: Path) ->
     before = [_tree(w) for w in watched]
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 2, (result.exit_code, result.stderr[-2000:])
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip() and not PROGRESS.match(ln)]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     assert all(part in lines[0] for part in ((message,) if isinstance(message, str) else message)), lines[0]
     assert "Traceback" not in result.stdout + result.stderr
