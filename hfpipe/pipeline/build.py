@@ -206,14 +206,9 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
 
     Returns ``(modules, stats, lora)``: ``lora`` is the resolved ``peft.LoraConfig`` (or ``None``).
     """
-    modules = _meta_stages(source, plan, dist.pp_rank, options.param_dtype)
-    if dist.dims.tp > 1:
-        apply_tp(modules, dist.mesh["tp"], options)
-    if dist.dims.ep > 1:
-        apply_ep(modules, dist.expert_mesh())
-    quantizer = apply_quant(modules, source.config, options)
-    apply_ac(modules, options)
-    stats = load_stage_weights(modules, source, dist.device, options.param_dtype, quantizer)
+    modules, stats = _loaded_stages(source, plan, dist.pp_rank, dist.device, options, options.param_dtype,
+                                    dist.mesh["tp"] if dist.dims.tp > 1 else None,
+                                    dist.expert_mesh() if dist.dims.ep > 1 else None)
     lora = apply_lora(modules, options)
     apply_fsdp(modules, dist, options)
     return modules, stats, lora
@@ -223,17 +218,23 @@ def load_rank_stages(source, plan, pp_rank: int, device: torch.device, dtype: to
                      quantize=None, expert_mesh=None) -> tuple[list, LoadStats]:
     """The steps up to loading alone (no process group needed unless ``expert_mesh``): for tests and
     ``bench/load.py``, which measure what a rank reads. ``expert_mesh`` is ``Dist.expert_mesh()``."""
-    options = StageOptions(param_dtype=dtype or torch.float32, quantize=quantize)
-    modules = _meta_stages(source, plan, pp_rank, options.param_dtype)
+    stored = dtype or torch.float32  # computed in as stored: what the stage module assumes on its own
+    options = StageOptions(param_dtype=stored, compute_dtype=stored, quantize=quantize)
+    return _loaded_stages(source, plan, pp_rank, device, options, dtype, None, expert_mesh)
+
+
+def _loaded_stages(source, plan, pp_rank: int, device, options: StageOptions, load_dtype, tp_mesh, expert_mesh):
+    """The meta steps of the module docstring's order, then the load: ``(modules, stats)``."""
+    config = model_config(source.config)
+    modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), options.param_dtype,
+                                  adapter=adapter_for(config))
+    if tp_mesh is not None:
+        apply_tp(modules, tp_mesh, options)
     if expert_mesh is not None:
         apply_ep(modules, expert_mesh)
     quantizer = apply_quant(modules, source.config, options)
-    return modules, load_stage_weights(modules, source, device, dtype, quantizer)
-
-
-def _meta_stages(source, plan, pp_rank: int, dtype: torch.dtype) -> list:
-    config = model_config(source.config)
-    return build_stage_modules(config, plan.stages_of_rank(pp_rank), dtype, adapter=adapter_for(config))
+    apply_ac(modules, options)
+    return modules, load_stage_weights(modules, source, device, load_dtype, quantizer)
 
 
 def apply_tp(modules: list, tp_mesh, options: StageOptions) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hfpipe.pipeline.schedule import Pipeline, count_tokens
 from hfpipe.pipeline.inputs import BatchError, check_batches
-from hfpipe.pipeline.params import unique_parameters
+from hfpipe.pipeline.params import by_mesh, unique_parameters
 from hfpipe.parallel.grads import squared_norm
 
 __all__ = ["BatchError", "StepResult", "PipelineTrainer", "check_batches", "trainer_for"]
@@ -131,12 +131,8 @@ class PipelineTrainer:
         if self.max_grad_norm:
             coef = min(1.0, self.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             grads = [p.grad for p in self._params if p.grad is not None]
-            # foreach refuses an empty list (a rank of empty stages) and a list mixing DTensors (--tp, FSDP)
-            # with plain tensors (norms replicated over tp), or two meshes: one call per mesh
-            by_mesh: dict = {}
-            for g in grads:
-                by_mesh.setdefault(id(getattr(g, "device_mesh", None)), []).append(g)
-            for same in by_mesh.values() if coef < 1.0 else ():
+            # foreach refuses an empty list (a rank of empty stages) and a list mixing meshes: one call per mesh
+            for same in by_mesh(grads) if coef < 1.0 else ():
                 torch._foreach_mul_(same, coef)
         return norm
 
