@@ -172,9 +172,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     group = dist.tied_group(first, last) if tied and first != last else None
     pipe = Pipeline(modules, len(plan.stages), schedule, checked.microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=loss_chunk_tokens, reduce_every_microbatch=options.reshard_per_microbatch)
-    pm = (model_class or PipelineModel)(source, plan, dist, modules, pipe, group, lora, quantize, ep)
-    pm.load_stats = stats  # what this rank read (bench/tp.py, bench/load.py)
-    return pm
+    return (model_class or PipelineModel)(source, plan, dist, modules, pipe, group, lora, quantize, ep, stats)
 
 
 def _with_dims(dist: Dist, dims: ParallelDims) -> Dist:

@@ -54,6 +54,7 @@ class PipelineModel:
     lora: object = None  # the resolved peft.LoraConfig of a LoRA run (base frozen), or None
     quantize: object = None  # the hfpipe.quant.linear.QuantSpec of a quantized base, or None
     ep: int = 1  # ranks each MoE layer's routed experts are sharded over
+    load_stats: object = None  # what this rank read: a hfpipe.pipeline.load.LoadStats (bench/tp.py)
 
     @property
     def loss_rank(self) -> int:
