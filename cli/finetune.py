@@ -26,6 +26,7 @@ def finetune(
     dp: Annotated[Optional[int], _opt("dp")] = None,
     ep: Annotated[Optional[int], _opt("ep")] = None,
     tp: Annotated[Optional[int], _opt("tp")] = None,
+    cp: Annotated[Optional[int], _opt("cp")] = None,
     sequence_parallel: Annotated[Optional[bool], _opt(
         "sequence_parallel", "--sequence-parallel/--no-sequence-parallel")] = None,
     reshard_per_microbatch: Annotated[Optional[bool], _opt(

@@ -17,7 +17,7 @@ from hfpipe.cli.options import _opt, build_config
 
 __all__ = ["plan"]
 
-_FIELDS = ("pp", "dp", "ep", "tp", "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
+_FIELDS = ("pp", "dp", "ep", "tp", "cp", "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
            "batch_size", "dtype", "activation_checkpointing", "trust_remote_code", "lora_rank",
            "lora_targets", "quantize_base")
 
@@ -38,6 +38,7 @@ def plan(
     dp: Annotated[Optional[int], _opt("dp")] = None,
     ep: Annotated[Optional[int], _opt("ep")] = None,
     tp: Annotated[Optional[int], _opt("tp")] = None,
+    cp: Annotated[Optional[int], _opt("cp")] = None,
     sequence_parallel: Annotated[Optional[bool], _opt(
         "sequence_parallel", "--sequence-parallel/--no-sequence-parallel")] = None,
     reshard_per_microbatch: Annotated[Optional[bool], _opt(

@@ -44,13 +44,16 @@ class FinetuneConfig:
     pp: int = 1
     """Pipeline-parallel degree: ranks per pipeline."""
     dp: int = 1
-    """Data-parallel degree: pipelines side by side; world size is pp * dp * tp."""
+    """Data-parallel degree: pipelines side by side; world size is pp * dp * cp * tp."""
     ep: int = 1
     """Expert-parallel degree: each MoE layer's routed experts are sharded over ep ranks of the
     data-parallel group (ep divides dp); tokens reach their experts by all-to-all."""
     tp: int = 1
     """Tensor-parallel degree: each decoder layer's matrices, the embedding and the head are split
-    over tp consecutive ranks (inside one node); world size is pp * dp * tp."""
+    over tp consecutive ranks (inside one node); world size is pp * dp * cp * tp."""
+    cp: int = 1
+    """Context-parallel degree: each microbatch's sequence is split over cp ranks (head-tail
+    balanced), and attention gathers K and V over them; world size is pp * dp * cp * tp."""
     sequence_parallel: bool = True
     """With tp > 1, also split the norms' and residual activations over the tp ranks along the
     sequence (all-gather + reduce-scatter instead of all-reduce)."""
@@ -200,7 +203,7 @@ class FinetuneConfig:
         """The parallel degrees (:class:`hfpipe.parallel.dims.ParallelDims`)."""
         from hfpipe.parallel.dims import ParallelDims
 
-        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep)
+        return ParallelDims(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp, ep=self.ep)
 
     @property
     def num_microbatches(self) -> int:

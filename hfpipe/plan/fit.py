@@ -63,7 +63,7 @@ def plan_kwargs(cfg) -> dict:
                 method=cfg.plan_method, microbatches=cfg.num_microbatches, seq_len=cfg.seq_len,
                 batch_size=cfg.batch_size, dtype=cfg.dtype,
                 activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
-                lora_targets=cfg.lora_targets, ep=cfg.ep, quantize_base=cfg.quantize_base, tp=cfg.tp,
+                lora_targets=cfg.lora_targets, ep=cfg.ep, quantize_base=cfg.quantize_base, tp=cfg.tp, cp=cfg.cp,
                 sequence_parallel=cfg.sequence_parallel, reshard_per_microbatch=cfg.reshard_per_microbatch)
 
 

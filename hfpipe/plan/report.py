@@ -149,7 +149,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                 batch_size: int | None = None, dtype: str = "bf16-mixed",
                 activation_checkpointing: str = "none", name: str | None = None,
                 dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear",
-                ep: int = 1, quantize_base: str | None = None, tp: int = 1, sequence_parallel: bool = True,
+                ep: int = 1, quantize_base: str | None = None, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
                 reshard_per_microbatch: bool = False) -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
@@ -191,7 +191,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if activation_checkpointing not in _AC_MODES:
         raise PlanError(f"--activation-checkpointing must be one of {', '.join(_AC_MODES)}; "
                         f"got {activation_checkpointing!r}")
-    dims = ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep)
+    dims = ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
     check_quant(quantize_base, lora_rank)
     get_adapter(config)
     sp, reshard = sequence_parallel and tp > 1, reshard_per_microbatch
