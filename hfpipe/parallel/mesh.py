@@ -17,7 +17,8 @@ import torch.distributed as dist
 from hfpipe.errors import ParallelError
 from hfpipe.parallel.dims import EXPERT_DIMS, MESH_DIMS, ParallelDims
 
-__all__ = ["Dist", "LaunchError", "first_host", "init_distributed", "pick_device", "in_launched_env", "launched_node"]
+__all__ = ["Dist", "LaunchError", "check_gpus", "first_host", "init_distributed", "pick_device", "in_launched_env",
+           "launched_node"]
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,21 @@ class LaunchError(ParallelError):
     """The processes started do not fit the requested mesh, or the launch options are incomplete."""
 
 
+def check_gpus(ranks_here: int) -> None:
+    """One rank per GPU: NCCL refuses two ranks on one device ("invalid usage", measured on an H200 with
+    NCCL 2.28), so more ranks on a node than its GPUs is refused before a process group starts."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") == ""  # set after CUDA was first asked: ranks start on CPU
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not hidden else 0
+    if 0 < gpus < ranks_here:
+        raise LaunchError(f"{ranks_here} ranks on this node (pp x dp x cp x tp) but {gpus} GPU(s) visible: NCCL "
+                          f"runs one rank per GPU; lower the degrees to {gpus} rank(s) per node, or run every "
+                          "rank on CPU with CUDA_VISIBLE_DEVICES=''")
+
+
 def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
     """CUDA with NCCL when a GPU is present, else CPU with gloo."""
     if torch.cuda.is_available():
+        check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         idx = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(idx)
         return torch.device("cuda", idx), "nccl"
