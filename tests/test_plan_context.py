@@ -160,7 +160,7 @@ def test_the_fit_search_proposes_cp_when_the_sequence_is_what_does_not_fit(llama
     assert_fits_as_proposed(llama8b, cfg, found)
 
 
-@pytest.mark.slow  # ~12 s on 2 busy CPU cores: without tp, the search bisects pp for every (dp, cp) mesh
+@pytest.mark.slow  # 11 s on 2 shared CPU cores: without tp, the search bisects pp for every (dp, cp) mesh
 def test_the_fewest_gpus_without_tp_for_8b_at_128k_take_cp(llama8b):
     cfg = FinetuneConfig(model="meta-llama/Llama-3.1-8B", **LONG_8B)
     found = fewest_gpus(llama8b, cfg, LIMIT, gpus_per_node=1)
@@ -193,3 +193,15 @@ def test_a_sequence_cp_cannot_cut_in_2_cp_chunks_is_refused_in_one_line():
     assert [line for line in result.output.splitlines() if line.strip()] == [
         "error: --seq-len 100 must be a multiple of 2 * --cp (8): each cp rank holds two of 8 equal chunks; "
         "raise --seq-len to 104 or pick a --cp that divides it"]
+
+
+@pytest.mark.slow  # 43 s on 2 shared CPU cores: the whole fit search over pp, dp, cp, tp and recompute for a 70B model
+def test_the_bare_70b_at_32k_command_proposes_meshes_of_at_most_64_gpus_that_fit():
+    result = runner.invoke(app, ["plan", "meta-llama/Llama-3.1-70B", "--seq-len", "32768", "--gpu-memory", "80GB"])
+    assert result.exit_code == 0, result.output
+    meshes = result.stdout.split("fewest GPUs that fit, every axis searched")[1].splitlines()[1:]
+    gpus = [int(line.split(" GPUs,")[0].rsplit(" ", 1)[1]) for line in meshes if " GPUs, bubble " in line]
+    assert gpus and max(gpus) <= 64
+    config = load_model_config("meta-llama/Llama-3.1-70B")
+    cfg = FinetuneConfig(model="meta-llama/Llama-3.1-70B", seq_len=32768)
+    assert_fits_as_proposed(config, cfg, fewest_gpus(config, cfg, LIMIT))
