@@ -12,9 +12,8 @@ fits with 10% to spare: activation checkpointing (selective, then full), more pi
 pipelines, for a MoE model expert parallelism (more ep over the dp ranks there are, or more dp
 with ep over them), more tensor parallelism (powers of two up to the GPUs of one node), more
 context parallelism (powers of two, while each rank keeps a long chunk of the sequence:
-:data:`CP_MIN_TOKENS`), and FSDP2 resharded per microbatch (at the dp there is, or with more dp); if
-no single lever fits, full
-activation checkpointing together with one of these. Then a search over every axis at once
+:data:`CP_MIN_TOKENS`), and FSDP2 resharded per microbatch (at the dp there is, or with more dp);
+if no single lever fits, full activation checkpointing together with one of these. Then a search over every axis at once
 (:func:`fewest_gpus`), whatever the starting mesh: the meshes that fit on the fewest GPUs. Each
 suggestion carries its bubble, the price of a longer pipeline.
 """
@@ -31,8 +30,8 @@ from hfpipe.errors import PlanError
 from hfpipe.models.moe import routed_experts
 from hfpipe.plan.text import size as _size
 
-__all__ = ["CP_MIN_TOKENS", "RankFit", "Suggestion", "fewest_gpus", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
-           "report_for", "suggest"]
+__all__ = ["CP_MIN_TOKENS", "RankFit", "Suggestion", "fewest_gpus", "fit_report", "format_fit", "parse_memory",
+           "plan_kwargs", "report_for", "suggest"]
 
 _AC_ORDER = ("none", "selective", "full")
 _DP_STEPS = (2, 4, 8, 16, 32, 64, 128)
