@@ -4,7 +4,8 @@ hfpipe's PipelineTrainer; ``tests/test_hf_trainer.py`` compares the two.
     python train_lm.py SPEC.json            # {"trainer": "plain", ...}
     torchrun --nproc-per-node 2 train_lm.py SPEC.json   # {"trainer": "pipeline", "pp": 2, ...}
 
-SPEC keys: model, out, trainer, pp, dp, batch, ga, max_steps, lora, eval, save_steps, resume, stop_at.
+SPEC keys: model, out, trainer, pp, dp, microbatches, batch, eval_batch, ga, max_steps, clip, lora, eval,
+save_steps, save_total_limit, resume, stop_at.
 It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``out/final``.
 """
 
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLan
 def dataset(tok, n: int, seed: int) -> Dataset:
     texts = [f"Sample {i} {'of the pipeline ' * (1 + (i * 7 + seed) % 5)}end." for i in range(n)]
     return Dataset.from_dict({"text": texts}).map(
-        lambda b: tok(b["text"], truncation=True, max_length=24), batched=True, remove_columns=["text"])
+        lambda b: tok(b["text"], truncation=True, max_length=40), batched=True, remove_columns=["text"])
 
 
 def lora_config():
@@ -31,10 +32,11 @@ def main(spec: dict) -> None:
     tok = AutoTokenizer.from_pretrained(spec["model"])
     args = TrainingArguments(
         output_dir=spec["out"], max_steps=spec.get("max_steps", 3), logging_steps=1,
-        per_device_train_batch_size=spec.get("batch", 4), per_device_eval_batch_size=4,
+        per_device_train_batch_size=spec.get("batch", 4), per_device_eval_batch_size=spec.get("eval_batch", 4),
         gradient_accumulation_steps=spec.get("ga", 1), learning_rate=1e-3, max_grad_norm=spec.get("clip", 1.0),
         eval_strategy="steps" if spec.get("eval") else "no", eval_steps=2,
         save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
+        save_total_limit=spec.get("save_total_limit"),
         report_to=[], disable_tqdm=True, dataloader_drop_last=True, seed=7)
     collator = DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=8)
     data = {"train_dataset": dataset(tok, 64, 0), "data_collator": collator, "processing_class": tok}
