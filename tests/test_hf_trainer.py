@@ -1,6 +1,6 @@
 """hfpipe.hf.PipelineTrainer / PipelineSFTTrainer (issue #26): the user's own Trainer script, pipelined.
 
-The spec: one script (``tests/hf_scripts/train_lm.py``) run in one process with transformers' ``Trainer``
+The spec: one script (``tests/hf_scripts/train_lm.py``, ``train_sft.py`` for TRL) run in one process with transformers' ``Trainer``
 and under ``torchrun`` with ``PipelineTrainer``: the losses at every logging step, the eval loss and
 ``save_model()``'s tensors agree within 1e-5 (fp32, CPU).
 """
@@ -19,12 +19,12 @@ import torch
 from _dist import TIMEOUT_S, folder_tensors, tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "hf_scripts" / "train_lm.py"
+SCRIPTS = ROOT / "tests" / "hf_scripts"
 ATOL = 1e-5
 
 
-def run_script(tmp_path: Path, name: str, nprocs: int = 1, **spec) -> Path:
-    """Run the script with ``spec`` (in one process, or under torchrun); return its output folder."""
+def run_script(tmp_path: Path, name: str, nprocs: int = 1, script: str = "train_lm.py", **spec) -> Path:
+    """Run ``tests/hf_scripts/<script>`` with ``spec`` (in one process, or under torchrun); return its output."""
     out = tmp_path / name
     spec = {"model": str(tiny_checkpoint("llama", num_hidden_layers=4)), "out": str(out), **spec}
     path = tmp_path / f"{name}.json"
@@ -33,7 +33,7 @@ def run_script(tmp_path: Path, name: str, nprocs: int = 1, **spec) -> Path:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "localhost:0", "--max-restarts", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    run = subprocess.run([*launch, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=TIMEOUT_S,
+    run = subprocess.run([*launch, str(SCRIPTS / script), str(path)], capture_output=True, text=True, timeout=TIMEOUT_S,
                          env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     return out
@@ -142,3 +142,13 @@ def test_lora_through_peft_config_equals_peft_under_the_plain_trainer(tmp_path):
     got = run_script(tmp_path, "lora", nprocs=2, trainer="pipeline", pp=2, lora=True, eval=True)
     assert_same_run(got, want)
     assert (got / "final" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_sft_on_a_chat_dataset_with_completion_only_loss_equals_trl(tmp_path):
+    """TRL prepares the chat data (its template, the prompt masked out) and the stages train as SFTTrainer."""
+    pytest.importorskip("trl", reason="PipelineSFTTrainer needs the optional extra trl")
+    want = run_script(tmp_path, "plain", trainer="plain", script="train_sft.py")
+    got = run_script(tmp_path, "sft", nprocs=2, trainer="pipeline", pp=2, script="train_sft.py")
+    assert len(losses(want)) == 3 and len(losses(want, "eval_loss")) == 3
+    assert_same_run(got, want)
