@@ -43,8 +43,9 @@ def history(out: Path) -> list[dict]:
     return json.loads((out / "log_history.json").read_text())
 
 
-def losses(out: Path, key: str = "loss") -> list[tuple[int, float]]:
-    return [(h["step"], h[key]) for h in history(out) if key in h]
+def losses(out: Path, key: str = "loss") -> list[tuple[int | str, float]]:
+    """``(step, value)`` of each log holding ``key`` (the closing ``evaluate()`` has no step: "end")."""
+    return [(h.get("step", "end"), h[key]) for h in history(out) if key in h]
 
 
 def assert_same_run(got: Path, want: Path, *, final: str = "final") -> None:

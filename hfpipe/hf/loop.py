@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 
 from hfpipe.errors import ConfigError
-from hfpipe.hf import saving
+from hfpipe.hf.options import PipelineOptions, load_kwargs, see_the_world
+from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_pipeline_checkpoint,
+                               save_scheduler)
+from hfpipe.hf.stages import PipelineStages
 from hfpipe.pipeline.inputs import check_batches
 
 __all__ = ["PipelineLoop"]
@@ -31,9 +34,21 @@ __all__ = ["PipelineLoop"]
 class PipelineLoop:
     """Trainer overrides for a :class:`hfpipe.api.PipelineModel` held as ``self.pipeline``.
 
-    Expects ``self.pipeline`` and ``self._steps`` (a :class:`hfpipe.train.step.PipelineTrainer` without
-    its own optimizer) set before ``Trainer.__init__`` runs.
+    A face calls :meth:`_start_pipeline` before ``Trainer.__init__`` and hands the Trainer what it returns.
     """
+
+    def _start_pipeline(self, load_pipeline, model, args, options: PipelineOptions, peft_config,
+                        trust_remote_code: bool) -> PipelineStages:
+        """Load this rank's stages of ``model`` (a folder or hub id) with ``load_pipeline`` (hfpipe.api's,
+        passed in by the face so that this layer stays below it); returns the module the Trainer holds."""
+        if not isinstance(model, (str, bytes)) and not hasattr(model, "__fspath__"):
+            raise ConfigError(f"{type(self).__name__}(model=<{type(model).__name__}>): give the model's folder or "
+                              "hub id; each rank then loads only its own stages")
+        self.pipeline = load_pipeline(str(model), **load_kwargs(load_pipeline, options, args, peft_config,
+                                                                trust_remote_code))
+        self._steps = self.pipeline.trainer(None, max_grad_norm=args.max_grad_norm)  # the Trainer steps its optimizer
+        see_the_world(args)
+        return PipelineStages(self.pipeline)
 
     # ---- data: one order per pipeline, disjoint shards over dp -------------------------------------
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
@@ -133,23 +148,23 @@ class PipelineLoop:
         return super().create_scheduler(num_training_steps, optimizer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        saving.find_pipeline_checkpoint(resume_from_checkpoint)  # the model loads with the optimizer, below
+        find_pipeline_checkpoint(resume_from_checkpoint)  # the model loads with the optimizer, below
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is not None:
-            saving.load_trainer_checkpoint(self, checkpoint)
+            load_trainer_checkpoint(self, checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        saving.save_scheduler(self, output_dir)  # the optimizer went into hfpipe's checkpoint with the model
+        save_scheduler(self, output_dir)  # the optimizer went into hfpipe's checkpoint with the model
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """An HF folder ``from_pretrained`` loads (a PEFT adapter folder under ``peft_config``); inside
         ``checkpoint-N`` (``_internal_call``), hfpipe's DCP checkpoint of model and optimizer instead."""
         output_dir = output_dir or self.args.output_dir
         if _internal_call:
-            saving.save_pipeline_checkpoint(self, output_dir)
+            save_pipeline_checkpoint(self, output_dir)
         else:
-            saving.export_model(self, output_dir)
+            export_model(self, output_dir)
 
     # ---- evaluation --------------------------------------------------------------------------------
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,

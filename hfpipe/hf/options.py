@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hfpipe.errors import ConfigError
 
-__all__ = ["PipelineOptions", "refuse_unsupported", "load_kwargs"]
+__all__ = ["PipelineOptions", "refuse_unsupported", "check_optimizers", "load_kwargs", "see_the_world"]
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,22 @@ def refuse_unsupported(args, **callables) -> None:
                               "stage only, from its logits and the labels; drop it")
 
 
-def load_kwargs(options: PipelineOptions, args, peft_config, trust_remote_code: bool) -> dict:
-    """:func:`hfpipe.load_pipeline`'s keywords for these options and TrainingArguments."""
-    from hfpipe.api import load_pipeline
+def check_optimizers(optimizers) -> None:
+    """``optimizers=``: callables that build on this rank's stages, never objects built before them."""
+    import torch
 
+    opt, sched = optimizers
+    if isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError("PipelineTrainer(optimizers=(<optimizer>, ...)): an optimizer built before the stages "
+                          "exist holds no parameters of this rank; pass a callable params -> optimizer (e.g. "
+                          "functools.partial(torch.optim.AdamW, lr=1e-4)) or optimizer_cls_and_kwargs")
+    if sched is not None and hasattr(sched, "state_dict"):
+        raise ConfigError("PipelineTrainer(optimizers=(..., <scheduler>)): pass a callable optimizer -> scheduler "
+                          "(its optimizer is built on this rank's stages)")
+
+
+def load_kwargs(load_pipeline, options: PipelineOptions, args, peft_config, trust_remote_code: bool) -> dict:
+    """``load_pipeline``'s keywords for these options and TrainingArguments."""
     checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
     kwargs = dict(pp=options.pp, dp=options.dp, ep=options.ep, tp=options.tp, schedule=options.schedule,
                   microbatches=options.microbatches, layout=options.layout,

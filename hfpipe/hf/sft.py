@@ -8,10 +8,10 @@ TRL still prepares the data (chat template, tokenisation, ``completion_only_loss
 
 from __future__ import annotations
 
+from hfpipe.api import load_pipeline
 from hfpipe.errors import ConfigError
 from hfpipe.hf.loop import PipelineLoop
-from hfpipe.hf.options import PipelineOptions, refuse_unsupported, see_the_world
-from hfpipe.hf.trainer import check_optimizers, load_stages
+from hfpipe.hf.options import PipelineOptions, check_optimizers, refuse_unsupported
 
 try:
     from trl import SFTConfig, SFTTrainer
@@ -63,8 +63,7 @@ class PipelineSFTTrainer(PipelineLoop, SFTTrainer):
         check_optimizers(optimizers)
         options = PipelineOptions(pp, dp, ep, tp, cp, schedule, microbatches, layout)
         trust = bool(getattr(args, "trust_remote_code", False))
-        self.pipeline, stages, self._steps = load_stages(model, args, options, peft_config, trust)
-        see_the_world(args)
+        stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust)
         if processing_class is None:  # as TRL loads it, from the model's folder
             from transformers import AutoTokenizer
 

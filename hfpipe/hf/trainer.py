@@ -14,43 +14,13 @@ Everything else is the Trainer's: TrainingArguments, callbacks and loggers, the 
 
 from __future__ import annotations
 
-import logging
-
 from transformers import Trainer
 
-from hfpipe.errors import ConfigError
+from hfpipe.api import load_pipeline
 from hfpipe.hf.loop import PipelineLoop
-from hfpipe.hf.options import PipelineOptions, load_kwargs, refuse_unsupported, see_the_world
-from hfpipe.hf.stages import PipelineStages
+from hfpipe.hf.options import PipelineOptions, check_optimizers, refuse_unsupported
 
-__all__ = ["PipelineTrainer", "load_stages"]
-
-log = logging.getLogger(__name__)
-
-
-def load_stages(model, args, options: PipelineOptions, peft_config=None, trust_remote_code: bool = False):
-    """This rank's stages of ``model`` (a folder or hub id): ``(PipelineModel, PipelineStages, steps)``."""
-    from hfpipe.api import load_pipeline
-
-    if not isinstance(model, (str, bytes)) and not hasattr(model, "__fspath__"):
-        raise ConfigError(f"PipelineTrainer(model=<{type(model).__name__}>): give the model's folder or hub id; "
-                          "each rank then loads only its own stages")
-    pm = load_pipeline(str(model), **load_kwargs(options, args, peft_config, trust_remote_code))
-    steps = pm.trainer(None, max_grad_norm=args.max_grad_norm)  # the Trainer steps its own optimizer
-    return pm, PipelineStages(pm), steps
-
-
-def check_optimizers(optimizers) -> None:
-    import torch
-
-    opt, sched = optimizers
-    if isinstance(opt, torch.optim.Optimizer):
-        raise ConfigError("PipelineTrainer(optimizers=(<optimizer>, ...)): an optimizer built before the stages "
-                          "exist holds no parameters of this rank; pass a callable params -> optimizer (e.g. "
-                          "functools.partial(torch.optim.AdamW, lr=1e-4)) or optimizer_cls_and_kwargs")
-    if sched is not None and hasattr(sched, "state_dict"):
-        raise ConfigError("PipelineTrainer(optimizers=(..., <scheduler>)): pass a callable optimizer -> scheduler "
-                          "(its optimizer is built on this rank's stages)")
+__all__ = ["PipelineTrainer"]
 
 
 class PipelineTrainer(PipelineLoop, Trainer):
@@ -82,6 +52,5 @@ class PipelineTrainer(PipelineLoop, Trainer):
                            compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         check_optimizers(optimizers)
         options = PipelineOptions(pp, dp, ep, tp, cp, schedule, microbatches, layout)
-        self.pipeline, stages, self._steps = load_stages(model, args, options, peft_config, trust_remote_code)
-        see_the_world(args)
+        stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust_remote_code)
         super().__init__(model=stages, args=args, optimizers=optimizers, **kwargs)
