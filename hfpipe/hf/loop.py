@@ -114,6 +114,13 @@ class PipelineLoop:
         part = self._steps.backward(inputs, tokens, self.current_gradient_accumulation_steps)
         return torch.tensor(self._steps.share_loss(part), dtype=torch.float32, device=self.args.device)
 
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        # accelerate sums over every process: each dp replica's batch was counted by all its pp (x tp) ranks
+        copies = dist.get_world_size() // self.pipeline.dist.dp if dist.is_initialized() else 1
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // copies
+
     def _clip_grad_norm(self, model):
         return torch.tensor(self._steps.clip_gradients())
 
