@@ -23,8 +23,8 @@ SCRIPTS = ROOT / "tests" / "hf_scripts"
 ATOL = 1e-5
 
 
-def run_script(tmp_path: Path, name: str, nprocs: int = 1, script: str = "train_lm.py", **spec) -> Path:
-    """Run ``tests/hf_scripts/<script>`` with ``spec`` (in one process, or under torchrun); return its output."""
+def start_script(tmp_path: Path, name: str, nprocs: int = 1, script: str = "train_lm.py", **spec):
+    """Start ``tests/hf_scripts/<script>`` with ``spec`` (one process, or under torchrun); see :func:`finish`."""
     out = tmp_path / name
     spec = {"model": str(tiny_checkpoint("llama", num_hidden_layers=4)), "out": str(out), **spec}
     path = tmp_path / f"{name}.json"
@@ -33,10 +33,35 @@ def run_script(tmp_path: Path, name: str, nprocs: int = 1, script: str = "train_
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "localhost:0", "--max-restarts", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    run = subprocess.run([*launch, str(SCRIPTS / script), str(path)], capture_output=True, text=True, timeout=TIMEOUT_S,
-                         env=env, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-4000:]
+    log = open(tmp_path / f"{name}.log", "w+")
+    proc = subprocess.Popen([*launch, str(SCRIPTS / script), str(path)], stdout=log, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=tmp_path)
+    return proc, log, out
+
+
+def finish(started) -> Path:
+    """Wait for a started script; its output folder."""
+    proc, log, out = started
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.seek(0)
+    assert proc.returncode == 0, log.read()[-4000:]
+    log.close()
     return out
+
+
+def run_script(tmp_path: Path, name: str, nprocs: int = 1, **spec) -> Path:
+    return finish(start_script(tmp_path, name, nprocs, **spec))
+
+
+def run_pair(tmp_path: Path, plain: dict, pipeline: dict, nprocs: int = 2) -> tuple[Path, Path]:
+    """The oracle (one process) and the pipelined run (``nprocs``) side by side: ``(got, want)``."""
+    want = start_script(tmp_path, "plain", trainer="plain", **plain)
+    got = start_script(tmp_path, "pipeline", nprocs, trainer="pipeline", **pipeline)
+    return finish(got), finish(want)
 
 
 def history(out: Path) -> list[dict]:
@@ -61,15 +86,10 @@ def assert_same_run(got: Path, want: Path, *, final: str = "final") -> None:
         torch.testing.assert_close(g[k], w[k], rtol=0, atol=ATOL, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    """The oracle: transformers' Trainer in one process (3 steps, logging every step, evaluating at step 2,
-    at the end and once more after training)."""
-    return run_script(tmp_path_factory.mktemp("plain"), "plain", trainer="plain", eval=True)
-
-
-def test_the_bar_pp2_equals_the_plain_trainer(plain, tmp_path):
-    out = run_script(tmp_path, "pp2", nprocs=2, trainer="pipeline", pp=2, eval=True)
+def test_the_bar_pp2_equals_the_plain_trainer(tmp_path):
+    """Trainer in one process vs PipelineTrainer(pp=2) under torchrun: 3 steps logged every step, evaluated
+    at step 2, at the end and once more after training; save_model() of both."""
+    out, plain = run_pair(tmp_path, {"eval": True}, {"pp": 2, "eval": True})
     assert len(losses(plain)) == 3 and len(losses(plain, "eval_loss")) >= 2
     assert_same_run(out, plain)
     from transformers import AutoModelForCausalLM
@@ -115,33 +135,51 @@ def test_an_optimizer_built_before_the_stages_is_refused(tmp_path):
         PipelineTrainer("unused", args=args, optimizers=(opt, None))
 
 
+def test_a_loaded_model_is_refused_for_its_folder_and_cp_until_it_lands(tmp_path):
+    from transformers import TrainingArguments
+
+    from hfpipe.errors import ConfigError
+    from hfpipe.hf import PipelineTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    with pytest.raises(ConfigError, match=r"^PipelineTrainer\(model=<Linear>\): give the model's folder"):
+        PipelineTrainer(torch.nn.Linear(2, 2), args=args, pp=2)
+    import inspect
+
+    from hfpipe.api import load_pipeline
+
+    if "cp" not in inspect.signature(load_pipeline).parameters:
+        with pytest.raises(ConfigError, match=r"^PipelineTrainer\(cp=2\)"):
+            PipelineTrainer("unused", args=args, cp=2)
+
+
 # ---- slow: the other cases of the issue ------------------------------------------------------------
 @pytest.mark.slow
 def test_dp2_x_pp2_with_accumulation_equals_the_plain_trainer_on_the_whole_batch(tmp_path):
     """Each dp replica takes 4 rows of the plain Trainer's 8 (accelerate's shards), and the loss is divided by
     the tokens of all 2 accumulation batches of both replicas, as transformers divides by num_items_in_batch."""
-    want = run_script(tmp_path, "plain", trainer="plain", batch=8, eval_batch=8, ga=2, eval=True)
-    got = run_script(tmp_path, "dp2pp2", nprocs=4, trainer="pipeline", pp=2, dp=2, batch=4, ga=2, eval=True)
+    got, want = run_pair(tmp_path, dict(batch=8, eval_batch=8, ga=2, eval=True),
+                         dict(pp=2, dp=2, batch=4, ga=2, eval=True), nprocs=4)
     assert_same_run(got, want)
 
 
 @pytest.mark.slow
-def test_a_resume_from_checkpoint_n_equals_the_uninterrupted_run(plain, tmp_path):
+def test_a_resume_from_checkpoint_n_equals_the_uninterrupted_run(tmp_path):
     """Stopped after step 2 (checkpoint-2 kept by save_total_limit=1), resumed, it ends as the plain run."""
+    plain = start_script(tmp_path, "plain", trainer="plain", eval=True)
     first = run_script(tmp_path, "first", nprocs=2, trainer="pipeline", pp=2, eval=True, save_steps=1,
                        save_total_limit=1, stop_at=2)
     ckpt = first / "checkpoint-2"
     assert sorted(p.name for p in first.glob("checkpoint-*")) == ["checkpoint-2"], "save_total_limit=1 rotated"
     assert (ckpt / "step-00000002" / "hfpipe.json").is_file() and (ckpt / "trainer_state.json").is_file()
     out = run_script(tmp_path, "first", nprocs=2, trainer="pipeline", pp=2, eval=True, resume=str(ckpt))
-    assert_same_run(out, plain)
+    assert_same_run(out, finish(plain))
 
 
 @pytest.mark.slow
 def test_lora_through_peft_config_equals_peft_under_the_plain_trainer(tmp_path):
     """The adapters (PEFT's own, seeded per adapter name as hfpipe seeds them) train and export alike."""
-    want = run_script(tmp_path, "plain", trainer="plain", lora=True, eval=True)
-    got = run_script(tmp_path, "lora", nprocs=2, trainer="pipeline", pp=2, lora=True, eval=True)
+    got, want = run_pair(tmp_path, dict(lora=True, eval=True), dict(pp=2, lora=True, eval=True))
     assert_same_run(got, want)
     assert (got / "final" / "adapter_config.json").is_file()
 
@@ -150,8 +188,7 @@ def test_lora_through_peft_config_equals_peft_under_the_plain_trainer(tmp_path):
 def test_sft_on_a_chat_dataset_with_completion_only_loss_equals_trl(tmp_path):
     """TRL prepares the chat data (its template, the prompt masked out) and the stages train as SFTTrainer."""
     pytest.importorskip("trl", reason="PipelineSFTTrainer needs the optional extra trl")
-    want = run_script(tmp_path, "plain", trainer="plain", script="train_sft.py")
-    got = run_script(tmp_path, "sft", nprocs=2, trainer="pipeline", pp=2, script="train_sft.py")
+    got, want = run_pair(tmp_path, dict(script="train_sft.py"), dict(pp=2, script="train_sft.py"))
     assert len(losses(want)) == 3 and len(losses(want, "eval_loss")) >= 2
     assert_same_run(got, want)
 
@@ -160,7 +197,6 @@ def test_sft_on_a_chat_dataset_with_completion_only_loss_equals_trl(tmp_path):
 def test_gradient_checkpointing_and_the_input_tokens_seen_keep_their_meaning(tmp_path):
     """gradient_checkpointing=True checkpoints the stages' layers (same numbers); the tokens seen are counted
     once per batch, not once per pipeline rank."""
-    want = run_script(tmp_path, "plain", trainer="plain", checkpointing=True)
-    got = run_script(tmp_path, "ckpt", nprocs=2, trainer="pipeline", pp=2, checkpointing=True)
+    got, want = run_pair(tmp_path, dict(checkpointing=True), dict(pp=2, checkpointing=True))
     assert_same_run(got, want)
     assert losses(got, "num_input_tokens_seen") == losses(want, "num_input_tokens_seen") != []

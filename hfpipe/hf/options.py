@@ -55,7 +55,6 @@ _REFUSED_ARGS = (
     ("auto_find_batch_size", bool, "set per_device_train_batch_size yourself"),
     ("push_to_hub", bool, "push the save_model() folder yourself"),
     ("padding_free", bool, "a padding-free batch has no rows for the pipeline's microbatches; drop it"),
-    ("use_liger_loss", bool, "drop it"),
     ("activation_offloading", bool, "drop it"),
 )
 _REFUSED_SAMPLING = ("batch_rebalance",)  # its sampler shards over every rank, not over the dp replicas
