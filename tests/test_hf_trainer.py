@@ -75,15 +75,19 @@ def losses(out: Path, key: str = "loss") -> list[tuple[int | str, float]]:
 
 def assert_same_run(got: Path, want: Path, *, final: str = "final") -> None:
     """Same logged losses and grad norms step by step, same exported tensors, same eval loss."""
+    worst = {}
     for key in ("loss", "grad_norm", "eval_loss"):
         g, w = losses(got, key), losses(want, key)
         assert [s for s, _ in g] == [s for s, _ in w], f"{key} logged at other steps: {g} vs {w}"
         for (step, a), (_, b) in zip(g, w):
             assert abs(a - b) <= ATOL, f"{key} at step {step}: {a} vs the plain Trainer's {b}"
+        worst[key] = max((abs(a - b) for (_, a), (_, b) in zip(g, w)), default=None)
     g, w = folder_tensors(got / final), folder_tensors(want / final)
     assert sorted(g) == sorted(w), f"exported keys differ: {sorted(set(g) ^ set(w))[:5]}"
     for k in w:
         torch.testing.assert_close(g[k], w[k], rtol=0, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    worst["weights"] = max(float((g[k] - w[k]).abs().max()) for k in w)
+    print(f"measured {got.name} vs {want.name}: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items() if v is not None))
 
 
 def test_the_bar_pp2_equals_the_plain_trainer(tmp_path):

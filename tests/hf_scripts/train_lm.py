@@ -5,7 +5,8 @@ hfpipe's PipelineTrainer; ``tests/test_hf_trainer.py`` compares the two.
     torchrun --nproc-per-node 2 train_lm.py SPEC.json   # {"trainer": "pipeline", "pp": 2, ...}
 
 SPEC keys: model, out, trainer, pp, dp, microbatches, batch, eval_batch, ga, max_steps, clip, lora, eval,
-save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted).
+save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted),
+bf16.
 It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``out/final``.
 """
 
@@ -39,6 +40,7 @@ def main(spec: dict) -> None:
         save_total_limit=spec.get("save_total_limit"),
         gradient_checkpointing=spec.get("checkpointing", False),
         include_num_input_tokens_seen="all" if spec.get("checkpointing") else "no",
+        bf16=spec.get("bf16", False), use_cpu=spec.get("bf16", False),  # bf16 on CPU needs use_cpu
         report_to=[], disable_tqdm=True, dataloader_drop_last=True, seed=7)
     collator = DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=8)
     data = {"train_dataset": dataset(tok, 64, 0), "data_collator": collator, "processing_class": tok}
