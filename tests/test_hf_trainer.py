@@ -204,3 +204,21 @@ def test_gradient_checkpointing_and_the_input_tokens_seen_keep_their_meaning(tmp
     got, want = run_pair(tmp_path, dict(checkpointing=True), dict(pp=2, checkpointing=True))
     assert_same_run(got, want)
     assert losses(got, "num_input_tokens_seen") == losses(want, "num_input_tokens_seen") != []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example, saved", [("hf_trainer.py", "hf/config.json"),
+                                            ("trl_sft.py", "adapter/adapter_config.json")])
+def test_the_examples_run_as_written_under_torchrun(tmp_path, example, saved):
+    if example == "trl_sft.py":
+        pytest.importorskip("trl", reason="examples/trl_sft.py needs the optional extra trl")
+    model = tiny_checkpoint("llama", num_hidden_layers=4)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "localhost:0", str(ROOT / "examples" / example), str(model), str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert (tmp_path / "out" / saved).is_file()
+    if example == "hf_trainer.py":  # save_total_limit=1 kept the last checkpoint, hfpipe's DCP inside
+        assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == ["checkpoint-8"]
+        assert (tmp_path / "out" / "checkpoint-8" / "step-00000008" / ".metadata").is_file()
