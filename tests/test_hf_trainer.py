@@ -60,8 +60,12 @@ def run_script(tmp_path: Path, name: str, nprocs: int = 1, **spec) -> Path:
 def run_pair(tmp_path: Path, plain: dict, pipeline: dict, nprocs: int = 2) -> tuple[Path, Path]:
     """The oracle (one process) and the pipelined run (``nprocs``) side by side: ``(got, want)``."""
     want = start_script(tmp_path, "plain", trainer="plain", **plain)
-    got = start_script(tmp_path, "pipeline", nprocs, trainer="pipeline", **pipeline)
-    return finish(got), finish(want)
+    try:
+        got = finish(start_script(tmp_path, "pipeline", nprocs, trainer="pipeline", **pipeline))
+    except BaseException:
+        want[0].kill()  # no oracle left running behind a failed pipeline run
+        raise
+    return got, finish(want)
 
 
 def history(out: Path) -> list[dict]:
@@ -155,6 +159,17 @@ def test_a_loaded_model_is_refused_for_its_folder_and_cp_until_it_lands(tmp_path
     if "cp" not in inspect.signature(load_pipeline).parameters:
         with pytest.raises(ConfigError, match=r"^PipelineTrainer\(cp=2\)"):
             PipelineTrainer("unused", args=args, cp=2)
+
+
+def test_a_batch_size_the_microbatches_do_not_divide_is_refused_by_name(tmp_path):
+    from transformers import TrainingArguments
+
+    from hfpipe.errors import ConfigError
+    from hfpipe.hf import PipelineTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4)
+    with pytest.raises(ConfigError, match=r"^TrainingArguments\(per_device_train_batch_size=4\) does not divide"):
+        PipelineTrainer("unused", args=args, pp=2, microbatches=3)
 
 
 # ---- slow: the other cases of the issue ------------------------------------------------------------

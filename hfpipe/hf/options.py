@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from hfpipe.errors import ConfigError
 
-__all__ = ["PipelineOptions", "refuse_unsupported", "check_optimizers", "load_kwargs", "see_the_world"]
+__all__ = ["PipelineOptions", "refuse_unsupported", "check_optimizers", "check_batch_sizes", "load_kwargs",
+           "see_the_world"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,18 @@ def check_optimizers(optimizers) -> None:
     if sched is not None and hasattr(sched, "state_dict"):
         raise ConfigError("PipelineTrainer(optimizers=(..., <scheduler>)): pass a callable optimizer -> scheduler "
                           "(its optimizer is built on this rank's stages)")
+
+
+def check_batch_sizes(args, microbatches: int) -> None:
+    """Each batch is cut into ``microbatches`` rows-wise: the Trainer's batch sizes must be multiples of it."""
+    names = ["per_device_train_batch_size"]
+    if str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
+        names.append("per_device_eval_batch_size")
+    for name in names:
+        size = getattr(args, name)
+        if size % microbatches:
+            raise ConfigError(f"TrainingArguments({name}={size}) does not divide into the pipeline's {microbatches} "
+                              f"microbatches; use a multiple of {microbatches}, or pass microbatches= that divides it")
 
 
 def load_kwargs(load_pipeline, options: PipelineOptions, args, peft_config, trust_remote_code: bool) -> dict:
