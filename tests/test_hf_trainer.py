@@ -170,6 +170,9 @@ def test_a_batch_size_the_microbatches_do_not_divide_is_refused_by_name(tmp_path
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4)
     with pytest.raises(ConfigError, match=r"^TrainingArguments\(per_device_train_batch_size=4\) does not divide"):
         PipelineTrainer("unused", args=args, pp=2, microbatches=3)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], average_tokens_across_devices=False)
+    with pytest.raises(ConfigError, match=r"^TrainingArguments\(average_tokens_across_devices=False\)"):
+        PipelineTrainer("unused", args=args, pp=2, dp=2, microbatches=2)
 
 
 # ---- slow: the other cases of the issue ------------------------------------------------------------

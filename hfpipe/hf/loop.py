@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hfpipe.errors import ConfigError
-from hfpipe.hf.options import PipelineOptions, check_batch_sizes, load_kwargs, see_the_world
+from hfpipe.hf.options import PipelineOptions, check_layout_args, load_kwargs, see_the_world
 from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_pipeline_checkpoint,
                                save_scheduler)
 from hfpipe.hf.stages import PipelineStages
@@ -45,10 +45,10 @@ class PipelineLoop:
             raise ConfigError(f"{type(self).__name__}(model=<{type(model).__name__}>): give the model's folder or "
                               "hub id; each rank then loads only its own stages")
         if options.microbatches:  # known before loading: refuse before any process group starts
-            check_batch_sizes(args, options.microbatches)
+            check_layout_args(args, options.microbatches, options.dp)
         self.pipeline = load_pipeline(str(model), **load_kwargs(load_pipeline, options, args, peft_config,
                                                                 trust_remote_code))
-        check_batch_sizes(args, self.pipeline.pipe.microbatches)  # the default: one per stage
+        check_layout_args(args, self.pipeline.pipe.microbatches, options.dp)  # the default: one per stage
         self._steps = self.pipeline.trainer(None, max_grad_norm=args.max_grad_norm)  # the Trainer steps its optimizer
         see_the_world(args)
         return PipelineStages(self.pipeline)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hfpipe.errors import ConfigError
 
-__all__ = ["PipelineOptions", "refuse_unsupported", "check_optimizers", "check_batch_sizes", "load_kwargs",
+__all__ = ["PipelineOptions", "refuse_unsupported", "check_optimizers", "check_layout_args", "load_kwargs",
            "see_the_world"]
 
 
@@ -92,8 +92,12 @@ def check_optimizers(optimizers) -> None:
                           "(its optimizer is built on this rank's stages)")
 
 
-def check_batch_sizes(args, microbatches: int) -> None:
-    """Each batch is cut into ``microbatches`` rows-wise: the Trainer's batch sizes must be multiples of it."""
+def check_layout_args(args, microbatches: int, dp: int = 1) -> None:
+    """Each batch is cut into ``microbatches`` rows-wise: the Trainer's batch sizes must be multiples of it.
+    Over dp replicas the loss is divided by the tokens of all of them, as ``average_tokens_across_devices``."""
+    if dp > 1 and not getattr(args, "average_tokens_across_devices", True):
+        raise ConfigError("TrainingArguments(average_tokens_across_devices=False): the pipeline divides the loss by "
+                          "the tokens of every dp replica; drop it (True is the default)")
     names = ["per_device_train_batch_size"]
     if str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
         names.append("per_device_eval_batch_size")
