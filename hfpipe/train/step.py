@@ -76,41 +76,53 @@ class PipelineTrainer:
         """
         batches = [batches] if isinstance(batches, Mapping) else list(batches)
         check_batches(batches, self.vocab_size, "trainer.step")
-        tokens = self._global_tokens(batches)
-        # FSDP averages gradients over its ranks (gloo has no pre-scaled sum), so each rank's loss is
-        # scaled up by as much, to leave the sum over all tokens / global token count.
-        dp = self.dist.dims.grad_divide_factor
+        tokens = self.global_tokens(batches)
         loss = torch.zeros((), dtype=torch.float64)
-        # A microbatch's router aux loss counts 1 / (all microbatches of the step), scaled up by dp
-        # like the token loss (hfpipe.models.router_loss).
-        router_denominator = len(batches) * self.pipe.microbatches
         for batch in batches:
-            part = self.pipe.train_step(batch, tokens / dp, router_denominator)
-            if part is not None:
-                loss += part.double().cpu() / dp
-        self._sync_tied_grads()
-        norm = self._clip()
+            loss += self.backward(batch, tokens, len(batches))
+        norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(self._share_loss(loss), norm, lr, tokens)
+        return StepResult(self.share_loss(loss), norm, lr, tokens)
+
+    def backward(self, batch: dict, tokens: int, batches_in_step: int) -> torch.Tensor:
+        """Forward/backward of one accumulation batch; returns this rank's part of the step loss (float64).
+
+        ``tokens`` is the step's global loss-token count (:meth:`global_tokens`), ``batches_in_step`` its
+        accumulation batches: the pieces of :meth:`step` that ``hfpipe.hf``'s Trainer drives one by one.
+        """
+        # FSDP averages gradients over its ranks (gloo has no pre-scaled sum), so each rank's loss is
+        # scaled up by as much, to leave the sum over all tokens / global token count.
+        dp = self.dist.dims.grad_divide_factor
+        # A microbatch's router aux loss counts 1 / (all microbatches of the step), scaled up by dp
+        # like the token loss (hfpipe.models.router_loss).
+        router_denominator = batches_in_step * self.pipe.microbatches
+        part = self.pipe.train_step(batch, tokens / dp, router_denominator)
+        return torch.zeros((), dtype=torch.float64) if part is None else part.double().cpu() / dp
+
+    def clip_gradients(self) -> float:
+        """Sum the tied embedding's two gradient halves, then clip to the global norm; returns the norm."""
+        self._sync_tied_grads()
+        return self._clip()
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict] | dict) -> float:
         """Token-mean loss over ``batches`` without gradients (same value on every rank)."""
         batches = [batches] if isinstance(batches, Mapping) else list(batches)
         check_batches(batches, self.vocab_size, "trainer.eval_loss")
-        tokens = self._global_tokens(batches)
+        tokens = self.global_tokens(batches)
         loss = torch.zeros((), dtype=torch.float64)
         for batch in batches:
             part = self.pipe.eval_loss(batch, tokens)
             if part is not None:
                 loss += part.double().cpu()
-        return self._share_loss(loss)
+        return self.share_loss(loss)
 
-    def _global_tokens(self, batches: list[dict]) -> int:
+    def global_tokens(self, batches: list[dict]) -> int:
+        """The loss tokens of ``batches`` summed over the batch group (every dp shard), at least 1."""
         count = torch.tensor(sum(count_tokens(b["labels"]) for b in batches), dtype=torch.int64)
         if self.dist.batch_group is not None:
             count = count.to(self.dist.device)
@@ -136,7 +148,7 @@ class PipelineTrainer:
                 torch._foreach_mul_(same, coef)
         return norm
 
-    def _share_loss(self, loss: torch.Tensor) -> float:
+    def share_loss(self, loss: torch.Tensor) -> float:
         """Sum over the batch group on the loss rank, then broadcast along the pipeline."""
         t = loss.to(self.dist.device)
         if self.dist.batch_group is not None and self.pipe.has_loss:

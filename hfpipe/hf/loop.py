@@ -1,0 +1,211 @@
+"""The Trainer hooks a pipeline changes, mixed in before ``transformers.Trainer`` (or TRL's ``SFTTrainer``).
+
+The Trainer's own loop (``_run_epoch``) still runs: it fetches ``gradient_accumulation_steps`` batches,
+calls ``training_step`` on each, clips, steps the optimizer and scheduler, logs, evaluates and saves.
+What differs under a pipeline is answered here, each where the Trainer asks:
+
+- the data: every rank of one pipeline sees the same batches, the dp replicas disjoint shards
+  (accelerate's own sharding, over dp instead of over every process);
+- ``training_step``: the pipeline schedule's forward and backward, the loss divided by the step's
+  token count over every accumulation batch and dp replica (``num_items_in_batch``, as transformers
+  does for a causal LM), and returned equal on every rank;
+- clipping: the global norm over all stages (:meth:`hfpipe.train.step.PipelineTrainer.clip_gradients`);
+- the model is never wrapped (no DDP) and the optimizer never handed to accelerate;
+- evaluation: the mean of each batch's token-mean loss weighted by its rows, as ``evaluation_loop`` does.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from hfpipe.errors import ConfigError
+from hfpipe.hf.options import PipelineOptions, check_layout_args, load_kwargs, see_the_world
+from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_pipeline_checkpoint,
+                               save_scheduler)
+from hfpipe.hf.stages import PipelineStages
+from hfpipe.pipeline.inputs import check_batches
+
+__all__ = ["PipelineLoop"]
+
+
+class PipelineLoop:
+    """Trainer overrides for a :class:`hfpipe.api.PipelineModel` held as ``self.pipeline``.
+
+    A face calls :meth:`_start_pipeline` before ``Trainer.__init__`` and hands the Trainer what it returns.
+    """
+
+    def _start_pipeline(self, load_pipeline, model, args, options: PipelineOptions, peft_config,
+                        trust_remote_code: bool) -> PipelineStages:
+        """Load this rank's stages of ``model`` (a folder or hub id) with ``load_pipeline`` (hfpipe.api's,
+        passed in by the face so that this layer stays below it); returns the module the Trainer holds."""
+        if not isinstance(model, (str, bytes)) and not hasattr(model, "__fspath__"):
+            raise ConfigError(f"{type(self).__name__}(model=<{type(model).__name__}>): give the model's folder or "
+                              "hub id; each rank then loads only its own stages")
+        if options.microbatches:  # known before loading: refuse before any process group starts
+            check_layout_args(args, options.microbatches, options.dp)
+        self.pipeline = load_pipeline(str(model), **load_kwargs(load_pipeline, options, args, peft_config,
+                                                                trust_remote_code))
+        check_layout_args(args, self.pipeline.pipe.microbatches, options.dp)  # the default: one per stage
+        self._steps = self.pipeline.trainer(None, max_grad_norm=args.max_grad_norm)  # the Trainer steps its optimizer
+        see_the_world(args)
+        return PipelineStages(self.pipeline)
+
+    # ---- data: one order per pipeline, disjoint shards over dp -------------------------------------
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                        dataloader_key=None):
+        import datasets
+        from torch.utils.data import DataLoader, IterableDataset
+        from transformers.trainer_utils import seed_worker
+
+        collator = self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        args = self.args
+        params = {"batch_size": batch_size, "collate_fn": collator, "num_workers": args.dataloader_num_workers,
+                  "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
+                  "multiprocessing_context": args.dataloader_multiprocessing_context,
+                  "prefetch_factor": args.dataloader_prefetch_factor, "in_order": args.dataloader_in_order}
+        if not isinstance(dataset, IterableDataset):
+            sampler = sampler_fn(dataset) if sampler_fn is not None else None
+            if sampler is not None:
+                params["sampler"] = sampler
+            params["drop_last"] = args.dataloader_drop_last
+            if is_training:  # workers seeded as one process of a dp-replica world would be
+                params["worker_init_fn"] = partial(seed_worker, num_workers=args.dataloader_num_workers,
+                                                   rank=self.pipeline.dist.dp_rank)
+        return self._shard_over_dp(DataLoader(dataset, **params))
+
+    def _shard_over_dp(self, loader):
+        """accelerate's ``prepare_data_loader`` with the accelerator's settings, over the dp replicas only.
+
+        The Trainer's ``accelerator.prepare`` shards over every process (it takes the world for data
+        parallel); the same call with ``num_processes=dp`` gives each pipeline the batches a dp-sized
+        world of single processes would see, in the single-process order when dp is 1.
+        """
+        from accelerate.data_loader import prepare_data_loader
+
+        acc, d = self.accelerator, self.pipeline.dist
+        return prepare_data_loader(
+            loader, acc.device, num_processes=d.dp, process_index=d.dp_rank, split_batches=acc.split_batches,
+            put_on_device=acc.device_placement, rng_types=acc.rng_types.copy(),
+            dispatch_batches=False,  # dispatching broadcasts from world rank 0 to every process
+            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
+            use_stateful_dataloader=acc.use_stateful_dataloader)
+
+    def get_total_train_batch_size(self, args) -> int:
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.pipeline.dist.dp
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        """The step's loss tokens over every accumulation batch and dp replica (not over every process)."""
+        if not batch_samples:
+            return None
+        return torch.tensor(self._steps.global_tokens(batch_samples), device=device)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One accumulation batch through the schedule; the loss returned is the same on every rank."""
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        check_batches([inputs], self.pipeline.vocab_size, "PipelineTrainer.train")
+        tokens = self._steps.global_tokens([inputs]) if num_items_in_batch is None else int(num_items_in_batch)
+        part = self._steps.backward(inputs, tokens, self.current_gradient_accumulation_steps)
+        return torch.tensor(self._steps.share_loss(part), dtype=torch.float32, device=self.args.device)
+
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        # accelerate sums over every process: each dp replica's batch was counted by all its pp (x tp) ranks
+        copies = dist.get_world_size() // self.pipeline.dist.dp if dist.is_initialized() else 1
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // copies
+
+    def _clip_grad_norm(self, model):
+        return torch.tensor(self._steps.clip_gradients())
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # max_grad_norm == 0: the Trainer asks for the norm alone (the tied halves still need summing)
+        return torch.tensor(self._steps.clip_gradients()) if grad_norm is None else grad_norm
+
+    # ---- optimizer, scheduler, resume: the stages are never wrapped --------------------------------
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """The optimizer and scheduler from TrainingArguments (or ``optimizers=``), and a resume; no
+        ``accelerator.prepare``: it would wrap the stages in DDP over every process."""
+        if self._created_lr_scheduler:
+            self.lr_scheduler, self._created_lr_scheduler = None, False
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = self.model
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self.model, train_dataloader
+
+    def create_optimizer(self, model=None):
+        if callable(self.optimizer) and not isinstance(self.optimizer, torch.optim.Optimizer):
+            self.optimizer = self.optimizer(self.pipeline.parameters())  # optimizers=(params -> optimizer, ...)
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if callable(self.lr_scheduler) and not hasattr(self.lr_scheduler, "state_dict"):
+            self.lr_scheduler = self.lr_scheduler(optimizer or self.optimizer)  # (..., optimizer -> scheduler)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        find_pipeline_checkpoint(resume_from_checkpoint)  # the model loads with the optimizer, below
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None:
+            load_trainer_checkpoint(self, checkpoint)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_scheduler(self, output_dir)  # the optimizer went into hfpipe's checkpoint with the model
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """An HF folder ``from_pretrained`` loads (a PEFT adapter folder under ``peft_config``); inside
+        ``checkpoint-N`` (``_internal_call``), hfpipe's DCP checkpoint of model and optimizer instead."""
+        output_dir = output_dir or self.args.output_dir
+        if _internal_call:
+            save_pipeline_checkpoint(self, output_dir)
+        else:
+            export_model(self, output_dir)
+
+    # ---- evaluation --------------------------------------------------------------------------------
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """Each batch's token-mean loss (over its dp shards), averaged weighted by rows, as transformers'
+        ``evaluation_loop`` averages ``loss.repeat(batch_size)``."""
+        from transformers.trainer_utils import EvalLoopOutput
+
+        self.model.eval()
+        total, rows = 0.0, 0
+        for inputs in dataloader:
+            inputs = self._prepare_inputs(inputs)
+            n = self._global_rows(inputs["input_ids"].shape[0])
+            total += self._steps.eval_loss(inputs) * n
+            rows += n
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+        metrics = {f"{metric_key_prefix}_loss": total / rows} if rows else {}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=rows)
+
+    def _global_rows(self, rows: int) -> int:
+        group = self.pipeline.dist.batch_group
+        if group is None:
+            return rows
+        t = torch.tensor(rows, device=self.pipeline.dist.device)
+        dist.all_reduce(t, group=group)
+        return int(t)
+
+    def predict(self, *args, **kwargs):
+        raise ConfigError("PipelineTrainer.predict(): the logits live on the last stage only; use evaluate() for "
+                          "the loss, or predict with the save_model() folder")
+
+    def prediction_step(self, *args, **kwargs):
+        raise ConfigError("PipelineTrainer.prediction_step(): the model runs only through the schedule; use "
+                          "evaluate() for the loss")

@@ -1,0 +1,146 @@
+"""The pipeline's own keywords of :class:`~hfpipe.hf.trainer.PipelineTrainer`, and the Trainer features
+a pipeline cannot run, refused by name before anything loads."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from hfpipe.errors import ConfigError
+
+__all__ = ["PipelineOptions", "refuse_unsupported", "check_optimizers", "check_layout_args", "load_kwargs",
+           "see_the_world"]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the model is split; each is :func:`hfpipe.load_pipeline`'s argument of the same name.
+
+    Attributes:
+        pp: Pipeline ranks (default: WORLD_SIZE / (dp * tp)).
+        dp: Data-parallel replicas (FSDP2); each sees its own shard of the data.
+        ep: Expert-parallel degree (MoE models).
+        tp: Tensor-parallel degree.
+        cp: Context-parallel degree (passed through once ``load_pipeline`` takes it).
+        schedule: A torch schedule name (``1f1b``, ``gpipe``, ``interleaved1f1b``, ...).
+        microbatches: Microbatches per batch (default: the number of stages); must divide
+            ``per_device_train_batch_size``.
+        layout: An explicit split of the layers (see ``hfpipe plan``).
+    """
+
+    pp: int | None = None
+    dp: int = 1
+    ep: int = 1
+    tp: int = 1
+    cp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    layout: str | None = None
+
+
+#: TrainingArguments that cannot work under a pipeline: (name, is it set?, why and what to do).
+_REFUSED_ARGS = (
+    ("torch_compile", bool, "the stages run under torch's pipeline schedule, not one compiled module; drop it"),
+    ("deepspeed", bool, "hfpipe shards the model itself (pp, dp, tp); drop the DeepSpeed config"),
+    ("fsdp", bool, "dp=N gives FSDP2 over the data-parallel replicas; drop fsdp and pass dp=N"),
+    ("fsdp_config", bool, "dp=N gives FSDP2 over the data-parallel replicas; drop fsdp_config"),
+    ("parallelism_config", bool, "pass pp/dp/tp to PipelineTrainer instead"),
+    ("predict_with_generate", bool, "generation needs the whole model: evaluate the save_model() folder"),
+    ("fp16", bool, "fp16 needs a loss scaler the pipeline does not run; use bf16=True"),
+    ("fp16_full_eval", bool, "use bf16=True"),
+    ("bf16_full_eval", bool, "evaluation runs in the training dtype; drop it"),
+    ("use_liger_kernel", bool, "Liger replaces the model's forward, which the stages do not call; drop it"),
+    ("neftune_noise_alpha", lambda v: v is not None, "drop it"),
+    ("label_smoothing_factor", bool, "the last stage computes the plain token loss; drop it"),
+    ("load_best_model_at_end", bool, "drop it and export the best checkpoint-N with `hfpipe export`"),
+    ("auto_find_batch_size", bool, "set per_device_train_batch_size yourself"),
+    ("push_to_hub", bool, "push the save_model() folder yourself"),
+    ("padding_free", bool, "a padding-free batch has no rows for the pipeline's microbatches; drop it"),
+    ("activation_offloading", bool, "drop it"),
+)
+_REFUSED_SAMPLING = ("batch_rebalance",)  # its sampler shards over every rank, not over the dp replicas
+
+
+def refuse_unsupported(args, **callables) -> None:
+    """Raise ConfigError naming the first TrainingArguments field or constructor argument a pipeline cannot run.
+
+    ``callables``: the constructor's ``compute_loss_func``, ``compute_metrics``, ``model_init``, ... (set = refused).
+    """
+    for name, is_set, why in _REFUSED_ARGS:
+        if hasattr(args, name) and is_set(getattr(args, name)):
+            raise ConfigError(f"TrainingArguments({name}={getattr(args, name)!r}) does not run under a pipeline: {why}")
+    if getattr(args, "train_sampling_strategy", None) in _REFUSED_SAMPLING:
+        raise ConfigError(f"TrainingArguments(train_sampling_strategy={args.train_sampling_strategy!r}) shards over "
+                          "every rank, not over the dp replicas; use 'random', 'sequential' or 'group_by_length'")
+    for name, value in callables.items():
+        if value is not None:
+            raise ConfigError(f"PipelineTrainer({name}=...) is not supported: the loss is computed on the last "
+                              "stage only, from its logits and the labels; drop it")
+
+
+def check_optimizers(optimizers) -> None:
+    """``optimizers=``: callables that build on this rank's stages, never objects built before them."""
+    import torch
+
+    opt, sched = optimizers
+    if isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError("PipelineTrainer(optimizers=(<optimizer>, ...)): an optimizer built before the stages "
+                          "exist holds no parameters of this rank; pass a callable params -> optimizer (e.g. "
+                          "functools.partial(torch.optim.AdamW, lr=1e-4)) or optimizer_cls_and_kwargs")
+    if sched is not None and hasattr(sched, "state_dict"):
+        raise ConfigError("PipelineTrainer(optimizers=(..., <scheduler>)): pass a callable optimizer -> scheduler "
+                          "(its optimizer is built on this rank's stages)")
+
+
+def check_layout_args(args, microbatches: int, dp: int = 1) -> None:
+    """Each batch is cut into ``microbatches`` rows-wise: the Trainer's batch sizes must be multiples of it.
+    Over dp replicas the loss is divided by the tokens of all of them, as ``average_tokens_across_devices``."""
+    if dp > 1 and not getattr(args, "average_tokens_across_devices", True):
+        raise ConfigError("TrainingArguments(average_tokens_across_devices=False): the pipeline divides the loss by "
+                          "the tokens of every dp replica; drop it (True is the default)")
+    names = ["per_device_train_batch_size"]
+    if str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
+        names.append("per_device_eval_batch_size")
+    for name in names:
+        size = getattr(args, name)
+        if size % microbatches:
+            raise ConfigError(f"TrainingArguments({name}={size}) does not divide into the pipeline's {microbatches} "
+                              f"microbatches; use a multiple of {microbatches}, or pass microbatches= that divides it")
+
+
+def load_kwargs(load_pipeline, options: PipelineOptions, args, peft_config, trust_remote_code: bool) -> dict:
+    """``load_pipeline``'s keywords for these options and TrainingArguments."""
+    checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
+    kwargs = dict(pp=options.pp, dp=options.dp, ep=options.ep, tp=options.tp, schedule=options.schedule,
+                  microbatches=options.microbatches, layout=options.layout,
+                  dtype="bf16-mixed" if args.bf16 else "fp32",
+                  activation_checkpointing="full" if checkpointing else "none",
+                  lora=peft_config, seed=args.seed, trust_remote_code=trust_remote_code)
+    if options.cp != 1:  # context parallelism (#25) is taken by load_pipeline once it lands
+        if "cp" not in inspect.signature(load_pipeline).parameters:
+            raise ConfigError(f"PipelineTrainer(cp={options.cp!r}): context parallelism is not in this hfpipe "
+                              "yet (#25); drop cp")
+        kwargs["cp"] = options.cp
+    return kwargs
+
+
+def see_the_world(args) -> None:
+    """Make ``args`` see the launched world, as the ranks of one job.
+
+    accelerate takes a torchrun world on CPUs for single processes unless ``use_cpu`` is set: every
+    rank would then believe it is rank 0, and each would log, write ``trainer_state.json`` and rotate
+    checkpoints. On accelerators (and with ``use_cpu``) it sees the world already; this changes nothing.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or args.world_size > 1:
+        return
+    if args.device.type != "cpu":
+        raise ConfigError(f"TrainingArguments sees one process on {args.device} while {dist.get_world_size()} "
+                          "were launched; launch with torchrun/srun, as for DDP")
+    args.use_cpu = True
+    args.__dict__.pop("_setup_devices", None)  # a cached_property: run the device setup again, distributed,
+    args._setup_devices  # now, before the Trainer builds its Accelerator (it resets accelerate's state)
+    if args.world_size != dist.get_world_size():
+        raise ConfigError(f"TrainingArguments sees {args.world_size} processes of the {dist.get_world_size()} "
+                          "launched; launch with torchrun/srun, as for DDP")
