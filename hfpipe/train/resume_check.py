@@ -36,7 +36,10 @@ FREE = ("output_dir", "pp", "ep", "tp", "sequence_parallel", "reshard_per_microb
         "layout", "plan_method", "dtype",
         "activation_checkpointing", "save_every", "keep", "async_save", "resume", "save_hf_at_end",
         "trust_remote_code", "threads_per_rank", "log_every", "eval_dataset", "eval_split", "eval_every",
-        "eval_batches", "keep_best", "report_to", "timeout")
+        "eval_batches", "keep_best", "report_to", "timeout",
+        # the same records give the same rows with it or without it: it only decides whether to refuse
+        "allow_dropped_records",
+        "cp")  # context parallelism lays the sequence out over ranks; DCP reshards by name
 _OPTIMIZER = ("weight_decay", "betas", "eps")
 
 

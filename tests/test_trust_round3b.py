@@ -1,0 +1,168 @@
+"""Trust, round three (issue #27), continued: dropped records, adapter exports checked like PEFT loads
+them, merges onto a changed base, quantized scales against their block size, and adapter folders.
+
+Each case is a refusal in one line with exit 2 that writes and loses nothing (``_refused``), or what
+is allowed, said.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from _trust import tiny  # noqa: F401 - a fixture
+from hfpipe.tiny import make_tiny_checkpoint
+from test_lora_checkpoint import lora_checkpoint_from_peft
+from test_trust_round3 import FT, _edit_meta, _refused
+
+# --- 1. records dropped are counted, and most of the data dropped is refused ------------------------
+
+
+def _chat(turns_with_reply: int, total: int) -> list[dict]:
+    reply = [{"role": "assistant", "content": "an answer"}]
+    return [{"messages": [{"role": "user", "content": f"question {i}"}] + (reply if i < turns_with_reply else [])}
+            for i in range(total)]
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+DROPPED = {
+    "chat: 36 of 40 without an assistant turn": (_chat(4, 40), "36 of 40 records dropped (36 with no assistant turn)"),
+    "chat: 3 of 4": (_chat(1, 4), "3 of 4 records dropped (3 with no assistant turn), more than half"),
+    "text: 3 of 5 empty": ([{"text": "" if i < 3 else f"some words {i}"} for i in range(5)],
+                           "3 of 5 records dropped (3 with empty text)"),
+    "chat: every record": (_chat(0, 6), ("6 of 6 records dropped", "no document with a trainable token")),
+}
+
+
+@pytest.mark.parametrize("case", list(DROPPED))
+def test_a_run_that_would_drop_most_records_is_refused_and_says_why(tiny, tmp_path, case):
+    rows, message = DROPPED[case]
+    data = _jsonl(tmp_path / "case" / "d.jsonl", rows)
+    args = [a.replace("{tiny}", str(tiny)) for a in FT]
+    _refused([*args, "--output-dir", tmp_path / "case" / "out", "--dataset", data], message, tmp_path)
+
+
+def _load(tiny: Path, data: Path, **kw):
+    from transformers import AutoTokenizer
+
+    from hfpipe.data.config import DataConfig
+    from hfpipe.data.load import load_examples
+
+    return load_examples(DataConfig(dataset=str(data), seq_len=32, packing=False, **kw),
+                         AutoTokenizer.from_pretrained(tiny))
+
+
+@pytest.mark.parametrize("rows, allow, kept, said", [
+    (_chat(4, 40), True, 4, "36 of 40 records dropped (36 with no assistant turn)"),
+    (_chat(2, 4), False, 2, "2 of 4 records dropped (2 with no assistant turn)"),  # half is not most
+    (_chat(3, 3), False, 3, None),
+])
+def test_dropped_records_are_said_and_allowed_when_the_user_says_so(tiny, tmp_path, caplog, rows, allow, kept, said):
+    with caplog.at_level(logging.WARNING, logger="hfpipe.data.load"):
+        rows_out = _load(tiny, _jsonl(tmp_path / "d.jsonl", rows), allow_dropped_records=allow)
+    assert len(rows_out) == kept
+    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert warned == ([f"--dataset {tmp_path / 'd.jsonl'}: {said}"] if said else [])
+
+
+def test_allow_dropped_records_is_free_to_change_on_resume():
+    from hfpipe.train.resume_check import FREE, MUST_MATCH
+
+    assert "allow_dropped_records" in FREE and "allow_dropped_records" not in MUST_MATCH
+
+
+# --- 2. an adapter export is checked against its config and its base, as PEFT loads it -----------------
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny base and a LoRA checkpoint on it (as the trainer writes it, with the base recorded)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_checkpoint(root / "base", "llama", num_hidden_layers=2)
+    return base, lora_checkpoint_from_peft(base, root / "run" / "step-00000003", ["q_proj", "v_proj"])
+
+
+def _lora_case(lora, root: Path) -> tuple[Path, Path]:
+    base, ckpt = lora
+    base = Path(shutil.copytree(base, root / "base"))
+    c = Path(shutil.copytree(ckpt, root / "run" / "step-00000003"))
+    _edit_meta(c, lambda m: {**m, "source": str(base)})
+    return base, c
+
+
+@pytest.mark.parametrize("rank", [2, 8])
+def test_an_adapter_whose_record_says_another_rank_than_its_tensors_is_refused(lora, tmp_path, rank):
+    _, c = _lora_case(lora, tmp_path / "case")
+    _edit_meta(c, lambda m: {**m, "lora": {**m["lora"], "r": rank}})
+    _refused(["export", c, tmp_path / "case" / "out", "--no-progress"],
+             ("has shape [4, ", f"(r={rank}, in hfpipe.json)", f"makes it [{rank}, "), tmp_path)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_an_adapter_exported_onto_a_base_of_another_shape_is_refused(lora, tmp_path, merge):
+    _, c = _lora_case(lora, tmp_path / "case")
+    other = make_tiny_checkpoint(tmp_path / "case" / "wider", "llama", num_hidden_layers=2, hidden_size=48,
+                                 tokenizer=False)
+    _refused(["export", c, tmp_path / "case" / "out", "--no-progress", "--source", other,
+              *(["--merge"] if merge else [])], ("has shape", "--source"), tmp_path)
+
+
+# --- 3. a merge refuses a base that changed after training ----------------------------------------
+
+
+def _rewrite_first_tensor(base: Path) -> None:
+    shard = sorted(base.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] + 1
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+CHANGES = {
+    "weights rewritten, same shapes": (_rewrite_first_tensor, ("base file", ".safetensors changed since the run trained")),
+    "config.json edited": (lambda b: _edit_json(b / "config.json", rms_norm_eps=1e-5),
+                           "config.json changed since the run trained"),
+    "a shard added": (lambda b: save_file({"x": torch.zeros(1)}, b / "extra.safetensors"),
+                      "extra.safetensors was not there when the run trained"),
+    "record without the base": (None, "hfpipe.json does not record the base"),
+}
+
+
+def _edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_merge_onto_a_base_that_changed_after_training_is_refused(lora, tmp_path, change):
+    base, c = _lora_case(lora, tmp_path / "case")
+    edit, message = CHANGES[change]
+    if edit is None:
+        _edit_meta(c, lambda m: {k: v for k, v in m.items() if k != "base"})
+    else:
+        edit(base)
+    _refused(["export", c, tmp_path / "case" / "out", "--no-progress", "--merge"], message, tmp_path)
+
+
+def test_a_merge_onto_a_copy_of_the_same_base_elsewhere_is_allowed(lora, tmp_path):
+    from typer.testing import CliRunner
+
+    from hfpipe.cli.main import app
+
+    base, c = _lora_case(lora, tmp_path / "case")
+    moved = Path(shutil.move(str(base), tmp_path / "moved"))
+    result = CliRunner().invoke(app, ["export", str(c), str(tmp_path / "out"), "--no-progress", "--merge",
+                                      "--source", str(moved)])
+    assert result.exit_code == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == \
+        sorted(p.name for p in moved.glob("*.safetensors"))
