@@ -166,3 +166,153 @@ def test_a_merge_onto_a_copy_of_the_same_base_elsewhere_is_allowed(lora, tmp_pat
     assert result.exit_code == 0, result.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == \
         sorted(p.name for p in moved.glob("*.safetensors"))
+
+
+# --- 4. FP8 scales agree with weight_block_size and their weight, or the checkpoint is refused ---------
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 (routed experts, per-expert keys; moe_intermediate_size 32), with a tokenizer."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("moe") / "ds", "deepseek_v3", num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def fp8(moe, tmp_path_factory) -> Path:
+    """``moe`` as DeepSeek ships it: block-FP8 linears with 16 x 16 tiles, over two shards."""
+    from hfpipe.tiny import make_fp8_checkpoint
+
+    return make_fp8_checkpoint(moe, tmp_path_factory.mktemp("fp8") / "ds", block=16, num_shards=2)
+
+
+def _edit_tensor(folder: Path, key: str, value=None, *, new_key: str | None = None) -> None:
+    """Replace ``key`` by ``value`` (None: delete it), or add ``new_key`` beside it; the index follows."""
+    index = folder / "model.safetensors.index.json"
+    record = json.loads(index.read_text())
+    shard = folder / record["weight_map"][key]
+    tensors = load_file(shard)
+    if new_key is not None:
+        tensors[new_key], record["weight_map"][new_key] = value, shard.name
+    elif value is None:
+        del tensors[key], record["weight_map"][key]
+    else:
+        tensors[key] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index.write_text(json.dumps(record))
+
+
+def _set_block(folder: Path, block) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = block
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # 64 x 64: 4 x 4 tiles of 16
+SCALES = {
+    "block 32 over 16-tiles": (lambda f: _set_block(f, [32, 32]), ("weight_block_size [32, 32] tiles", "into [2, 4]")),
+    "block 8 over 16-tiles": (lambda f: _set_block(f, [8, 8]), ("weight_block_size [8, 8] tiles", "into [8, 16]")),
+    "non-square block": (lambda f: _set_block(f, [16, 32]), "weight_block_size [16, 32] tiles"),
+    "a row of extra tiles": (lambda f: _edit_tensor(f, O_PROJ + "_scale_inv", torch.ones(5, 4)),
+                             (f"'{O_PROJ}_scale_inv' has shape [5, 4]", "into [4, 4]")),
+    "a column of extra tiles": (lambda f: _edit_tensor(f, O_PROJ + "_scale_inv", torch.ones(4, 5)),
+                                f"'{O_PROJ}_scale_inv' has shape [4, 5]"),
+    "a missing tile": (lambda f: _edit_tensor(f, O_PROJ + "_scale_inv", torch.ones(4, 3)), "has shape [4, 3]"),
+    "block 0": (lambda f: _set_block(f, [0, 0]), "weight_block_size must be two positive integers"),
+    "block of one number": (lambda f: _set_block(f, [16]), "weight_block_size must be two positive integers"),
+    "block as text": (lambda f: _set_block(f, "16x16"), "weight_block_size must be two positive integers"),
+    "block 1.5": (lambda f: _set_block(f, [1.5, 16]), "weight_block_size must be two positive integers"),
+}
+
+
+def _ft(model: Path, out: Path, *extra) -> list:
+    return ["finetune", model, "--pp", "2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "1",
+            "--output-dir", out, *extra]
+
+
+@pytest.mark.parametrize("case", list(SCALES))
+def test_fp8_scales_that_disagree_with_the_block_size_are_refused_before_training(fp8, tmp_path, case):
+    edit, message = SCALES[case]
+    model = Path(shutil.copytree(fp8, tmp_path / "case" / "fp8"))
+    edit(model)
+    _refused(_ft(model, tmp_path / "case" / "out"), message, tmp_path)
+
+
+def test_extra_tiles_are_refused_alike_under_quantize_base_fp8(fp8, tmp_path):
+    model = Path(shutil.copytree(fp8, tmp_path / "case" / "fp8"))
+    _edit_tensor(model, O_PROJ + "_scale_inv", torch.ones(5, 4))
+    _refused(_ft(model, tmp_path / "case" / "out", "--lora-rank", "4", "--quantize-base", "fp8"),
+             f"'{O_PROJ}_scale_inv' has shape [5, 4]", tmp_path)
+
+
+# --- 5. plan refuses what finetune refuses of a quantized base: one check, both commands ---------------
+
+
+def _plan(model: Path, out: Path, *extra) -> list:
+    return ["plan", model, "--pp", "2", "--seq-len", "32", "--batch-size", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def wide48(tmp_path_factory) -> Path:
+    """A tiny Llama of hidden size 48: NF4's default 64-value blocks do not divide its rows."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("w48") / "llama", "llama", num_hidden_layers=2, hidden_size=48)
+
+
+QUANT = {
+    "nf4 default block over 48 rows": ("wide48", ["--quantize-base", "nf4"],
+                                       ("--quantize-block-size 64 does not divide the rows of", "(48, 48)")),
+    "nf4 block 32 over 48 rows": ("wide48", ["--quantize-base", "nf4", "--quantize-block-size", "32"],
+                                  "--quantize-block-size 32 does not divide the rows"),
+    "fp8 default tile over the gate/up seam": ("moe", ["--quantize-base", "fp8"],
+                                               ("--quantize-block-size 128 must divide the routed experts' "
+                                                "intermediate size 32", "stacks gate and up")),
+    "fp8 tile 24 over the gate/up seam": ("moe", ["--quantize-base", "fp8", "--quantize-block-size", "24"],
+                                          "--quantize-block-size 24 must divide the routed experts'"),
+}
+
+
+@pytest.mark.parametrize("command", [_plan, _ft])
+@pytest.mark.parametrize("case", list(QUANT))
+def test_plan_and_finetune_refuse_the_same_quantized_layout(request, tmp_path, case, command):
+    if "nf4" in case and command is _ft:
+        pytest.importorskip("torchao", reason="--quantize-base nf4 needs torchao")
+    fixture, extra, message = QUANT[case]
+    model = request.getfixturevalue(fixture)
+    _refused(command(model, tmp_path / "out", "--lora-rank", "4", *extra), message, tmp_path)
+
+
+def test_plan_answers_the_quantized_layout_finetune_accepts(moe):
+    from typer.testing import CliRunner
+
+    from hfpipe.cli.main import app
+
+    result = CliRunner().invoke(app, [str(a) for a in _plan(moe, Path("."), "--lora-rank", "4", "--quantize-base",
+                                                            "fp8", "--quantize-block-size", "16")])
+    assert result.exit_code == 0, result.stderr[-2000:]
+    assert "fp8" in result.stdout
+
+
+# --- 6. expert checkpoints: keys, shapes and layouts checked when the index and headers are read --------
+
+EXPERT = "model.layers.2.mlp.experts.1.down_proj.weight"  # [64, 32]; layer 2 is the MoE layer
+EXPERTS = {
+    "an expert of the wrong shape": (lambda f: _edit_tensor(f, EXPERT, torch.zeros(64, 33)),
+                                     (f"tensor '{EXPERT}' has shape [64, 33]", "are [64, 32]")),
+    "an expert transposed": (lambda f: _edit_tensor(f, EXPERT, torch.zeros(32, 64)), f"tensor '{EXPERT}' has shape [32, 64]"),
+    "a missing expert key": (lambda f: _edit_tensor(f, EXPERT), (f"tensor '{EXPERT}' is missing", "1 of 8 experts")),
+    "a fused key among per-expert keys": (
+        lambda f: _edit_tensor(f, EXPERT, torch.zeros(8, 64, 64), new_key="model.layers.2.mlp.experts.gate_up_proj"),
+        ("'model.layers.2.mlp.experts.gate_up_proj' is a fused expert tensor", "also has per-expert tensors")),
+    "an expert beyond the config's count": (
+        lambda f: _edit_tensor(f, EXPERT, torch.zeros(64, 32), new_key="model.layers.2.mlp.experts.8.down_proj.weight"),
+        "'model.layers.2.mlp.experts.8.down_proj.weight' is an expert beyond the 8 routed experts"),
+}
+
+
+@pytest.mark.parametrize("command", ["finetune", "verify"])
+@pytest.mark.parametrize("case", list(EXPERTS))
+def test_a_damaged_expert_checkpoint_is_refused_naming_the_key_before_any_worker(moe, tmp_path, case, command):
+    edit, message = EXPERTS[case]
+    model = Path(shutil.copytree(moe, tmp_path / "case" / "ds"))
+    edit(model)
+    args = _ft(model, tmp_path / "case" / "out") if command == "finetune" else ["verify", model, "--pp", "2"]
+    _refused(args, message, tmp_path)

@@ -1,0 +1,101 @@
+"""Checks of a checkpoint's tensors that need only their names and headers, run where those are read.
+
+- **Block-FP8 scales** (:func:`check_fp8_scales`): a ``weight_scale_inv`` must hold exactly one scale
+  per ``weight_block_size`` tile of its weight (``ceil(rows/b0) x ceil(cols/b1)``, per expert for a
+  stack). The dequantization repeats each scale over its tile and crops, so a scale grid of another
+  shape (a wrong block size in config.json, extra tiles) would silently scale weights wrongly.
+- **Routed experts** (:func:`check_expert_keys`, :class:`ExpertShapes`): per-expert keys
+  (``...experts.<e>.<proj>``) and fused keys (``...experts.<proj>``) never mixed in one layer; every
+  expert ``0 .. n-1`` of the config holds every projection the layer's other experts hold; and the
+  experts of one projection have one shape. The loader stacks the experts into one tensor and would
+  otherwise fail inside a worker (``stack expects each tensor to be equal size``), name a present key
+  for a missing one, or ignore a stray fused key.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from hfpipe.models.moe import routed_experts
+from hfpipe.source.config import SourceError
+
+__all__ = ["ExpertShapes", "check_expert_keys", "check_fp8_scales", "fp8_block"]
+
+SCALE = "_scale_inv"
+_PER_EXPERT = re.compile(r"^(?P<layer>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
+_FUSED = re.compile(r"^(?P<layer>(?:.*\.)?experts)\.(?P<rest>[^.\d][^.]*(?:\.[^.]+)?)$")
+
+
+def fp8_block(config) -> tuple[int, int] | None:
+    """``weight_block_size`` of a block-FP8 config (DeepSeek's default 128 x 128), else None."""
+    qc = getattr(config, "quantization_config", None)
+    if not qc:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    if qc.get("quant_method") != "fp8":
+        return None
+    block = qc.get("weight_block_size") or (128, 128)
+    return int(block[0]), int(block[-1])
+
+
+def check_fp8_scales(where: Path, weight: str, shape, scale_shape, block: tuple[int, int]) -> None:
+    """Refuse a scale grid that is not one scale per ``block`` tile of ``weight`` (the last two dims)."""
+    *lead, rows, cols = shape
+    want = [*lead, -(-rows // block[0]), -(-cols // block[1])]
+    if list(scale_shape) != want:
+        raise SourceError(f"{where}: {weight + SCALE!r} has shape {list(scale_shape)}, but weight_block_size "
+                          f"{list(block)} tiles {weight!r} {list(shape)} into {want}; config.json's "
+                          "quantization_config does not match the checkpoint: fix weight_block_size or re-download")
+
+
+def check_expert_keys(where: Path, names, config) -> None:
+    """Per-expert and fused keys not mixed, and every routed expert's keys present (names only)."""
+    per, fused = defaultdict(lambda: defaultdict(set)), defaultdict(list)
+    for key in names:
+        if (m := _PER_EXPERT.match(key)) is not None:
+            per[m["layer"]][m["rest"]].add(int(m["e"]))
+        elif (m := _FUSED.match(key)) is not None:
+            fused[m["layer"]].append(key)
+    n = routed_experts(config)[0]
+    for layer in sorted(per):
+        if fused.get(layer):
+            raise SourceError(f"{where}: {fused[layer][0]!r} is a fused expert tensor, but {layer} also has "
+                              "per-expert tensors; a checkpoint holds one layout per layer: re-download it")
+        for rest, have in sorted(per[layer].items()):
+            want = set(range(n)) if n else set().union(*per[layer].values())
+            if missing := sorted(want - have):
+                raise SourceError(f"{where}: tensor {f'{layer}.{missing[0]}.{rest}'!r} is missing ({len(missing)} "
+                                  f"of {len(want)} experts of {layer}.*.{rest} missing); the checkpoint is "
+                                  "incomplete or does not match config.json")
+            if extra := sorted(have - want):
+                raise SourceError(f"{where}: tensor {f'{layer}.{extra[0]}.{rest}'!r} is an expert beyond the "
+                                  f"{n} routed experts config.json declares; the checkpoint does not match it")
+
+
+class ExpertShapes:
+    """The shapes of per-expert tensors seen so far, grouped by layer and projection.
+
+    Headers are read one shard at a time (a rank reads only its own); each new header's experts are
+    checked against the others of their group read so far, so all of them are once every header is.
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple[str, str], dict[str, tuple]] = defaultdict(dict)
+
+    def add(self, where: Path, header: dict) -> None:
+        """Record ``header``'s expert shapes; refuse an expert whose shape differs from its group's."""
+        touched = set()
+        for key, entry in header.items():
+            if isinstance(entry, dict) and (m := _PER_EXPERT.match(key)) is not None:
+                self.groups[m["layer"], m["rest"]][key] = tuple(entry.get("shape") or ())
+                touched.add((m["layer"], m["rest"]))
+        for layer, rest in sorted(touched):
+            members = self.groups[layer, rest]
+            common, _ = Counter(members.values()).most_common(1)[0]
+            odd = sorted(k for k, s in members.items() if s != common)
+            if odd:
+                raise SourceError(f"{where.parent}: tensor {odd[0]!r} has shape {list(members[odd[0]])}, but "
+                                  f"the other experts' {rest} in {layer} are {list(common)}; the checkpoint "
+                                  "is damaged: re-download it")
