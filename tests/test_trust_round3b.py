@@ -316,3 +316,64 @@ def test_a_damaged_expert_checkpoint_is_refused_naming_the_key_before_any_worker
     edit(model)
     args = _ft(model, tmp_path / "case" / "out") if command == "finetune" else ["verify", model, "--pp", "2"]
     _refused(args, message, tmp_path)
+
+
+# --- 6. adapter folders given to hfpipe: checked from adapter_config.json and the headers, before PEFT ---
+
+
+@pytest.fixture(scope="module")
+def adapter(lora, tmp_path_factory) -> Path:
+    """``lora``'s checkpoint exported as a PEFT adapter folder (rank 4 on q_proj and v_proj)."""
+    from hfpipe.checkpoint.export import export_checkpoint
+
+    return export_checkpoint(lora[1], tmp_path_factory.mktemp("adapter") / "adapter", progress=False)
+
+
+def _config_edit(**changes):
+    return lambda a: _edit_json(a / "adapter_config.json", **changes)
+
+
+def _bin_payload(a: Path) -> None:
+    from _trust import RunsCode
+
+    (a / "adapter_model.safetensors").unlink()
+    torch.save({"x": RunsCode(f"touch {a.parent / 'pwned'}")}, a / "adapter_model.bin")
+
+
+def _retensor(a: Path, edit) -> None:
+    tensors = load_file(a / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, a / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+ADAPTERS = {
+    "rank 8 over rank-4 tensors": (_config_edit(r=8), (f"{Q_A} has shape [4, 64]", "(r=8)", "makes it [8, 64]")),
+    "a huge rank": (_config_edit(r=1 << 40), (f"{Q_A} has shape [4, 64]", f"(r={1 << 40})")),
+    "rank 0": (_config_edit(r=0), "r must be a positive integer (the LoRA rank), got 0"),
+    "rank as text": (_config_edit(r="4"), "r must be a positive integer (the LoRA rank), got '4'"),
+    "DoRA": (_config_edit(use_dora=True), "a DoRA adapter (use_dora: true)"),
+    "modules_to_save": (_config_edit(modules_to_save=["lm_head"]), "modules_to_save ['lm_head']"),
+    "another PEFT method": (_config_edit(peft_type="PREFIX_TUNING"), "a PREFIX_TUNING adapter"),
+    "a .bin payload": (_bin_payload, ("adapter_model.bin: a pickle payload", "never loads")),
+    "no payload": (lambda a: (a / "adapter_model.safetensors").unlink(), "no adapter_model.safetensors"),
+    "config not JSON": (lambda a: (a / "adapter_config.json").write_text("{r: 4"), "adapter_config.json"),
+    "config a list": (lambda a: (a / "adapter_config.json").write_text("[4]"), "must hold a JSON object, got a list"),
+    "a tensor missing": (lambda a: _retensor(a, lambda t: t.pop(Q_A)), f"{Q_A} is missing"),
+    "a DoRA magnitude beside the tensors": (
+        lambda a: _retensor(a, lambda t: t.update({Q_A.replace("lora_A.weight", "lora_magnitude_vector"): torch.ones(64)})),
+        "lora_magnitude_vector is not an adapter PEFT puts on the base"),
+    "a base of another width": (
+        lambda a: _edit_json(a / "adapter_config.json", base_model_name_or_path=str(make_tiny_checkpoint(
+            a.parent / "wide", "llama", num_hidden_layers=2, hidden_size=48))),
+        (f"{Q_A} has shape [4, 64]", "makes it [4, 48]")),
+}
+
+
+@pytest.mark.parametrize("case", list(ADAPTERS))
+def test_verify_refuses_an_adapter_folder_it_cannot_run_before_building_peft(adapter, tmp_path, case):
+    edit, message = ADAPTERS[case]
+    a = Path(shutil.copytree(adapter, tmp_path / "case" / "adapter"))
+    edit(a)
+    _refused(["verify", a, "--pp", "2"], message, tmp_path)
+    assert not (tmp_path / "case" / "pwned").exists()

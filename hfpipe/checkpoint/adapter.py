@@ -73,15 +73,9 @@ def _check_shapes(ckpt: Path, config, src: Path, saved: dict, expected: dict) ->
 
 def _expected_shapes(config, src: Path) -> dict[str, tuple[int, ...]]:
     """Adapter parameters PEFT injects into the full model, and their shapes (on the meta device)."""
-    import copy
+    from hfpipe.lora.folder import adapter_shapes
 
-    from peft.tuners.lora import LoraModel
-
-    from hfpipe.lora.adapters import ADAPTER
-
-    model = meta_model(src)
-    LoraModel(model, copy.deepcopy(config), ADAPTER, low_cpu_mem_usage=True)
-    return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    return adapter_shapes(meta_model(src), config)
 
 
 def write_adapter(tmp: Path, config, adapters: dict[str, torch.Tensor], base: str) -> None:

@@ -66,7 +66,7 @@ class ModelSource:
         src = cls(name, folder, repo_id, config, {})
         src.weight_map = src._read_weight_map()
         index = folder / (INDEX if (folder / INDEX).is_file() else SINGLE)
-        check_expert_keys(index, src.weight_map, config)  # names only: before any header is read
+        _refuse(check_expert_keys(index, src.weight_map, config))  # names only: before any header is read
         return src
 
     def _read_weight_map(self) -> dict[str, str]:
@@ -111,7 +111,7 @@ class ModelSource:
                 raise SourceError(str(e)) from None
             check_dtypes(self.folder / filename, header, self.config, self.weight_map or header)
             self._check_scales(filename, header)
-            self._experts.add(self.folder / filename, header)
+            _refuse(self._experts.add(self.folder / filename, header))
             self._headers[filename] = header
         return self._headers[filename]
 
@@ -128,7 +128,7 @@ class ModelSource:
             else:
                 continue
             if isinstance(w, dict) and isinstance(s, dict):
-                check_fp8_scales(self.folder / filename, weight, w.get("shape"), s.get("shape"), block)
+                _refuse(check_fp8_scales(self.folder / filename, weight, w.get("shape"), s.get("shape"), block))
 
     def _cached(self, key: str) -> dict | None:
         return self._headers.get(self.weight_map.get(key, ""), {}).get(key)
@@ -137,6 +137,11 @@ class ModelSource:
     def tied(self) -> bool:
         """Whether the head shares the embedding (no ``lm_head.weight`` expected on disk)."""
         return bool(getattr(self.config, "tie_word_embeddings", False))
+
+
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise SourceError(problem)
 
 
 _FP8 = ("F8_E4M3", "F8_E5M2")

@@ -10,6 +10,9 @@
   experts of one projection have one shape. The loader stacks the experts into one tensor and would
   otherwise fail inside a worker (``stack expects each tensor to be equal size``), name a present key
   for a missing one, or ignore a stray fused key.
+
+Each check returns the problem as one line (None when there is none): :mod:`hfpipe.source.folder`
+raises it as its ``SourceError``, and this module stays a floor below the config reader.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from hfpipe.models.moe import routed_experts
-from hfpipe.source.config import SourceError
 
 __all__ = ["ExpertShapes", "check_expert_keys", "check_fp8_scales", "fp8_block"]
 
@@ -40,17 +42,18 @@ def fp8_block(config) -> tuple[int, int] | None:
     return int(block[0]), int(block[-1])
 
 
-def check_fp8_scales(where: Path, weight: str, shape, scale_shape, block: tuple[int, int]) -> None:
+def check_fp8_scales(where: Path, weight: str, shape, scale_shape, block: tuple[int, int]) -> str | None:
     """Refuse a scale grid that is not one scale per ``block`` tile of ``weight`` (the last two dims)."""
     *lead, rows, cols = shape
     want = [*lead, -(-rows // block[0]), -(-cols // block[1])]
     if list(scale_shape) != want:
-        raise SourceError(f"{where}: {weight + SCALE!r} has shape {list(scale_shape)}, but weight_block_size "
+        return (f"{where}: {weight + SCALE!r} has shape {list(scale_shape)}, but weight_block_size "
                           f"{list(block)} tiles {weight!r} {list(shape)} into {want}; config.json's "
                           "quantization_config does not match the checkpoint: fix weight_block_size or re-download")
+    return None
 
 
-def check_expert_keys(where: Path, names, config) -> None:
+def check_expert_keys(where: Path, names, config) -> str | None:
     """Per-expert and fused keys not mixed, and every routed expert's keys present (names only)."""
     per, fused = defaultdict(lambda: defaultdict(set)), defaultdict(list)
     for key in names:
@@ -61,17 +64,18 @@ def check_expert_keys(where: Path, names, config) -> None:
     n = routed_experts(config)[0]
     for layer in sorted(per):
         if fused.get(layer):
-            raise SourceError(f"{where}: {fused[layer][0]!r} is a fused expert tensor, but {layer} also has "
+            return (f"{where}: {fused[layer][0]!r} is a fused expert tensor, but {layer} also has "
                               "per-expert tensors; a checkpoint holds one layout per layer: re-download it")
         for rest, have in sorted(per[layer].items()):
             want = set(range(n)) if n else set().union(*per[layer].values())
             if missing := sorted(want - have):
-                raise SourceError(f"{where}: tensor {f'{layer}.{missing[0]}.{rest}'!r} is missing ({len(missing)} "
+                return (f"{where}: tensor {f'{layer}.{missing[0]}.{rest}'!r} is missing ({len(missing)} "
                                   f"of {len(want)} experts of {layer}.*.{rest} missing); the checkpoint is "
                                   "incomplete or does not match config.json")
             if extra := sorted(have - want):
-                raise SourceError(f"{where}: tensor {f'{layer}.{extra[0]}.{rest}'!r} is an expert beyond the "
+                return (f"{where}: tensor {f'{layer}.{extra[0]}.{rest}'!r} is an expert beyond the "
                                   f"{n} routed experts config.json declares; the checkpoint does not match it")
+    return None
 
 
 class ExpertShapes:
@@ -84,8 +88,8 @@ class ExpertShapes:
     def __init__(self) -> None:
         self.groups: dict[tuple[str, str], dict[str, tuple]] = defaultdict(dict)
 
-    def add(self, where: Path, header: dict) -> None:
-        """Record ``header``'s expert shapes; refuse an expert whose shape differs from its group's."""
+    def add(self, where: Path, header: dict) -> str | None:
+        """Record ``header``'s expert shapes; the problem if an expert's shape differs from its group's."""
         touched = set()
         for key, entry in header.items():
             if isinstance(entry, dict) and (m := _PER_EXPERT.match(key)) is not None:
@@ -96,6 +100,7 @@ class ExpertShapes:
             common, _ = Counter(members.values()).most_common(1)[0]
             odd = sorted(k for k, s in members.items() if s != common)
             if odd:
-                raise SourceError(f"{where.parent}: tensor {odd[0]!r} has shape {list(members[odd[0]])}, but "
+                return (f"{where.parent}: tensor {odd[0]!r} has shape {list(members[odd[0]])}, but "
                                   f"the other experts' {rest} in {layer} are {list(common)}; the checkpoint "
                                   "is damaged: re-download it")
+        return None
