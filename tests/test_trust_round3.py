@@ -34,7 +34,7 @@ def _edit_meta(ckpt: Path, edit) -> None:
 
 def _tree(root: Path) -> dict:
     """:func:`tree`, with sparse giants compared by size (reading them is what must not happen)."""
-    return {k: (len(v), v[:64]) if isinstance(v, bytes) and len(v) > (1 << 20) else v for k, v in tree(root).items()}
+    return tree(root, giant=1 << 20)
 
 
 def _refused(args: list[str], message: str | tuple[str, ...], *watched: Path) -> str:

@@ -377,3 +377,12 @@ def test_verify_refuses_an_adapter_folder_it_cannot_run_before_building_peft(ada
     edit(a)
     _refused(["verify", a, "--pp", "2"], message, tmp_path)
     assert not (tmp_path / "case" / "pwned").exists()
+
+
+@pytest.mark.parametrize("case", ["rank 8 over rank-4 tensors", "a huge rank", "DoRA", "a .bin payload"])
+def test_generate_refuses_the_same_adapter_folders(adapter, tmp_path, case):
+    edit, message = ADAPTERS[case]
+    a = Path(shutil.copytree(adapter, tmp_path / "case" / "adapter"))
+    edit(a)
+    _refused(["generate", a, "--prompt", "hi"], message, tmp_path)
+    assert not (tmp_path / "case" / "pwned").exists()
