@@ -160,7 +160,11 @@ class Generator:
         """Token ids ``[1, T]`` of a prompt: chat messages (or one user turn) through the chat
         template when there is one and ``chat_template``, else the raw text."""
         if isinstance(prompt, str) and not (chat_template and self.has_chat_template):
-            return self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]  # (1, T)
+            if ids.shape[-1] == 0:  # no BOS either: nothing to continue (transformers fails on a reshape)
+                raise GenerateError("--prompt is empty and this tokenizer adds no BOS token, so there is "
+                                    "nothing to continue; give a prompt")
+            return ids
         if not self.has_chat_template:
             raise GenerateError("this tokenizer has no chat template; use hfpipe generate "
                                 "--no-chat-template, or a model with a chat template")

@@ -386,3 +386,22 @@ def test_generate_refuses_the_same_adapter_folders(adapter, tmp_path, case):
     edit(a)
     _refused(["generate", a, "--prompt", "hi"], message, tmp_path)
     assert not (tmp_path / "case" / "pwned").exists()
+
+
+# --- elsewhere: generate with nothing to continue ---------------------------------------------------
+
+
+def _without_template(tiny: Path, root: Path) -> Path:
+    m = Path(shutil.copytree(tiny, root / "m"))
+    cfg = json.loads((m / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (m / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (m / "chat_template.jinja").unlink(missing_ok=True)
+    return m
+
+
+@pytest.mark.parametrize("no_template", [True, False])
+def test_generate_with_an_empty_prompt_and_no_template_is_one_line(tiny, tmp_path, no_template):
+    m = _without_template(tiny, tmp_path / "case") if no_template else tiny
+    extra = [] if no_template else ["--no-chat-template"]
+    _refused(["generate", m, "--prompt", "", *extra], "--prompt is empty and this tokenizer adds no BOS", tmp_path)
