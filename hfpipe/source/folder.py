@@ -122,7 +122,8 @@ class ModelSource:
             return
         for key, entry in header.items():
             if key.endswith(SCALE):  # from the scale: its weight here or in a shard read before
-                weight, w, s = key[: -len(SCALE)], header.get(key[: -len(SCALE)]) or self._cached(key[: -len(SCALE)]), entry
+                weight = key[: -len(SCALE)]
+                w, s = header.get(weight) or self._cached(weight), entry
             elif key + SCALE in self.weight_map and key + SCALE not in header:  # its scale read before
                 weight, w, s = key, entry, self._cached(key + SCALE)
             else:
