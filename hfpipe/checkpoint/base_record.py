@@ -23,7 +23,7 @@ from pathlib import Path
 from hfpipe.errors import ExportError
 from hfpipe.files import open_regular, read_side_file
 
-__all__ = ["base_record", "check_base"]
+__all__ = ["base_difference", "base_record", "check_base"]
 
 _SAMPLE = 1 << 16
 _HEADER_CAP = 100 << 20  # safetensors' own limit on a header
@@ -49,10 +49,17 @@ def _shard_digest(path: Path, size: int) -> str:
 
 
 def _file_digest(path: Path) -> dict:
-    size = path.stat().st_size
-    if path.suffix == ".safetensors":
-        return {"size": size, "sample_sha256": _shard_digest(path, size)}
-    return {"size": size, "sha256": hashlib.sha256(read_side_file(path, follow=True)).hexdigest()}
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:  # every save records the base: read each file once per run, unless it changes
+        if path.suffix == ".safetensors":
+            _DIGESTS[key] = {"size": st.st_size, "sample_sha256": _shard_digest(path, st.st_size)}
+        else:
+            _DIGESTS[key] = {"size": st.st_size, "sha256": hashlib.sha256(read_side_file(path, follow=True)).hexdigest()}
+    return dict(_DIGESTS[key])
+
+
+_DIGESTS: dict[tuple, dict] = {}
 
 
 def base_record(src: str | Path) -> dict:
@@ -60,27 +67,39 @@ def base_record(src: str | Path) -> dict:
     return {"files": {p.name: _file_digest(p) for p in _files(Path(src))}}
 
 
+def base_difference(meta: dict, src: Path) -> str | None:
+    """How the base folder ``src`` differs from the one ``meta`` (``hfpipe.json``) recorded, naming the
+    file; None when it is the same, or when nothing was recorded (see :func:`check_base`)."""
+    recorded = meta.get("base")
+    files = recorded.get("files") if isinstance(recorded, dict) else None
+    if not isinstance(files, dict) or not files:
+        return None
+    now = base_record(src)["files"]
+    for name in sorted(set(files) | set(now)):
+        if name not in now:
+            return f"base file {src / name} is missing"
+        if name not in files:
+            return f"base file {src / name} was not there when the run trained"
+        if files[name] != now[name]:
+            return f"base file {src / name} changed since the run trained on it"
+    return None
+
+
 def check_base(meta: dict, src: Path, ckpt: Path) -> None:
     """Refuse a merge onto a base that is not the one the run trained on, naming the file that differs.
+
+    A record without ``base`` is refused too: a merge is the one step that rewrites the base, and a
+    record that cannot say what it was (damaged, or older than the record) cannot vouch for it.
 
     Raises:
         ExportError: the record lacks ``base``, or a file is missing, added or different.
     """
     recorded = meta.get("base")
-    files = recorded.get("files") if isinstance(recorded, dict) else None
-    if not isinstance(files, dict) or not files:
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("files"), dict) or not recorded["files"]:
         raise ExportError(f"checkpoint {ckpt}: hfpipe.json does not record the base the run trained on "
                           "(damaged, or written by an older hfpipe), so a merge cannot be checked against it; "
                           "export the adapter without --merge and merge it with PEFT")
-    now = base_record(src)["files"]
-    for name in sorted(set(files) | set(now)):
-        if name not in now:
-            why = "is missing"
-        elif name not in files:
-            why = "was not there when the run trained"
-        elif files[name] != now[name]:
-            why = "changed since the run trained on it"
-        else:
-            continue
-        raise ExportError(f"--merge: base file {src / name} {why}; merge onto the base the run started "
-                          "from (--source), or export the adapter without --merge")
+    problem = base_difference(meta, src)
+    if problem:
+        raise ExportError(f"--merge: {problem}; merge onto the base the run started from (--source), or "
+                          "export the adapter without --merge")
