@@ -15,7 +15,8 @@ from pathlib import Path
 
 from hfpipe.source.config import SourceError, load_config, load_tokenizer
 from hfpipe.source.safetensors_io import SafetensorsError, read_header
-from hfpipe.source.tensor_checks import SCALE, ExpertShapes, check_expert_keys, check_fp8_scales, fp8_block
+from hfpipe.source.tensor_checks import (SCALE, ExpertShapes, check_expert_keys, check_fp8_scales, decoder_layers,
+                                         fp8_block)
 
 __all__ = ["ModelSource", "SourceError", "check_dtypes", "check_shard_names", "load_config", "load_tokenizer"]
 
@@ -111,7 +112,7 @@ class ModelSource:
                 raise SourceError(str(e)) from None
             check_dtypes(self.folder / filename, header, self.config, self.weight_map or header)
             self._check_scales(filename, header)
-            _refuse(self._experts.add(self.folder / filename, header))
+            _refuse(self._experts.add(self.folder / filename, header, decoder_layers(self.config)))
             self._headers[filename] = header
         return self._headers[filename]
 

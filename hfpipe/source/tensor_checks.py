@@ -23,10 +23,11 @@ from pathlib import Path
 
 from hfpipe.models.moe import routed_experts
 
-__all__ = ["ExpertShapes", "check_expert_keys", "check_fp8_scales", "fp8_block"]
+__all__ = ["ExpertShapes", "check_expert_keys", "check_fp8_scales", "decoder_layers", "fp8_block"]
 
 SCALE = "_scale_inv"
 _PER_EXPERT = re.compile(r"^(?P<layer>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FUSED = re.compile(r"^(?P<layer>(?:.*\.)?experts)\.(?P<rest>[^.\d][^.]*(?:\.[^.]+)?)$")
 
 
@@ -53,11 +54,26 @@ def check_fp8_scales(where: Path, weight: str, shape, scale_shape, block: tuple[
     return None
 
 
+def decoder_layers(config) -> int | None:
+    """The decoder layers the model has: keys of layers past them (DeepSeek's MTP layers) are skipped
+    by the loader, never read, so their experts are not checked either."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "num_hidden_layers", None)
+
+
+def _skipped(layer: str, layers: int | None) -> bool:
+    m = _LAYER.search(layer)
+    return layers is not None and m is not None and int(m[1]) >= layers
+
+
 def check_expert_keys(where: Path, names, config) -> str | None:
     """Per-expert and fused keys not mixed, and every routed expert's keys present (names only)."""
     per, fused = defaultdict(lambda: defaultdict(set)), defaultdict(list)
+    layers = decoder_layers(config)
     for key in names:
-        if (m := _PER_EXPERT.match(key)) is not None:
+        if (m := _PER_EXPERT.match(key)) is not None and _skipped(m["layer"], layers):
+            continue
+        if m is not None:
             per[m["layer"]][m["rest"]].add(int(m["e"]))
         elif (m := _FUSED.match(key)) is not None:
             fused[m["layer"]].append(key)
@@ -88,11 +104,13 @@ class ExpertShapes:
     def __init__(self) -> None:
         self.groups: dict[tuple[str, str], dict[str, tuple]] = defaultdict(dict)
 
-    def add(self, where: Path, header: dict) -> str | None:
-        """Record ``header``'s expert shapes; the problem if an expert's shape differs from its group's."""
+    def add(self, where: Path, header: dict, layers: int | None = None) -> str | None:
+        """Record ``header``'s expert shapes; the problem if an expert's shape differs from its group's.
+        Layers from ``layers`` on (:func:`decoder_layers`) are skipped."""
         touched = set()
         for key, entry in header.items():
-            if isinstance(entry, dict) and (m := _PER_EXPERT.match(key)) is not None:
+            m = _PER_EXPERT.match(key) if isinstance(entry, dict) else None
+            if m is not None and not _skipped(m["layer"], layers):
                 self.groups[m["layer"], m["rest"]][key] = tuple(entry.get("shape") or ())
                 touched.add((m["layer"], m["rest"]))
         for layer, rest in sorted(touched):
