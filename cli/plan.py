@@ -66,7 +66,7 @@ def plan(
              "matplotlib: pip install 'hfpipe[plot]').", show_default=False)] = None,
 ) -> None:
     """Plan the pipeline stages of a finetune run and print each rank's parameters, memory
-    (weights, gradients, AdamW state, activations; dp sharding counted), the balance and the
+    (weights, gradients, AdamW state, activations; dp and cp sharding counted), the balance and the
     schedule's bubble; with --gpu-memory, whether each rank fits and what would make it fit."""
     from hfpipe.plan.fit import format_fit, parse_memory, report_for, suggest
     from hfpipe.plan.report import format_report, load_model_config

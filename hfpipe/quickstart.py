@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -49,6 +50,7 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 120, pp: i
     if pp > _MODEL["num_hidden_layers"]:  # one stage per layer at most
         raise OptionError(f"--pp {pp} is more than the quickstart model's {_MODEL['num_hidden_layers']} "
                           f"layers; use --pp 1 to {_MODEL['num_hidden_layers']}")
+    _cpu_if_too_few_gpus(pp, echo)
     base, run = out / "base", out / ("run-lora" if lora else "run")
     echo(f"1/4 a small Llama with a tokenizer trained on the shipped chat set, in {base}")
     if (base / "config.json").is_file():
@@ -176,3 +178,14 @@ class _Ticker:
                 shown, self.start = what, time.monotonic() - _TICK
             if what is not None:
                 self.echo(f"    {what}... ({time.monotonic() - self.start:.0f} s)")
+
+
+def _cpu_if_too_few_gpus(pp: int, echo) -> None:
+    """The demo runs anywhere: on a machine with fewer GPUs than --pp (NCCL puts one rank on each GPU),
+    its ranks run as CPU processes instead, which the tiny model allows, and it says so."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < pp:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # inherited by the workers the launcher starts
+        echo(f"    {gpus} GPU(s) here for {pp} ranks (one rank per GPU): the quickstart runs on CPU processes")

@@ -75,6 +75,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
             the options cannot be used (one line saying what to fix).
     """
     from hfpipe.parallel.launch import launch
+    from hfpipe.parallel.mesh import check_gpus
     from hfpipe.models.support import get_adapter
     from hfpipe.parallel.dims import ParallelDims
     from hfpipe.parallel.rules import check_layout
@@ -108,6 +109,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     _check_shards(source)
     inputs = _sample_batch(source.config, batch, seq_len)
     reference = _reference_logits(source.folder, inputs, trust_remote_code, adapter_dir)
+    check_gpus(pp)
     results = launch(_rank_logits, pp, str(source.folder), plan, schedule, microbatches, inputs,
                      trust_remote_code, adapter_dir)
     logits = _gather(results)

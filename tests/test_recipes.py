@@ -38,8 +38,10 @@ def test_the_recipes_are_there():
         "llama3_1_405b_sft_pp16_tp8.yaml",
         "llama3_1_70b_lora_pp8.yaml",
         "llama3_1_70b_qlora_pp2.yaml",
+        "llama3_1_70b_sft_32k_pp4_cp2_tp8.yaml",
         "llama3_1_70b_sft_pp16_dp2.yaml",
         "llama3_1_70b_sft_pp3_tp8.yaml",
+        "llama3_1_8b_sft_128k_cp8.yaml",
         "llama3_1_8b_sft_pp4.yaml",
         "llama3_2_1b_lora_pp2.yaml",
         "llama3_2_1b_sft_pp2.yaml",
@@ -58,7 +60,7 @@ def test_recipe_opens_with_purpose_and_command(path):
     cfg, text = FinetuneConfig.from_yaml(path), header(path)
     assert text.count("\n") >= 3, "open with a comment: purpose, launch command, memory"
     assert f"hfpipe finetune --recipe {path.stem}" in text
-    if cfg.pp * cfg.dp * cfg.tp > 8:  # more than one 8-GPU node
+    if cfg.pp * cfg.dp * cfg.cp * cfg.tp > 8:  # more than one 8-GPU node
         assert "torchrun --nnodes" in text and "srun" in text
 
 
@@ -85,7 +87,7 @@ def test_recipe_plans(path):
 def test_recipe_fits_the_gpus_its_comment_names(path):
     recipe, cfg = Recipe.read(path), FinetuneConfig.from_yaml(path)
     assert recipe.gpus is not None, "name the GPUs in a `# Fits: N x SIZE GPUs` line"
-    assert recipe.gpus == cfg.pp * cfg.dp * cfg.tp
+    assert recipe.gpus == cfg.pp * cfg.dp * cfg.cp * cfg.tp
     report = report_for(hf_config(cfg), cfg)
     limit = parse_memory(recipe.gpu_memory)
     worst = max(r.total_bytes for r in report.ranks)

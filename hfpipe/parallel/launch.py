@@ -28,19 +28,20 @@ _QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 def check_launch(world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
                  threads_per_rank: int | None) -> None:
     """Refuse launch options that cannot work, before any process starts (one line each)."""
-    from hfpipe.parallel.mesh import LaunchError
+    from hfpipe.parallel.mesh import LaunchError, check_gpus
 
     if nnodes < 1:
         raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
     if world % nnodes:
         raise LaunchError(f"--nnodes {nnodes} does not divide the {world} ranks (--pp x --dp); "
-                          "choose a divisor of the world size (pp * dp * tp)")
+                          "choose a divisor of the world size (pp * dp * cp * tp)")
     if not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node-rank {node_rank} is out of range for --nnodes {nnodes}; use 0 .. {nnodes - 1}")
     if nnodes > 1 and not rdzv_endpoint:
         raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
     if nnodes > 1:
         _check_endpoint(rdzv_endpoint)
+    check_gpus(world // nnodes)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads_per_rank and threads_per_rank > cores:
         raise LaunchError(f"--threads-per-rank {threads_per_rank} exceeds the {cores} CPU cores here; "

@@ -5,6 +5,7 @@ No global state: a :class:`Dist` is passed.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -17,7 +18,8 @@ import torch.distributed as dist
 from hfpipe.errors import ParallelError
 from hfpipe.parallel.dims import EXPERT_DIMS, MESH_DIMS, ParallelDims
 
-__all__ = ["Dist", "LaunchError", "first_host", "init_distributed", "pick_device", "in_launched_env", "launched_node"]
+__all__ = ["Dist", "LaunchError", "check_gpus", "first_host", "init_distributed", "pick_device", "in_launched_env",
+           "launched_node"]
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +28,21 @@ class LaunchError(ParallelError):
     """The processes started do not fit the requested mesh, or the launch options are incomplete."""
 
 
+def check_gpus(ranks_here: int) -> None:
+    """One rank per GPU: NCCL refuses two ranks on one device ("invalid usage", measured on an H200 with
+    NCCL 2.28), so more ranks on a node than its GPUs is refused before a process group starts."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") == ""  # set after CUDA was first asked: ranks start on CPU
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not hidden else 0
+    if 0 < gpus < ranks_here:
+        raise LaunchError(f"{ranks_here} ranks on this node (pp x dp x cp x tp) but {gpus} GPU(s) visible: NCCL "
+                          f"runs one rank per GPU; lower the degrees to {gpus} rank(s) per node, or run every "
+                          "rank on CPU with CUDA_VISIBLE_DEVICES=''")
+
+
 def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
     """CUDA with NCCL when a GPU is present, else CPU with gloo."""
     if torch.cuda.is_available():
+        check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         idx = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(idx)
         return torch.device("cuda", idx), "nccl"
@@ -181,6 +195,9 @@ def init_distributed(dims: ParallelDims | int, dp: int = 1, *, timeout_s: float 
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+        # A script that ends without destroy_process_group() gets NCCL's "leak resources" warning at exit
+        # on every rank (seen on an H200 after load_pipeline); hfpipe started the group, hfpipe ends it.
+        atexit.register(_destroy_at_exit)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != dims.world:
         sizes = " x ".join(f"--{n} {getattr(dims, n)}" for n in MESH_DIMS if getattr(dims, n) > 1 or n == "pp")
@@ -188,6 +205,11 @@ def init_distributed(dims: ParallelDims | int, dp: int = 1, *, timeout_s: float 
                           "start that many processes or change the degrees")
     mesh = init_device_mesh(device.type, dims.shape, mesh_dim_names=MESH_DIMS)
     return Dist(rank, device, dims, mesh)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

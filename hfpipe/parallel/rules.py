@@ -92,8 +92,6 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
                             "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
                             "looped-bfs with --dp > 1, or --dp 1")
     _check_tp_with(dims, schedule, lora, quantize_base)
-    if dims.cp > 1:  # replaced by the context-parallel checks when #25 lands
-        raise ParallelError(f"--cp {dims.cp}: context parallelism is not built yet; use --cp 1")
     if reshard_per_microbatch and dims.dp == 1:
         raise ParallelError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
                             "is nothing to shard: raise --dp or leave it out")

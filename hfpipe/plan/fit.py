@@ -10,9 +10,10 @@ the CLI then follow without change.
 The suggestions try one lever at a time, cheapest first, and report the smallest step of each that
 fits with 10% to spare: activation checkpointing (selective, then full), more pipeline ranks, more data-parallel
 pipelines, for a MoE model expert parallelism (more ep over the dp ranks there are, or more dp
-with ep over them), more tensor parallelism (powers of two up to the GPUs of one node), and FSDP2
-resharded per microbatch (at the dp there is, or with more dp); if no single lever fits, full
-activation checkpointing together with one of these. Then a search over every axis at once
+with ep over them), more tensor parallelism (powers of two up to the GPUs of one node), more
+context parallelism (powers of two, while each rank keeps a long chunk of the sequence:
+:data:`CP_MIN_TOKENS`), and FSDP2 resharded per microbatch (at the dp there is, or with more dp);
+if no single lever fits, full activation checkpointing together with one of these. Then a search over every axis at once
 (:func:`fewest_gpus`), whatever the starting mesh: the meshes that fit on the fewest GPUs. Each
 suggestion carries its bubble, the price of a longer pipeline.
 """
@@ -20,20 +21,29 @@ suggestion carries its bubble, the price of a longer pipeline.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from dataclasses import dataclass
 
 from hfpipe.errors import PlanError
 from hfpipe.models.moe import routed_experts
+from hfpipe.plan.text import size as _size
 
-__all__ = ["RankFit", "Suggestion", "fewest_gpus", "fit_report", "format_fit", "parse_memory", "plan_kwargs",
-           "report_for", "suggest"]
+__all__ = ["CP_MIN_TOKENS", "RankFit", "Suggestion", "fewest_gpus", "fit_report", "format_fit", "parse_memory",
+           "plan_kwargs", "report_for", "suggest"]
 
 _AC_ORDER = ("none", "selective", "full")
 _DP_STEPS = (2, 4, 8, 16, 32, 64, 128)
 _PP_FACTORS = (1.25, 1.5, 2, 3, 4, 6, 8)
 _HEADROOM = 0.9  # below 10% free, a plan "fits, tightly": CUDA context, allocator fragmentation
+#: Fewest tokens of a sequence a cp rank keeps in what the fit search proposes. cp costs a K/V gather
+#: per layer that a rank's attention over its chunk has to hide, and pays off where the sequence is
+#: what does not fit; the published layouts keep 8k or more a rank (Llama 3 trained 128k at cp 16,
+#: Megatron-Bridge runs Llama-3.1-70B at 64k with cp 8, torchtitan Llama-3.1-8B at 128k with cp 4).
+#: On shorter chunks dp (the same FSDP2 shards, more tokens a step) is the better use of the GPUs,
+#: and the search stays as quick as before at short sequences. A --cp given is priced whatever it is.
+CP_MIN_TOKENS = 8192
 
 
 def parse_memory(text: str) -> int:
@@ -117,7 +127,7 @@ class Suggestion:
 
     changes: dict  # FinetuneConfig field -> new value
     peak: int
-    gpus: int  # pp * dp * tp
+    gpus: int  # pp * dp * cp * tp
     bubble: float = 0.0  # idle share of a step at the new mesh
     search: bool = False  # found by the search over every axis (fewest_gpus), not one lever
 
@@ -132,7 +142,7 @@ def _flag(key: str, value) -> str:
     return f"{name} {value}"
 
 
-_LEVERS = ("pp", "dp", "ep", "dp+ep", "tp", "reshard", "dp+reshard")
+_LEVERS = ("pp", "dp", "ep", "dp+ep", "tp", "cp", "reshard", "dp+reshard")
 
 
 def suggest(model_config, cfg, limit: int, gpus_per_node: int = 8) -> list[Suggestion]:
@@ -153,9 +163,12 @@ def suggest(model_config, cfg, limit: int, gpus_per_node: int = 8) -> list[Sugge
 def _ladder(cfg, lever: str, experts: int = 0, gpus_per_node: int = 8) -> list[dict]:
     """The rungs of one lever. ``ep``: shard a MoE model's routed experts over more of the dp
     ranks it has; ``dp+ep``: more pipelines, the experts sharded over as many of them as divide;
-    ``tp``: powers of two up to a node; ``reshard``: FSDP2 per microbatch, at this dp or more."""
+    ``tp``: powers of two up to a node; ``cp``: powers of two while a rank keeps
+    :data:`CP_MIN_TOKENS`; ``reshard``: FSDP2 per microbatch, at this dp or more."""
     if lever == "tp":
         return [{"tp": t} for t in _powers_of_two(gpus_per_node) if t > cfg.tp]  # plan refuses a t heads refuse
+    if lever == "cp":
+        return [{"cp": c} for c in _cp_choices(cfg.seq_len) if c > cfg.cp]
     if lever == "reshard" or lever == "dp+reshard":
         if cfg.reshard_per_microbatch or cfg.lora_rank is not None:
             return []
@@ -208,6 +221,11 @@ def _powers_of_two(most: int) -> list[int]:
     return [2**i for i in range(most.bit_length()) if 2**i <= most]
 
 
+def _cp_choices(seq_len: int) -> list[int]:
+    """Powers of two that cut ``seq_len`` into ``2 * cp`` equal chunks of :data:`CP_MIN_TOKENS` a rank or more."""
+    return [c for c in _powers_of_two(max(1, seq_len // CP_MIN_TOKENS)) if not seq_len % (2 * c) or c == 1]
+
+
 def _tp_choices(model_config, most: int) -> list[int]:
     """Powers of two up to ``most`` that split the attention and key/value heads (hfpipe.plan.tensor)."""
     heads = model_config.num_attention_heads
@@ -218,24 +236,26 @@ def _tp_choices(model_config, most: int) -> list[int]:
 def fewest_gpus(model_config, cfg, limit: int, gpus_per_node: int = 8, keep: int = 3) -> list[Suggestion]:
     """The meshes on the fewest GPUs that fit ``limit`` with 10% to spare, searched over every axis
     from any start: tp (powers of two up to a node), dp (with ep over as many of its ranks as divide
-    a MoE model's experts), FSDP2 per microbatch or per step, activation checkpointing as set or
-    full, and for each the fewest pipeline ranks that fit. Fewest GPUs first, then smallest bubble."""
+    a MoE model's experts), cp (:func:`_cp_choices`, and the one set), FSDP2 per microbatch or per
+    step, activation checkpointing as set or full, and for each the fewest pipeline ranks that fit.
+    Fewest GPUs first, then smallest bubble, then the least cp (dp shards as much and runs more tokens)."""
     experts = routed_experts(model_config)[0]
     best: list[Suggestion] = []
     most = 4096  # GPUs: a bound the search tightens as meshes fit
-    for ac in dict.fromkeys((cfg.activation_checkpointing, "full")):
-        for tp in reversed(_tp_choices(model_config, gpus_per_node)):
-            for dp in (1,) + _DP_STEPS:
-                for reshard in ((False, True) if dp > 1 and cfg.lora_rank is None else (False,)):
-                    if dp * tp > most:
-                        continue
-                    mesh = {"tp": tp, "dp": dp, "ep": math.gcd(dp, experts) if experts else cfg.ep,
-                            "reshard_per_microbatch": reshard, "activation_checkpointing": ac}
-                    s = _fewest_pp(model_config, cfg, limit, mesh, most // (dp * tp))
-                    if s is not None:
-                        best.append(s)
-                        most = min(most, s.gpus)
-    best = sorted((s for s in best if s.gpus == most), key=lambda s: (s.bubble, s.peak))
+    cps = sorted(set(_cp_choices(cfg.seq_len)) | {cfg.cp})
+    axes = itertools.product(reversed(_tp_choices(model_config, gpus_per_node)), (1,) + _DP_STEPS, cps)
+    for ac, (tp, dp, cp) in itertools.product(dict.fromkeys((cfg.activation_checkpointing, "full")), list(axes)):
+        for reshard in ((False, True) if dp > 1 and cfg.lora_rank is None else (False,)):
+            if dp * cp * tp > most:
+                continue
+            mesh = {"tp": tp, "dp": dp, "cp": cp, "ep": math.gcd(dp, experts) if experts else cfg.ep,
+                    "reshard_per_microbatch": reshard, "activation_checkpointing": ac}
+            s = _fewest_pp(model_config, cfg, limit, mesh, most // (dp * cp * tp))
+            if s is not None:
+                best.append(s)
+                most = min(most, s.gpus)
+    best = sorted((s for s in best if s.gpus == most),
+                  key=lambda s: (s.bubble, s.changes.get("cp", cfg.cp), s.peak))
     return best[:keep]
 
 
@@ -264,8 +284,6 @@ def _mesh_changes(cfg, mesh: dict) -> dict:
 
 def format_fit(report, limit: int, suggestions: list[Suggestion] | None = None) -> str:
     """Per rank: fits, fits tightly, or does not fit by how much; then the verdict and suggestions."""
-    from hfpipe.plan.report import _size
-
     fits = fit_report(report, limit)
     lines = [f"memory per rank against --gpu-memory {_size(limit)}:"]
     for f in fits:
@@ -294,6 +312,4 @@ def format_fit(report, limit: int, suggestions: list[Suggestion] | None = None) 
 
 
 def _fit_price(s: Suggestion) -> str:
-    from hfpipe.plan.report import _size
-
     return f"peak {_size(s.peak)}, {s.gpus} GPUs, bubble {100 * s.bubble:.1f}%"

@@ -48,6 +48,9 @@ action list. Bubble fractions are :func:`hfpipe.plan.split.bubble_fraction`'s an
 sequence parallelism, 24/34 of them without) over tp ranks and counts the tensor-parallel
 collectives; ``reshard_per_microbatch`` shards the step's gathered weights and whole gradients over
 dp too and counts FSDP2's traffic (both: :mod:`hfpipe.plan.tensor`).
+``cp > 1`` counts every activation on ``seq_len / cp`` tokens, adds the gathered K/V attention
+keeps, shards weights, gradients and AdamW state over dp x cp and counts the K/V gathers
+(:mod:`hfpipe.plan.context`).
 ``ep > 1`` re-prices each rank's routed experts (:mod:`hfpipe.plan.experts`: ``1/ep`` of them,
 FSDP2 over ``dp/ep``) and counts the all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
 its frozen base (:mod:`hfpipe.plan.quant`) and adds the transient dequantized weight.
@@ -66,7 +69,8 @@ from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as pr
 from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
 from hfpipe.plan.model_config import load_model_config
 from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
-from hfpipe.plan import tensor
+from hfpipe.plan import context, tensor
+from hfpipe.plan.text import format_report, size as _size
 
 __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
@@ -103,6 +107,7 @@ class RankReport:
     all_to_all_bytes: int = 0  # expert-parallel traffic one GPU sends per step (not memory)
     tp_bytes: int = 0  # tensor-parallel traffic one GPU moves per step (not memory)
     fsdp_bytes: int = 0  # FSDP2's all-gather + reduce-scatter traffic one GPU moves per step
+    cp_bytes: int = 0  # context-parallel K/V gathers one GPU receives per step (not memory)
 
     @property
     def total_bytes(self) -> int:
@@ -138,10 +143,11 @@ class PlanReport:
     tp: int = 1  # tensor-parallel degree (hfpipe.plan.tensor)
     sequence_parallel: bool = True
     reshard_per_microbatch: bool = False  # FSDP2 reshards weights and gradients every microbatch
+    cp: int = 1  # context-parallel degree (hfpipe.plan.context)
 
     @property
     def gpus(self) -> int:
-        return self.plan.pp * self.dp * self.tp
+        return self.plan.pp * self.dp * self.cp * self.tp
 
 
 def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, layout: str | None = None,
@@ -174,6 +180,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         quantize_base: ``nf4`` or ``fp8``: a LoRA run's frozen base quantized (hfpipe.plan.quant).
         quantize_block_size: Its block size, checked on the model as finetune checks it (priced at
             the defaults: the scales are a fraction of a percent of the bytes).
+        cp: Context-parallel degree: each sequence split over cp ranks, FSDP2 over dp x cp
+            (hfpipe.plan.context).
         tp, sequence_parallel: Tensor-parallel degree, and whether activations split over the
             sequence too (hfpipe.plan.tensor).
         reshard_per_microbatch: FSDP2 reshards weights and reduce-scatters gradients every
@@ -201,6 +209,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     from hfpipe.config.options import require_positive
 
     require_positive(seq_len=seq_len, microbatches=microbatches, batch_size=batch_size)
+    context.check_cp(cp, seq_len)
     schedule = schedule or ("interleaved-1f1b" if vpp and vpp > 1 else "1f1b")
     checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, batch_size=batch_size,
                            model_config=config, reshard_per_microbatch=reshard, lora=lora_rank is not None,
@@ -211,22 +220,23 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                          layout=layout, seq_len=seq_len)
     costs = layer_costs(config, seq_len)
     actions = schedule_actions(schedule, pp, vpp, m)
-    tokens = batch // m * seq_len
+    tokens, shards = batch // m * seq_len // cp, dp * cp  # a cp rank's tokens; FSDP2 over dp x cp
     measured = layer_bytes_per_token(config, dtype)
-    per_layer = tensor.layer_bytes(measured, tp, sp)
+    per_layer = context.layer_bytes(tensor.layer_bytes(measured, tp, sp), config, cp, tp, dtype)
     per_mb = [_stage_activations(config, s, tokens, dtype, activation_checkpointing, per_layer, tp, sp)
               for s in plan.stages]
     counts, peaks = in_flight(actions, per_mb)
     extra = tokens * max(per_layer, default=0) if activation_checkpointing != "none" else 0  # one recompute
+    extra += context.held_kv(config, tokens, cp, tp, dtype)  # one layer's whole-sequence dK/dV
     mean_cost = sum(s.cost for s in plan.stages) / len(plan.stages) or 1.0
     stages = tuple(StageReport(
         s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
         s.cost / mean_cost, counts[s.index], per_mb[s.index],
         counts[s.index] * per_mb[s.index] + (extra if s.layers else 0)) for s in plan.stages)
     recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
-    ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, dp, reshard),
+    ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r]) for r in range(pp))
-    ranks = price_ep(ranks, plan, costs, dtype, dp, ep, reshard)
+    ranks = price_ep(ranks, plan, costs, dtype, shards, ep, reshard)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
     lora, notes = None, []
@@ -234,12 +244,14 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         from hfpipe.plan.lora import describe_plan
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
-                                    total - costs.embed_params * tied, dp)
+                                    total - costs.embed_params * tied, shards)
         if ep > 1 or quantize_base:
-            ranks = price_base(ranks, plan, config, quantize_base, dtype, dp, ep)
-    ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens,
+            ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep)
+    ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, shards, ep, tp, sp, reshard, m, tokens,
                                     activation_checkpointing)
-    notes += lines
+    cp_bytes = context.cp_traffic(plan, config, cp, tp, m, batch // m, seq_len, dtype, activation_checkpointing)
+    ranks = tuple(dataclasses.replace(r, cp_bytes=c) for r, c in zip(ranks, cp_bytes))
+    notes += lines + context.describe(cp, dp, cp_bytes, [r.fsdp_bytes for r in ranks], _size)
     if ep > 1:
         a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing)
         ranks = tuple(dataclasses.replace(r, all_to_all_bytes=a) for r, a in zip(ranks, a2a))
@@ -255,7 +267,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
         actions=actions, dp=dp, lora=lora, layer_act=(min(measured, default=0), max(measured, default=0)),
         hidden=config.hidden_size, ep=ep, notes=tuple(notes), tp=tp, sequence_parallel=sp,
-        reshard_per_microbatch=reshard)
+        reshard_per_microbatch=reshard, cp=cp)
 
 
 def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens, ac):
@@ -325,81 +337,3 @@ def _holds(stage) -> str:
         parts[-1] += " (skipped)"  # the loader skips MTP: transformers has no module to run it
     parts += ["norm, head"] if stage.head else []
     return ", ".join(parts) or "(empty)"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
-
-
-def _table(header: list[str], rows: list[list], left: int = -1) -> list[str]:
-    """Right-aligned columns, except column ``left``."""
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-
-    def line(row) -> str:
-        return "  ".join(str(c).ljust(w) if i == left else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-
-    return [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
-
-
-def _per_layer(r: PlanReport) -> str:
-    low, high = (f"{b / max(1, r.hidden):.1f}*hidden B" for b in r.layer_act)
-    return low if low == high else f"{low} to {high}"
-
-
-def format_report(report: PlanReport) -> str:
-    """The report as plain-text tables: stages, then ranks, then balance and bubble."""
-    r, plan = report, report.plan
-    w, g, o = (f"{b:g}" for b in param_bytes(r.dtype, r.dp, r.reshard_per_microbatch))
-    per_mb = ", resharded per microbatch" if r.reshard_per_microbatch else ""
-    sharding = f", dp {r.dp} (FSDP2{per_mb})" if r.dp > 1 else ""
-    sharding += f", tp {r.tp}{' (sequence parallel)' if r.sequence_parallel else ''}" if r.tp > 1 else ""
-    fsdp = (f", FSDP2 over dp {r.dp}{per_mb}" if r.dp > 1 else "") + (f", / tp {r.tp}" if r.tp > 1 else "")
-    lines = [
-        f"{r.model}: {_count(r.total_params)} parameters, {r.num_layers} decoder layers",
-        f"pipeline: pp {plan.pp} x vpp {plan.vpp} ({plan.style} style){sharding}, schedule {r.schedule}, "
-        f"{r.microbatches} microbatches of {r.microbatch_size} x {r.seq_len} tokens, {r.dtype}, "
-        f"activation checkpointing {r.activation_checkpointing}",
-        "",
-    ]
-    lines += _table(["stage", "rank", "holds", "params", "cost/mean", "in flight", "activations"], [
-        [s.index, s.rank, s.holds, _count(s.params), f"{s.cost_share:.3f}", s.in_flight,
-         _size(s.activation_bytes)] for s in r.stages], left=2)
-    lines.append("")
-    dequant, a2a, tpc, fsc = (any(k.transient_bytes for k in r.ranks), r.ep > 1, r.tp > 1,
-                              r.reshard_per_microbatch)
-    lines += _table(["rank", "stages", "params", "weights", "grads", "optimizer", "activations"]
-                    + ["dequant"] * dequant + ["total"] + ["all-to-all/step"] * a2a + ["tp comm/step"] * tpc
-                    + ["fsdp comm/step"] * fsc, [
-        [k.rank, ",".join(map(str, k.stages)), _count(k.params), _size(k.weight_bytes),
-         _size(k.grad_bytes), _size(k.optimizer_bytes), _size(k.activation_bytes)]
-        + [_size(k.transient_bytes)] * dequant + [_size(k.total_bytes)]
-        + [_size(k.all_to_all_bytes)] * a2a + [_size(k.tp_bytes)] * tpc + [_size(k.fsdp_bytes)] * fsc
-        for k in r.ranks])
-    worst = max(r.ranks, key=lambda k: k.total_bytes)
-    tokens = r.microbatches * r.microbatch_size * r.seq_len * r.dp
-    lines += [
-        "",
-        f"balance {r.balance:.3f} (costliest stage / mean; 1.000 is perfect)",
-        f"bubble {100 * r.bubble:.1f}% of each step idle ({r.schedule}, analytic)",
-        f"tokens per schedule step: {tokens:,} ({r.microbatches * r.microbatch_size} sequences x "
-        f"{r.seq_len} x dp {r.dp}) on {r.gpus} GPUs" + (f" (pp {plan.pp} x dp {r.dp} x tp {r.tp})" if r.tp > 1 else ""),
-        f"peak memory {_size(worst.total_bytes)} on rank {worst.rank}",
-        f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "
-        f"{_per_layer(r)} per token per layer (measured on transformers' layer), logits on the head stage",
-    ]
-    if r.lora:
-        lines.append(r.lora)
-    lines += r.notes
-    return "\n".join(lines)
