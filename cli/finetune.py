@@ -73,6 +73,8 @@ def finetune(
     chat_template: Annotated[Optional[str], _opt("chat_template")] = None,
     train_on_prompt: Annotated[Optional[bool], _opt(
         "train_on_prompt", "--train-on-prompt/--no-train-on-prompt")] = None,
+    allow_dropped_records: Annotated[Optional[bool], _opt(
+        "allow_dropped_records", "--allow-dropped-records/--no-allow-dropped-records")] = None,
     eval_dataset: Annotated[Optional[str], _opt("eval_dataset")] = None,
     eval_split: Annotated[Optional[str], _opt("eval_split")] = None,
     eval_fraction: Annotated[Optional[float], _opt("eval_fraction")] = None,

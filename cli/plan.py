@@ -19,7 +19,7 @@ __all__ = ["plan"]
 
 _FIELDS = ("pp", "dp", "ep", "tp", "cp", "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
            "batch_size", "dtype", "activation_checkpointing", "trust_remote_code", "lora_rank",
-           "lora_targets", "quantize_base")
+           "lora_targets", "quantize_base", "quantize_block_size")
 
 
 def plan(
@@ -59,6 +59,7 @@ def plan(
         "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
     lora_rank: Annotated[Optional[int], _opt("lora_rank")] = None,
     quantize_base: Annotated[Optional[str], _opt("quantize_base")] = None,
+    quantize_block_size: Annotated[Optional[int], _opt("quantize_block_size")] = None,
     lora_targets: Annotated[Optional[str], _opt("lora_targets")] = None,
     png: Annotated[Optional[Path], typer.Option(
         help="Also draw the schedule timeline and each rank's memory into this PNG (needs "

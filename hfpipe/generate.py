@@ -62,7 +62,7 @@ def load_generator(model: str | Path, *, dtype: str = "auto", source: str | Path
 
 def _from_folder_or_adapter(name: str, dtype: str, trust_remote_code: bool):
     """An HF model folder, or a PEFT adapter folder on its base (the export of a LoRA run)."""
-    from hfpipe.lora.folder import read_adapter_folder
+    from hfpipe.lora.folder import check_adapter_weights, read_adapter_folder
 
     adapter = read_adapter_folder(name) if Path(name).expanduser().is_dir() else None
     if adapter is None:
@@ -70,7 +70,9 @@ def _from_folder_or_adapter(name: str, dtype: str, trust_remote_code: bool):
     from peft import PeftModel
 
     base = adapter[0]
-    net = PeftModel.from_pretrained(_from_folder(base, dtype, trust_remote_code), name)
+    net = _from_folder(base, dtype, trust_remote_code)
+    check_adapter_weights(name, adapter[1], net.config)  # keys and ranks from the headers, before PEFT allocates
+    net = PeftModel.from_pretrained(net, name)
     has_tokenizer = any((Path(name) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     return net, name if has_tokenizer else base
 
@@ -158,7 +160,11 @@ class Generator:
         """Token ids ``[1, T]`` of a prompt: chat messages (or one user turn) through the chat
         template when there is one and ``chat_template``, else the raw text."""
         if isinstance(prompt, str) and not (chat_template and self.has_chat_template):
-            return self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]  # (1, T)
+            if ids.shape[-1] == 0:  # no BOS either: nothing to continue (transformers fails on a reshape)
+                raise GenerateError("--prompt is empty and this tokenizer adds no BOS token, so there is "
+                                    "nothing to continue; give a prompt")
+            return ids
         if not self.has_chat_template:
             raise GenerateError("this tokenizer has no chat template; use hfpipe generate "
                                 "--no-chat-template, or a model with a chat template")

@@ -84,7 +84,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     from hfpipe.source.folder import ModelSource
 
     from hfpipe.data.config import check_seq_len, context_limit
-    from hfpipe.lora.folder import read_adapter_folder
+    from hfpipe.lora.folder import check_adapter_weights, read_adapter_folder
     from hfpipe.config.options import require_tolerance
 
     if seq_len is not None and seq_len < 2:  # one token has no next-token logits to compare over
@@ -96,6 +96,8 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     adapter_dir = str(hf_dir) if adapter else None
     source = ModelSource.open(adapter[0] if adapter else hf_dir, trust_remote_code=trust_remote_code)
     get_adapter(source.config)
+    if adapter:  # keys, ranks and shapes from the headers, before PEFT's reference allocates anything
+        check_adapter_weights(hf_dir, adapter[1], source.config)
     if seq_len is None:  # a small model's context may be shorter than the default sample
         seq_len = min(_SEQ_LEN, context_limit(source.config) or _SEQ_LEN)
     check_seq_len(seq_len, source.config)

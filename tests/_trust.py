@@ -184,8 +184,12 @@ def plant(kind: str, at: Path, victim: Path) -> None:
         raise ValueError(f"no plant {kind!r}; one of {PLANTS}")
 
 
-def tree(root: Path) -> dict[str, object]:
-    """Every path under ``root`` (links not followed) with its size and content, or link target."""
+def tree(root: Path, giant: int | None = None) -> dict[str, object]:
+    """Every path under ``root`` (links not followed) with its size and content, or link target.
+
+    With ``giant``, a file larger than that many bytes is ``(size, its first 64 bytes)``: a sparse
+    multi-GB file planted to be refused unread is compared without reading it either.
+    """
     out = {}
     for folder, dirs, files in os.walk(root, followlinks=False):
         for name in dirs + files:
@@ -195,6 +199,9 @@ def tree(root: Path) -> dict[str, object]:
                 out[rel] = "-> " + os.readlink(p)
             elif p.is_dir():
                 out[rel] = "dir"
+            elif p.is_file() and giant is not None and p.stat().st_size > giant:
+                with open(p, "rb") as f:
+                    out[rel] = (p.stat().st_size, f.read(64))
             elif p.is_file():
                 out[rel] = p.read_bytes()
             else:

@@ -249,6 +249,7 @@ def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets, parameters=None) 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from hfpipe.checkpoint.base_record import base_record
     from hfpipe.lora.adapters import config_to_dict, resolve_config
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=parameters,
@@ -261,7 +262,8 @@ def lora_checkpoint_from_peft(base: Path, ckpt: Path, targets, parameters=None) 
             state["model." + name.removeprefix("base_model.model.")] = 0.1 * torch.randn(p.shape, generator=g)
     dcp.save(state, checkpoint_id=ckpt, no_dist=True)
     meta = {"format": 1, "step": 3, "source": str(base), "source_dtype": "bfloat16", "tied": False,
-            "config": {"model": str(base)}, "lora": config_to_dict(resolve_config(config, model.base_model.model))}
+            "config": {"model": str(base)}, "lora": config_to_dict(resolve_config(config, model.base_model.model)),
+            "base": base_record(base)}
     (ckpt / "hfpipe.json").write_text(json.dumps(meta))
     record_checksums(ckpt)  # as every checkpoint hfpipe saves
     return ckpt

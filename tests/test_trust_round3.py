@@ -34,7 +34,7 @@ def _edit_meta(ckpt: Path, edit) -> None:
 
 def _tree(root: Path) -> dict:
     """:func:`tree`, with sparse giants compared by size (reading them is what must not happen)."""
-    return {k: (len(v), v[:64]) if isinstance(v, bytes) and len(v) > (1 << 20) else v for k, v in tree(root).items()}
+    return tree(root, giant=1 << 20)
 
 
 def _refused(args: list[str], message: str | tuple[str, ...], *watched: Path) -> str:
@@ -296,6 +296,26 @@ def test_another_file_by_a_relative_path_is_still_another_run(tmp_path, monkeypa
 
 
 # --- 5/6/9/10. fields and files a model folder may hold broken ----------------------------------------
+
+
+def test_a_lora_resume_onto_a_base_whose_weights_changed_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.tiny import make_tiny_checkpoint
+    from test_lora_checkpoint import lora_checkpoint_from_peft
+
+    base, out = make_tiny_checkpoint(tmp_path / "case" / "base", "llama", num_hidden_layers=2), tmp_path / "case" / "out"
+    c = lora_checkpoint_from_peft(base, out / "checkpoints" / "step-00000003", ["q_proj", "v_proj"])
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj"]
+    cfg = FinetuneConfig(model=str(base), output_dir=str(out), pp=2, seq_len=32, batch_size=2, max_steps=4,
+                         lora_rank=4, lora_alpha=8, lora_targets="q_proj,v_proj")
+    _edit_meta(c, lambda m: {**m, "config": cfg.to_dict()})  # the record a run writes: only the base moves
+    shard = sorted(base.glob("*.safetensors"))[0]
+    save_file({k: t + 1 for k, t in load_file(shard).items()}, shard, metadata={"format": "pt"})
+    _refused(["finetune", base, "--pp", "2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "4", *lora,
+              "--output-dir", out, "--resume", c], (f"base file {shard} changed since the run trained", "--resume"),
+             tmp_path)
 
 
 def _model(tiny: Path, root: Path, **config) -> Path:

@@ -46,26 +46,36 @@ def read_adapters(ckpt: Path, config, src: Path) -> dict[str, torch.Tensor]:
     """Every adapter tensor of the checkpoint (stage names), checked against PEFT's own set."""
     reader = _DcpReader(ckpt)
     saved = reader.tensors("model.")
-    expected = _expected_names(config, src)
-    missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    expected = _expected_shapes(config, src)
+    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
     if missing or extra:
         raise ExportError(f"checkpoint {ckpt}: adapters differ from the ones PEFT puts on {src}: "
                           f"missing {missing[:3] or 'none'}, unexpected {extra[:3] or 'none'}; "
                           "pass the base the run started from (--source)")
+    _check_shapes(ckpt, config, src, {n: tuple(m.size) for n, m in saved.items()}, expected)
     return {name: reader.read("model." + name) for name in sorted(saved)}
 
 
-def _expected_names(config, src: Path) -> set[str]:
-    """Adapter parameter names PEFT injects into the full model (on the meta device: no memory)."""
-    import copy
+def _check_shapes(ckpt: Path, config, src: Path, saved: dict, expected: dict) -> None:
+    """Every adapter tensor has the shape PEFT gives it from the record's LoRA config on this base.
 
-    from peft.tuners.lora import LoraModel
+    It is what ``PeftModel.from_pretrained`` checks when it loads the export (a size mismatch), here
+    before anything is written: a record whose rank disagrees with the tensors, or a base of another
+    shape than the one the run trained on, would otherwise export a folder PEFT cannot load.
+    """
+    for name in sorted(saved):
+        if saved[name] != expected[name]:
+            raise ExportError(
+                f"checkpoint {ckpt}: adapter {name} has shape {list(saved[name])}, but the run's LoRA config "
+                f"(r={config.r}, in hfpipe.json) on {src} makes it {list(expected[name])}; pass the base the "
+                "run started from (--source), or export an undamaged checkpoint")
 
-    from hfpipe.lora.adapters import ADAPTER
 
-    model = meta_model(src)
-    LoraModel(model, copy.deepcopy(config), ADAPTER, low_cpu_mem_usage=True)
-    return {n for n, p in model.named_parameters() if p.requires_grad}
+def _expected_shapes(config, src: Path) -> dict[str, tuple[int, ...]]:
+    """Adapter parameters PEFT injects into the full model, and their shapes (on the meta device)."""
+    from hfpipe.lora.folder import adapter_shapes
+
+    return adapter_shapes(meta_model(src), config)
 
 
 def write_adapter(tmp: Path, config, adapters: dict[str, torch.Tensor], base: str) -> None:

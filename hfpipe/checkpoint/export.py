@@ -110,6 +110,7 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
         ExportError: not a LoRA checkpoint, adapters that do not fit the base, or a bad ``out``.
     """
     from hfpipe.checkpoint.adapter import base_name, is_lora_checkpoint, read_adapters, write_adapter
+    from hfpipe.checkpoint.base_record import check_base
     from hfpipe.checkpoint.merge import write_merged
     from hfpipe.lora.adapters import config_from_dict
 
@@ -124,6 +125,7 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
     with locked_out(out, force, (ckpt, src)):
         adapters = read_adapters(ckpt, config, src)
         if merge:
+            check_base(meta, src, ckpt)
             nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
             quant = meta.get("quantize_base")  # a quantized base merges as the run saw it (hfpipe.quant.merged)
             build_folder(out, lambda tmp: write_merged(tmp, src, config, adapters, quant=quant, dtype=dtype), nbytes,

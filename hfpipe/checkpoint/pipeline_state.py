@@ -55,7 +55,10 @@ def save_pipeline_checkpoint(pm, root: str, step: int, optimizer=None, *, keep: 
     if pm.lora is not None:
         from hfpipe.lora.adapters import config_to_dict
 
+        from hfpipe.checkpoint.base_record import base_record
+
         meta["lora"] = config_to_dict(pm.lora)  # the base is meta["source"]
+        meta["base"] = base_record(pm.source.folder)  # what it was, for --merge (checkpoint/base_record.py)
     if pm.quantize is not None:
         meta["quantize_base"] = pm.quantize.to_dict()  # how the base was quantized (for --merge)
     return save_checkpoint(Path(root), step, pipeline_view(pm), optimizer, meta, keep=keep,

@@ -156,6 +156,10 @@ class FinetuneConfig:
     """A Jinja chat template file used instead of the tokenizer's own."""
     train_on_prompt: bool = False
     """Put loss on prompts and user turns too (default: only on responses)."""
+    allow_dropped_records: bool = False
+    """Go on when more than half of the records carry no loss (e.g. chats without an assistant
+    turn) and are dropped; without it such data is refused. How many were dropped, and why, is
+    always said."""
     eval_dataset: str | None = None
     """Evaluation data: hub id, local file or folder, in the training data's format."""
     eval_split: str | None = None

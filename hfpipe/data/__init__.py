@@ -19,5 +19,7 @@ Row contract (labels are *unshifted*, as transformers' ``labels=`` expects):
   ``position_ids``, ``attention_mask=None`` and ``use_cache=False``: transformers then builds a
   block-diagonal causal mask from the position resets (with a cache it silently does not).
   Padding is trailing, so under a causal mask no real token attends to it.
-- Every row has a labelled token: documents and rows without one are dropped.
+- Every row has a labelled token: documents and rows without one are dropped, counted per reason
+  in one log line; more than half of the records dropped is refused unless
+  ``allow_dropped_records`` (:func:`hfpipe.data.load._drop_unusable`).
 """

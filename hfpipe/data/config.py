@@ -53,6 +53,8 @@ class DataConfig:
     """A Jinja chat template file that replaces the tokenizer's own."""
     train_on_prompt: bool = False
     """Train on prompts and user turns too (default: only responses carry loss)."""
+    allow_dropped_records: bool = False
+    """Go on when more than half of the records carry no loss and are dropped (refused otherwise)."""
 
     def __post_init__(self):
         names = ", ".join(f"builtin:{n}" for n in BUILTIN_DATASETS)
@@ -68,7 +70,7 @@ class DataConfig:
             raise DataError(f"--format {self.format!r} is unknown; choose one of {', '.join(FORMATS)}")
         if not (_is_int(self.seq_len) and self.seq_len >= 2):
             raise DataError(f"--seq-len {self.seq_len!r} must be an integer >= 2")
-        for name in ("packing", "train_on_prompt"):
+        for name in ("packing", "train_on_prompt", "allow_dropped_records"):
             if not isinstance(getattr(self, name), bool):
                 raise DataError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be true or false")
         if not (_is_int(self.seed) and self.seed >= 0):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +29,7 @@ __all__ = ["load_examples", "load_splits"]
 
 log = logging.getLogger(__name__)
 
-_VERSION = "3"  # bump when tokenisation or packing output changes: it keys the cache
+_VERSION = "4"  # bump when tokenisation or packing output changes: it keys the cache
 _KNOWN = sorted({f for needs in FIELDS.values() for n in needs for f in (n if isinstance(n, tuple) else (n,))}
                 | {f for extra in OPTIONAL.values() for f in extra})
 
@@ -128,8 +129,7 @@ def _rows(cfg: DataConfig, raw, tokenizer, where: _Locator, num_proc: int | None
     except UnicodeDecodeError:  # pyarrow loads bytes that are not UTF-8; reading them fails here
         explain_source(cfg.dataset)
         raise DataError(f"--dataset {cfg.dataset}: holds text that is not UTF-8; re-save it as UTF-8") from None
-    if len(docs) == 0:
-        raise DataError(f"--dataset {cfg.dataset} has no document with a trainable token ({fmt})")
+    docs = _drop_unusable(cfg, docs, fmt)
     if cfg.packing:
         docs = docs.shuffle(seed=cfg.seed)  # mixes neighbours within rows; rows reshuffle per epoch
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
@@ -142,6 +142,29 @@ def _rows(cfg: DataConfig, raw, tokenizer, where: _Locator, num_proc: int | None
     log.info("%s: %d documents -> %d rows of %d tokens (%s, packing=%s)", cfg.dataset,
              len(docs), len(rows), cfg.seq_len, fmt, cfg.packing)
     return rows
+
+
+def _drop_unusable(cfg: DataConfig, docs, fmt: str):
+    """The documents that carry loss; how many records were dropped and why, said in one line.
+
+    Most of the data dropped is refused (unless ``cfg.allow_dropped_records``): it is far more
+    often a wrong ``--format``, ``--columns`` or ``--roles`` than what the user meant to train on.
+    """
+    dropped = docs["dropped"]
+    reasons = Counter(dropped)
+    kept, total = reasons.pop("", 0), len(docs)
+    why = ", ".join(f"{n} with {reason}" for reason, n in reasons.most_common())
+    said = f"--dataset {cfg.dataset}: {total - kept} of {total} records dropped ({why})"
+    if kept == 0:
+        raise DataError(f"{said}: no document with a trainable token ({fmt}); check --format, "
+                        "--columns and --roles")
+    if 2 * (total - kept) > total and not cfg.allow_dropped_records:
+        raise DataError(f"{said}, more than half; check --format, --columns and --roles, or pass "
+                        "--allow-dropped-records if that is expected")
+    if kept < total:
+        log.warning("%s", said)
+        docs = docs.select([i for i, r in enumerate(dropped) if not r])
+    return docs.remove_columns("dropped")
 
 
 def _rename(cfg: DataConfig, raw):

@@ -117,7 +117,7 @@ def _search_spans(tok, messages: list[dict], full: str) -> list[tuple[int, int]]
 
 @dataclass
 class Tokenise:
-    """``datasets.map`` body: raw columns -> ``ids``/``labels``; drops documents without loss.
+    """``datasets.map`` body: raw columns -> ``ids``/``labels``, and why a record has no loss.
 
     Attributes:
         tok: The tokenizer.
@@ -138,16 +138,32 @@ class Tokenise:
     template_file: str | None = None
 
     def __call__(self, batch, indices):
-        out = {"ids": [], "labels": []}
+        """Every record's ``ids``/``labels``, and ``dropped``: why it has no loss ("" when it has).
+
+        A record without loss is kept as an empty row with its reason, so that the caller can say
+        how many were dropped and why (and refuse when most were) before it filters them out.
+        """
+        out = {"ids": [], "labels": [], "dropped": []}
         for k, index in enumerate(indices):
+            record = {c: v[k] for c, v in batch.items()}
             try:
-                ids, labels = self.one({c: v[k] for c, v in batch.items()})
+                ids, labels = self.one(record)
             except DataError as e:  # only now find the line: locating reads the file
                 raise DataError(f"{self.locate(index)}: {e}") from None
-            if any(y != IGNORE_INDEX for y in labels[1:]):
-                out["ids"].append(ids)
-                out["labels"].append(labels)
+            why = "" if any(y != IGNORE_INDEX for y in labels[1:]) else self.why_dropped(record, ids)
+            out["ids"].append([] if why else ids)
+            out["labels"].append([] if why else labels)
+            out["dropped"].append(why)
         return out
+
+    def why_dropped(self, record: dict, ids: list[int]) -> str:
+        """Why a record carries no loss, in a few words (the reasons the load reports)."""
+        if not ids:
+            return "empty text"
+        doc = document(self.fmt, record, self.roles)
+        if doc[0] == "chat" and not self.train_on_prompt and all(m["role"] != "assistant" for m in doc[1]):
+            return "no assistant turn"
+        return "no token to train on"
 
     def one(self, record: dict) -> tuple[list[int], list[int]]:
         """One record's ``(ids, labels)``; ``([], [])`` for an empty text."""

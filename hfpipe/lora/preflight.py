@@ -27,9 +27,9 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
         full = build_meta_model(hf_config(model_config))
         resolve_config(config, full)
         if getattr(cfg, "quantize_base", None) is not None:  # block sizes and torchao, before any process starts
-            from hfpipe.quant.linear import QuantSpec, Quantizer
+            from hfpipe.quant.linear import check_quantize
 
-            Quantizer(QuantSpec(cfg.quantize_base, cfg.quantize_block_size), model_config).prepare([full], full.dtype)
+            check_quantize(model_config, cfg.quantize_base, cfg.quantize_block_size)  # plan calls it too
     if resume is None:
         return
     meta = read_side_json(resume / "hfpipe.json")  # checked whole by the resume preflight before this

@@ -53,8 +53,10 @@ class LayerQuant:
     largest_expert: int = 0  # parameters of the largest one expert's matrix in those stacks
 
 
-def check_quant(kind: str | None, lora_rank: int | None) -> None:
-    """Raise PlanError unless ``--quantize-base kind`` can be priced (FinetuneConfig repeats it)."""
+def check_quant(kind: str | None, lora_rank: int | None, config=None, block: int | None = None) -> None:
+    """Raise PlanError unless ``--quantize-base kind`` can be priced (FinetuneConfig repeats it); with
+    the model's ``config``, also QuantError for what finetune refuses of that model
+    (:func:`hfpipe.quant.linear.check_quantize`, the one set of checks both call)."""
     from hfpipe.errors import PlanError
 
     if kind is not None and kind not in QUANT_BYTES:
@@ -62,6 +64,17 @@ def check_quant(kind: str | None, lora_rank: int | None) -> None:
     if kind is not None and lora_rank is None:
         raise PlanError("--quantize-base applies to LoRA runs only (the base must be frozen); add "
                         "--lora-rank R (e.g. 16)")
+    if kind is not None and config is not None:
+        from hfpipe.plan.cost import config_key
+        from hfpipe.quant.linear import check_quantize
+
+        key = (config_key(config), type(config), kind, block)
+        if key not in _CHECKED:  # the fit search prices many layouts of one model: build its meta model once
+            check_quantize(config, kind, block, backend=False)  # a plan prices without torchao
+            _CHECKED.add(key)
+
+
+_CHECKED: set = set()
 
 
 def layer_quant(config) -> tuple[LayerQuant, ...]:

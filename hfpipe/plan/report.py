@@ -156,7 +156,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                 activation_checkpointing: str = "none", name: str | None = None,
                 dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear",
                 ep: int = 1, quantize_base: str | None = None, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
-                reshard_per_microbatch: bool = False) -> PlanReport:
+                reshard_per_microbatch: bool = False, quantize_block_size: int | None = None) -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -178,6 +178,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         lora_rank, lora_targets: Price a LoRA run instead (frozen base, fp32 adapters).
         ep: Expert-parallel degree: routed experts sharded over ep ranks of dp (hfpipe.plan.experts).
         quantize_base: ``nf4`` or ``fp8``: a LoRA run's frozen base quantized (hfpipe.plan.quant).
+        quantize_block_size: Its block size, checked on the model as finetune checks it (priced at
+            the defaults: the scales are a fraction of a percent of the bytes).
         cp: Context-parallel degree: each sequence split over cp ranks, FSDP2 over dp x cp
             (hfpipe.plan.context).
         tp, sequence_parallel: Tensor-parallel degree, and whether activations split over the
@@ -200,7 +202,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         raise PlanError(f"--activation-checkpointing must be one of {', '.join(_AC_MODES)}; "
                         f"got {activation_checkpointing!r}")
     dims = ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
-    check_quant(quantize_base, lora_rank)
+    check_quant(quantize_base, lora_rank, config, quantize_block_size)
     get_adapter(config)
     sp, reshard = sequence_parallel and tp > 1, reshard_per_microbatch
     tensor.check_tp(config, tp, dp=dp, reshard=reshard, lora=lora_rank is not None)

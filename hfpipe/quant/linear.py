@@ -29,8 +29,8 @@ from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_bloc
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
 from hfpipe.quant.targets import quantized_linears
 
-__all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "check_shardable", "quantized_linears",
-           "source_fp8_block"]
+__all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "check_quantize", "check_shardable",
+           "quantized_linears", "source_fp8_block"]
 
 KINDS = ("nf4", "fp8")
 
@@ -67,6 +67,23 @@ def source_fp8_block(config) -> int | None:
     return int(block[0])
 
 
+def check_quantize(model_config, kind: str, block: int | None = None, *, backend: bool = True) -> None:
+    """Every check ``--quantize-base kind`` (with ``--quantize-block-size block``) makes of a model, on
+    its meta model: what ``plan`` and ``finetune`` both call, so they cannot disagree.
+
+    NF4 blocks that do not divide a weight's rows, an FP8 tile that straddles the routed experts'
+    gate/up seam, a checkpoint's FP8 tiles that another block size would re-cut. ``backend``: also
+    require torchao for nf4 (a run needs it; a plan prices without it).
+
+    Raises:
+        QuantError: naming the option, the weight and a block size that fits.
+    """
+    from hfpipe.models.meta import build_meta_model, model_config as hf_config
+
+    full = build_meta_model(hf_config(model_config))
+    Quantizer(QuantSpec(kind, block), model_config, backend=backend).prepare([full], full.dtype)
+
+
 class Quantizer:
     """Prepares a rank's meta stages and places their quantized weights while they load.
 
@@ -75,7 +92,7 @@ class Quantizer:
         source_config: The checkpoint's transformers config (its FP8 block, if any).
     """
 
-    def __init__(self, spec: QuantSpec, source_config) -> None:
+    def __init__(self, spec: QuantSpec, source_config, *, backend: bool = True) -> None:
         self.spec = spec
         self.source_block = source_fp8_block(source_config)
         if spec.kind == "fp8":
@@ -84,7 +101,8 @@ class Quantizer:
                                  f"{self.source_block}; drop the option to keep them as stored")
             self.block = spec.block or self.source_block or FP8_DEFAULT_BLOCK
         else:
-            torchao_nf4()  # missing torchao says how to install it before anything loads
+            if backend:  # missing torchao says how to install it before anything loads
+                torchao_nf4()
             self.block = spec.block or DEFAULT_BLOCK
         self.weights: set[str] = set()  # full-model names of the weights this quantizer places
         self.scales: set[str] = set()  # ... and of the FP8 scales it derives or reads with them

@@ -70,6 +70,12 @@ def _check_raw_fields(cfg_path: Path, raw: dict) -> None:
     if quant is not None and not isinstance(quant, dict):
         raise SourceError(f"{cfg_path}: quantization_config must be an object {{\"quant_method\": ...}}, got a "
                           f"{type(quant).__name__}; fix it or re-download config.json")
+    block = (quant or {}).get("weight_block_size")
+    if (quant or {}).get("quant_method") == "fp8" and block is not None and not (
+            isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+        raise SourceError(f"{cfg_path}: quantization_config.weight_block_size must be two positive integers "
+                          f"[rows, cols] (the FP8 scales' tile), got {block!r}; fix it or re-download config.json")
     coef = raw.get("router_aux_loss_coef")
     if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float))
                              or not math.isfinite(coef) or coef < 0):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from hfpipe.source.config import SourceError, load_config, load_tokenizer
 from hfpipe.source.safetensors_io import SafetensorsError, read_header
+from hfpipe.source.tensor_checks import (SCALE, ExpertShapes, check_expert_keys, check_fp8_scales, decoder_layers,
+                                         fp8_block)
 
 __all__ = ["ModelSource", "SourceError", "check_dtypes", "check_shard_names", "load_config", "load_tokenizer"]
 
@@ -47,6 +49,7 @@ class ModelSource:
     config: object
     weight_map: dict[str, str]
     _headers: dict[str, dict] = field(default_factory=dict, repr=False)
+    _experts: ExpertShapes = field(default_factory=ExpertShapes, repr=False)
 
     @classmethod
     def open(cls, name: str | os.PathLike, *, trust_remote_code: bool = False) -> "ModelSource":
@@ -63,6 +66,8 @@ class ModelSource:
         config = load_config(folder, trust_remote_code=trust_remote_code)
         src = cls(name, folder, repo_id, config, {})
         src.weight_map = src._read_weight_map()
+        index = folder / (INDEX if (folder / INDEX).is_file() else SINGLE)
+        _refuse(check_expert_keys(index, src.weight_map, config))  # names only: before any header is read
         return src
 
     def _read_weight_map(self) -> dict[str, str]:
@@ -106,13 +111,39 @@ class ModelSource:
             except SafetensorsError as e:
                 raise SourceError(str(e)) from None
             check_dtypes(self.folder / filename, header, self.config, self.weight_map or header)
+            self._check_scales(filename, header)
+            _refuse(self._experts.add(self.folder / filename, header, decoder_layers(self.config)))
             self._headers[filename] = header
         return self._headers[filename]
+
+    def _check_scales(self, filename: str, header: dict) -> None:
+        """Each FP8 scale grid against its weight, once both headers are read (they may be two shards)."""
+        block = fp8_block(self.config)
+        if block is None:
+            return
+        for key, entry in header.items():
+            if key.endswith(SCALE):  # from the scale: its weight here or in a shard read before
+                weight = key[: -len(SCALE)]
+                w, s = header.get(weight) or self._cached(weight), entry
+            elif key + SCALE in self.weight_map and key + SCALE not in header:  # its scale read before
+                weight, w, s = key, entry, self._cached(key + SCALE)
+            else:
+                continue
+            if isinstance(w, dict) and isinstance(s, dict):
+                _refuse(check_fp8_scales(self.folder / filename, weight, w.get("shape"), s.get("shape"), block))
+
+    def _cached(self, key: str) -> dict | None:
+        return self._headers.get(self.weight_map.get(key, ""), {}).get(key)
 
     @property
     def tied(self) -> bool:
         """Whether the head shares the embedding (no ``lm_head.weight`` expected on disk)."""
         return bool(getattr(self.config, "tie_word_embeddings", False))
+
+
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise SourceError(problem)
 
 
 _FP8 = ("F8_E4M3", "F8_E5M2")

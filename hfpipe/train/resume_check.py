@@ -36,7 +36,10 @@ FREE = ("output_dir", "pp", "ep", "tp", "sequence_parallel", "reshard_per_microb
         "layout", "plan_method", "dtype",
         "activation_checkpointing", "save_every", "keep", "async_save", "resume", "save_hf_at_end",
         "trust_remote_code", "threads_per_rank", "log_every", "eval_dataset", "eval_split", "eval_every",
-        "eval_batches", "keep_best", "report_to", "timeout")
+        "eval_batches", "keep_best", "report_to", "timeout",
+        # the same records give the same rows with it or without it: it only decides whether to refuse
+        "allow_dropped_records",
+        "cp")  # context parallelism lays the sequence out over ranks; DCP reshards by name
 _OPTIMIZER = ("weight_decay", "betas", "eps")
 
 
@@ -68,6 +71,7 @@ def check_resume(path, saved: dict, cfg, tied: bool) -> list[str]:
         diffs.append(f"--chat-template {cfg.chat_template}: the file changed since the checkpoint")
     if "tied" in saved and bool(saved["tied"]) != tied:
         diffs.append(f"tie_word_embeddings {bool(saved['tied'])} -> {tied}")
+    diffs += _base_changed(saved, cfg.model)
     if diffs:
         raise ResumeMismatch(f"--resume {path}: the checkpoint's run differs: {'; '.join(diffs)}; resume with "
                              "the same settings, or start a new run in another --output-dir")
@@ -90,6 +94,19 @@ def _recorded(path, saved: dict) -> dict:
                              "saved by the Python API, not by hfpipe finetune); resume from a checkpoint a run "
                              "saved, or start a new run in another --output-dir")
     return old
+
+
+def _base_changed(saved: dict, model: str) -> list[str]:
+    """A LoRA run's base folder, against what its checkpoint recorded of it (same name, other weights:
+    the adapters would go on training on another model). Local folders only: a hub snapshot's
+    revision names its content."""
+    from pathlib import Path
+
+    from hfpipe.checkpoint.base_record import base_difference
+
+    folder = Path(model).expanduser()
+    problem = base_difference(saved, folder) if "base" in saved and folder.is_dir() else None
+    return [problem] if problem else []
 
 
 #: Fields naming a file or folder: the same one given relative or absolute is the same run.

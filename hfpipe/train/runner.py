@@ -102,7 +102,8 @@ def _data_config(cfg: FinetuneConfig, *, held_out: bool = False):
         source.update(split=cfg.eval_split)
     return DataConfig(**source, format=cfg.format, seq_len=cfg.seq_len, packing=cfg.packing,
                       seed=cfg.seed, columns=cfg.columns, roles=cfg.roles,
-                      chat_template=cfg.chat_template, train_on_prompt=cfg.train_on_prompt)
+                      chat_template=cfg.chat_template, train_on_prompt=cfg.train_on_prompt,
+                      allow_dropped_records=cfg.allow_dropped_records)
 
 
 def _load_splits(cfg: FinetuneConfig, tok):
