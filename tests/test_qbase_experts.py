@@ -10,7 +10,7 @@ weight replaced by its dequantized value (FP8 tile by tile, NF4 block by block, 
 by transformers' own experts kernel. Loss and grad norm per step and every adapter after 3 steps agree within 1e-5.
 
 The default run takes DeepSeek-V3's own FP8 at pp 2 x dp 2 x ep 2 with adapters on the experts, where
-each rank's codes are, NF4 experts at ep 2, and all-linear as PEFT resolves it; ``pytest -m slow`` runs
+each rank's codes are, and all-linear as PEFT resolves it; ``pytest -m slow`` runs NF4 experts at ep 2,
 every schedule at pp 2, an interleaved ep mesh, five more families quantized at load at pp 2 x dp 2 x
 ep 2 (GPT-OSS: transposed stacks with biases), LoRA with --ep over a full-precision base, merges and
 a resume at another ep and pp.
@@ -156,6 +156,7 @@ def quantized_moe_model(block: int, kind: str = "fp8"):
 NF4 = {"quantize_base": "nf4", "quantize_block_size": LOAD_BLOCK}
 
 
+@pytest.mark.slow  # the default run keeps NF4 at pp 2 (test_qbase) and quantized experts over ep (FP8 below)
 def test_nf4_experts_pp2_dp2_ep2_match_peft_on_the_same_nf4_model():
     """NF4: one NF4Tensor per expert's matrix, on its ep rank; adapters on attention and the experts."""
     run_and_check("qwen3_moe", 2, ("1f1b",), EXPERTS, dp=2, options={**NF4, "ep": 2},

@@ -80,14 +80,11 @@ def _logits_worker(paths: dict[str, str], pp: int) -> dict:
     return diffs
 
 
-# The default suite runs every family at pp 1 and 2 and three families at pp 3 and 4 (the costliest
-# process counts on 2 cores); `pytest -m slow` runs every family at every pp.
-SLICE = ("llama_tied", "deepseek_v3", "qwen3_moe")
-
-
+# The default suite runs every family at pp 1 and 2 (pp 3 and 4 run in training, in
+# test_train_equivalence's default slice); `pytest -m slow` runs every family at every pp.
 @pytest.mark.parametrize(
     "pp, kinds",
-    [(1, TINY_KINDS), (2, TINY_KINDS), (3, SLICE), (4, SLICE),
+    [(1, TINY_KINDS), (2, TINY_KINDS),
      pytest.param(3, TINY_KINDS, marks=pytest.mark.slow), pytest.param(4, TINY_KINDS, marks=pytest.mark.slow)],
 )
 def test_pipelined_logits_equal_transformers(pp, kinds):
