@@ -85,6 +85,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     from hfpipe.data.config import check_seq_len, context_limit
     from hfpipe.lora.folder import read_adapter_folder
     from hfpipe.config.options import require_tolerance
+    from hfpipe.train.progress import Ticker
 
     if seq_len is not None and seq_len < 2:  # one token has no next-token logits to compare over
         raise PipelineError(f"--seq-len must be >= 2, got {seq_len}")
@@ -105,9 +106,11 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     plan = plan_pipeline(source.config, pp, vpp=layout.vpp, style=layout.style, seq_len=seq_len)
     _check_shards(source)
     inputs = _sample_batch(source.config, batch, seq_len)
-    reference = _reference_logits(source.folder, inputs, trust_remote_code, adapter_dir)
-    results = launch(_rank_logits, pp, str(source.folder), plan, schedule, microbatches, inputs,
-                     trust_remote_code, adapter_dir)
+    with Ticker(f"{'PEFT' if adapter else 'transformers'}: the reference logits in this process"):
+        reference = _reference_logits(source.folder, inputs, trust_remote_code, adapter_dir)
+    with Ticker(f"the pipeline's logits in {pp} processes"):
+        results = launch(_rank_logits, pp, str(source.folder), plan, schedule, microbatches, inputs,
+                         trust_remote_code, adapter_dir)
     logits = _gather(results)
     return _compare(reference, logits, inputs["attention_mask"].bool(), tolerance, pp, schedule)
 

@@ -5,18 +5,23 @@ Every ``log_every`` steps (and at the last step) one row goes to the ``--report-
 row, i.e. the exact loss of those tokens. On a terminal a progress bar shows the latest row; when
 stderr is not a terminal (a log file, a Slurm job) each row is one plain timestamped line instead,
 as a bar's ``\\r`` updates would make one unreadable line of a file.
+
+:class:`Ticker` is the one way a stretch that prints nothing on its own (loading stages, starting
+workers, verifying, exporting) says what it does: a line every few seconds with the time so far.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 from hfpipe.train.logs import LINES, format_line, log_line, open_sinks
 
-__all__ = ["Reporter"]
+__all__ = ["Reporter", "Ticker", "TICK_S"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +113,49 @@ class Reporter:
             self.bar.close()
         for sink in self.sinks:
             sink.close()
+
+
+#: Seconds between a silent stretch's lines: under 5, so no gap in a log is longer than that.
+TICK_S = 4.0
+
+
+class Ticker:
+    """Says ``<what>... (N s)`` every :data:`TICK_S` seconds while a silent stretch lasts.
+
+    A context manager; a no-op on ranks other than 0 (``RANK`` of torchrun or the launcher), so
+    each line is said once.
+
+    Args:
+        what: What is going on, or a function returning it now (``None`` while something else
+            shows progress; a new text counts its seconds afresh).
+        echo: Where the lines go (default: this module's logger at INFO).
+        every: Seconds between lines.
+    """
+
+    def __init__(self, what, *, echo=None, every: float = TICK_S) -> None:
+        self.what = what if callable(what) else (lambda: what)
+        self.echo = echo or (lambda text: log.info("%s", text))
+        self.every = every
+        self.enabled = int(os.environ.get("RANK", "0") or 0) == 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="hfpipe-ticker", daemon=True)
+
+    def __enter__(self) -> Ticker:
+        self.start = time.monotonic()
+        if self.enabled:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.enabled:
+            self.thread.join()
+
+    def _run(self) -> None:
+        shown = self.what()
+        while not self.stop.wait(self.every):
+            what = self.what()
+            if what != shown:  # a new stretch: count from its start
+                shown, self.start = what, time.monotonic() - self.every
+            if what is not None:
+                self.echo(f"{what}... ({time.monotonic() - self.start:.0f} s)")
