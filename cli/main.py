@@ -246,7 +246,10 @@ def verify(
 
     if not hf_dir.expanduser().exists():  # before torch loads: a wrong path is named at once
         raise NoSuchPathError(f"HF_DIR {hf_dir}: no such folder{did_you_mean(hf_dir)}")
-    import hfpipe.verify
+    from hfpipe.train.progress import Ticker
+
+    with Ticker("loading torch and transformers"):
+        import hfpipe.verify
 
     result = hfpipe.verify.verify(hf_dir, pp=pp, schedule=schedule, tolerance=tolerance,
                                   seq_len=seq_len, batch=batch_size,

@@ -145,4 +145,4 @@ def _ticker(echo, what):
     """The shared ticker (:class:`hfpipe.train.progress.Ticker`), its lines indented under a step's."""
     from hfpipe.train.progress import Ticker
 
-    return Ticker(what, echo=lambda text: echo(f"    {text}"))
+    return Ticker(what, echo=lambda text: echo(f"    {text}"), first=False)  # its step line said what

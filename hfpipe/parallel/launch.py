@@ -163,6 +163,8 @@ def say_phase(text: str | None) -> None:
 
     The launcher's ticker says it with the time so far; under torchrun (no launcher) nothing happens.
     """
+    from hfpipe.parallel.signals import CONTROL_ENV
+
     control = os.environ.get(CONTROL_ENV) if os.environ.get("RANK", "0") == "0" else None
     if not control or not Path(control).is_dir():
         return

@@ -130,12 +130,14 @@ class Ticker:
             shows progress; a new text counts its seconds afresh).
         echo: Where the lines go (default: this module's logger at INFO).
         every: Seconds between lines.
+        first: Also say ``<what>...`` at once: stretches that follow each other then never leave
+            more than ``every`` seconds between lines (a ticker alone starts after ``every``).
     """
 
-    def __init__(self, what, *, echo=None, every: float = TICK_S) -> None:
+    def __init__(self, what, *, echo=None, every: float = TICK_S, first: bool = True) -> None:
         self.what = what if callable(what) else (lambda: what)
         self.echo = echo or (lambda text: log.info("%s", text))
-        self.every = every
+        self.every, self.first = every, first
         self.enabled = int(os.environ.get("RANK", "0") or 0) == 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="hfpipe-ticker", daemon=True)
@@ -153,6 +155,8 @@ class Ticker:
 
     def _run(self) -> None:
         shown = self.what()
+        if self.first and shown is not None:
+            self.echo(f"{shown}...")
         while not self.stop.wait(self.every):
             what = self.what()
             if what != shown:  # a new stretch: count from its start

@@ -157,7 +157,8 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     check_launch(cfg.dims.world, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
     lock = run_lock(cfg.output_dir, nnodes, node_rank)
     lock.check()  # a busy folder is named before any other work
-    preflight(cfg)
+    with Ticker("checking the model, the plan and the data"):
+        preflight(cfg)
     nprocs = cfg.dims.world // nnodes
     with lock:
         results = launch(run_worker, nprocs, cfg.to_dict(), nnodes=nnodes, node_rank=node_rank,
@@ -344,6 +345,7 @@ class _Run:
         if evaluator.due(self.pos.step, final=True):  # a resumed run that had nothing left to do
             self._evaluate(evaluator, report)
         report.close()
+        say_phase("saving the last checkpoint" + (", exporting" if self.cfg.save_hf_at_end else "") + " and stopping")
         if self.pos.step > self.start and self.last_saved != self._step_dir():
             self.save()  # never at a step already saved: a finished run resumed is not rewritten
         if self.pending is not None:
