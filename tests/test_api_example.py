@@ -30,6 +30,8 @@ def test_api_example_trains_saves_and_exports(tmp_path):
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([\d.]+)", run.stdout, re.M)]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert "eval loss" in run.stdout
+    # a script that configured no logging still hears what its first seconds are spent on, from rank 0 only
+    assert run.stderr.count("load_pipeline: loading this rank's stages...") == 1, run.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

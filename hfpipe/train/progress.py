@@ -129,15 +129,15 @@ class Ticker:
         what: What is going on, or a function returning it now (``None`` while something else
             shows progress; a new text counts its seconds afresh).
         echo: Where the lines go (default: this module's logger at INFO).
-        every: Seconds between lines.
+        every: Seconds between lines (default :data:`TICK_S`).
         first: Also say ``<what>...`` at once: stretches that follow each other then never leave
             more than ``every`` seconds between lines (a ticker alone starts after ``every``).
     """
 
-    def __init__(self, what, *, echo=None, every: float = TICK_S, first: bool = True) -> None:
+    def __init__(self, what, *, echo=None, every: float | None = None, first: bool = True) -> None:
         self.what = what if callable(what) else (lambda: what)
         self.echo = echo or (lambda text: log.info("%s", text))
-        self.every, self.first = every, first
+        self.every, self.first = every or TICK_S, first
         self.enabled = int(os.environ.get("RANK", "0") or 0) == 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="hfpipe-ticker", daemon=True)
