@@ -156,7 +156,8 @@ _FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 
 def _as_arguments(message: str, call: str, arguments: dict) -> str:
     """``message`` with each ``--flag`` as the argument of ``call`` it stands for, led by ``call``."""
-    text = _FLAG.sub(lambda m: _FLAGS.get(m.group(), m.group()[2:].replace("-", "_")), message)
+    text = message.replace("--lora-rank R", "lora=LoraConfig(r=R)")  # the API's LoRA is PEFT's config
+    text = _FLAG.sub(lambda m: _FLAGS.get(m.group(), m.group()[2:].replace("-", "_")), text)
     for upper, value in arguments.items():  # the CLI's OUT / MODEL arguments
         text = re.sub(rf"\b{upper.upper()}\b", upper, text)
     return text if text.startswith(f"{call}(") else f"{call}({', '.join(f'{k}={v!r}' for k, v in arguments.items())}): {text}"

@@ -161,12 +161,16 @@ def test_the_launcher_hands_its_log_level_to_the_workers(ranks):
 
 def test_load_pipeline_refuses_in_argument_names():
     from hfpipe.api import load_pipeline
-    from hfpipe.errors import ParallelError
+    from hfpipe.errors import HfpipeError, ParallelError
 
     path = str(tiny_checkpoint("llama_tied", num_hidden_layers=4))
     with pytest.raises(ParallelError) as e:
         load_pipeline(path, pp=1, schedule="nope")
     assert str(e.value).startswith("load_pipeline(model=") and "schedule 'nope' is unknown" in str(e.value)
+    assert "--" not in str(e.value)
+    with pytest.raises(HfpipeError) as e:  # the checks below the face speak flags; the face its arguments
+        load_pipeline(path, pp=1, quantize_base="nf4")
+    assert "quantize_base trains LoRA adapters" in str(e.value) and "lora=LoraConfig(r=R)" in str(e.value)
     assert "--" not in str(e.value)
 
 
