@@ -161,12 +161,16 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
 def say_phase(text: str | None) -> None:
     """From rank 0 of a launched run: what it does now (``None``: its own lines show progress from here).
 
-    The launcher's ticker says it with the time so far; under torchrun (no launcher) nothing happens.
+    The launcher's ticker says it with the time so far; under torchrun (no launcher) rank 0 logs it.
     """
     from hfpipe.parallel.signals import CONTROL_ENV
 
-    control = os.environ.get(CONTROL_ENV) if os.environ.get("RANK", "0") == "0" else None
+    if os.environ.get("RANK", "0") != "0":
+        return
+    control = os.environ.get(CONTROL_ENV)
     if not control or not Path(control).is_dir():
+        if text:
+            log.info("%s...", text)
         return
     tmp = Path(control) / f".{_PHASE}.tmp"
     tmp.write_text(text or "")
