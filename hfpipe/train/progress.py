@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hfpipe.train.logs import LINES, format_line, log_line, open_sinks
 
-__all__ = ["Reporter", "Ticker", "TICK_S"]
+__all__ = ["FIRST_S", "Reporter", "Ticker", "TICK_S"]
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,11 @@ class Reporter:
             sink.close()
 
 
-#: Seconds between a silent stretch's lines: under 5, so no gap in a log is longer than that.
-TICK_S = 4.0
+#: Seconds between a silent stretch's lines, and before its first: a stretch over in a second says
+#: nothing (a user error stays the one line printed), and one stretch after another leaves at most
+#: FIRST_S + TICK_S = 4.5 s between lines, under the 5 s a new user waits without a word.
+TICK_S = 3.5
+FIRST_S = 1.0
 
 
 class Ticker:
@@ -130,8 +133,8 @@ class Ticker:
             shows progress; a new text counts its seconds afresh).
         echo: Where the lines go (default: this module's logger at INFO).
         every: Seconds between lines (default :data:`TICK_S`).
-        first: Also say ``<what>...`` at once: stretches that follow each other then never leave
-            more than ``every`` seconds between lines (a ticker alone starts after ``every``).
+        first: Also say ``<what>...`` after :data:`FIRST_S` (or ``every`` if shorter), so that
+            stretches that follow each other leave no long gap (a ticker alone starts after ``every``).
     """
 
     def __init__(self, what, *, echo=None, every: float | None = None, first: bool = True) -> None:
@@ -155,7 +158,7 @@ class Ticker:
 
     def _run(self) -> None:
         shown = self.what()
-        if self.first and shown is not None:
+        if self.first and not self.stop.wait(min(FIRST_S, self.every)) and shown is not None:
             self.echo(f"{shown}...")
         while not self.stop.wait(self.every):
             what = self.what()
