@@ -98,10 +98,17 @@ def finetune(
     or joins the ones torchrun / srun started."""
     given = {k: v for k, v in locals().items() if k in _FIELDS and v is not None}
     config = build_config(recipe, given)
+    from hfpipe.data.sources import check_exists
     from hfpipe.files import check_model_name
 
     check_model_name(config.model)  # before torch loads: a wrong path is named at once
-    from hfpipe.train.runner import finetune as run
+    check_exists(config.dataset)
+    if config.eval_dataset:
+        check_exists(config.eval_dataset, "--eval-dataset")
+    from hfpipe.train.progress import Ticker
+
+    with Ticker("loading torch and transformers"):
+        from hfpipe.train.runner import finetune as run
 
     result = run(config, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     if result:  # under torchrun/srun only the rank that reports the loss has a summary to print

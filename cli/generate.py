@@ -12,6 +12,8 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
+from hfpipe.train.progress import Ticker
+
 __all__ = ["chat", "generate"]
 
 _MODEL = typer.Argument(
@@ -45,7 +47,8 @@ def generate(
     """Answer one prompt with a model folder or a training checkpoint (greedy by default), in one
     process with transformers' generate; the answer streams to stdout."""
     _check_model(model)
-    from hfpipe.generate import check_options, load_generator
+    with Ticker("loading torch and transformers"):
+        from hfpipe.generate import check_options, load_generator
 
     check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     gen = load_generator(model, dtype=dtype, source=source, trust_remote_code=trust_remote_code)
@@ -71,7 +74,8 @@ def chat(
     """Talk with a model folder or a training checkpoint through its chat template: type a turn,
     the answer streams back. /reset forgets the conversation; /exit or Ctrl-D ends it."""
     _check_model(model)
-    from hfpipe.generate import check_options, load_generator
+    with Ticker("loading torch and transformers"):
+        from hfpipe.generate import check_options, load_generator
 
     check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     gen = load_generator(model, dtype=dtype, source=source, trust_remote_code=trust_remote_code)

@@ -152,6 +152,8 @@ def _setup_logging(level: str) -> None:
     from hfpipe.train.logs import log_formatter, quiet_import_noise
 
     quiet_import_noise(level)
+    # The workers (hfpipe's launcher's, or each torchrun process) log at it too (hfpipe.train.runner).
+    os.environ["HFPIPE_LOG_LEVEL"] = level.upper()
     logger = logging.getLogger("hfpipe")
     logger.setLevel(level.upper())
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
@@ -209,10 +211,14 @@ def export(
     from hfpipe.checkpoint.find import find_checkpoint
 
     ckpt = find_checkpoint(ckpt, "checkpoint")  # torch-free: a wrong path is named at once
-    from hfpipe.checkpoint.export import export_checkpoint
+    from hfpipe.train.progress import Ticker
 
-    written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
-                                source=source, progress=progress, merge=merge)
+    bar = progress and sys.stderr.isatty()  # the bar shows progress; a log file gets the ticker's lines
+    with contextlib.nullcontext() if bar else Ticker(f"exporting {ckpt} to {out}"):
+        from hfpipe.checkpoint.export import export_checkpoint
+
+        written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
+                                    source=source, progress=progress, merge=merge)
     typer.echo(f"exported {ckpt} -> {written}")
 
 
@@ -240,7 +246,10 @@ def verify(
 
     if not hf_dir.expanduser().exists():  # before torch loads: a wrong path is named at once
         raise NoSuchPathError(f"HF_DIR {hf_dir}: no such folder{did_you_mean(hf_dir)}")
-    import hfpipe.verify
+    from hfpipe.train.progress import Ticker
+
+    with Ticker("loading torch and transformers"):
+        import hfpipe.verify
 
     result = hfpipe.verify.verify(hf_dir, pp=pp, schedule=schedule, tolerance=tolerance,
                                   seq_len=seq_len, batch=batch_size,

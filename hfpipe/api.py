@@ -8,16 +8,25 @@ Inside ``torchrun --nproc-per-node 4 train.py``::
     trainer = pm.trainer(optimizer, max_grad_norm=1.0)
     for batch in loader:                      # input_ids / attention_mask / labels from a collator
         out = trainer.step(batch)             # out.loss, out.grad_norm: same on every rank
+    pm.save_checkpoint("out/checkpoints", step, optimizer, scheduler=scheduler)
     pm.save_pretrained("out/hf")              # an HF folder from_pretrained loads
 
-The machinery is :mod:`hfpipe.pipeline.build` and :mod:`hfpipe.pipeline.model`; this face adds ``trainer`` (:mod:`hfpipe.train.step`, which
-stands on the pipeline) and ``save_pretrained``, the one method that exports.
+and to resume: ``start = pm.load_checkpoint(path, optimizer=optimizer, scheduler=scheduler)``.
+
+The machinery is :mod:`hfpipe.pipeline.build` and :mod:`hfpipe.pipeline.model`; this face adds ``trainer``
+(:mod:`hfpipe.train.step`, which stands on the pipeline), the checkpoint methods and ``save_pretrained``.
+Every error these raise names the argument to change (the checks below the face speak the CLI's flags;
+:func:`_as_arguments` turns those into argument names) and is raised on every rank alike
+(:mod:`hfpipe.parallel.agree`), so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
+from hfpipe.errors import HfpipeError
+from hfpipe.parallel.agree import agree, raise_together
 from hfpipe.pipeline import build as _build
 from hfpipe.pipeline import model as _model
 from hfpipe.pipeline.model import DTYPES
@@ -47,17 +56,47 @@ class PipelineModel(_model.PipelineModel):
 
         return pipeline_state_dict(self)
 
-    def save_checkpoint(self, root: str, step: int, optimizer=None, *, keep: int | None = None,
+    def save_checkpoint(self, root: str, step: int, optimizer=None, *, scheduler=None, epoch: int = 0,
+                        batch_in_epoch: int | None = None, keep: int | None = None,
                         extra: dict | None = None, async_save: bool = False):
-        """Save a DCP checkpoint ``root/step-<step>`` (every rank calls this; see
-        :func:`hfpipe.checkpoint.pipeline_state.save_pipeline_checkpoint`)."""
+        """Save a DCP checkpoint ``root/step-<step>`` (every rank calls this).
+
+        Args:
+            root: The checkpoints folder.
+            step: Optimizer steps done.
+            optimizer: Its state is saved with the weights (``None``: weights only).
+            scheduler: An LR scheduler whose ``state_dict()`` is saved (as JSON, never pickled).
+            epoch, batch_in_epoch: Where the data stands, for :meth:`load_checkpoint` to hand back:
+                the epoch and the batches of it already trained (default ``step``: one batch a step).
+            keep: Keep only the newest ``keep`` checkpoints.
+            extra: More ``hfpipe.json`` fields.
+            async_save: Write in the background; see
+                :func:`hfpipe.checkpoint.pipeline_state.save_pipeline_checkpoint`.
+        """
         from hfpipe.checkpoint.pipeline_state import save_pipeline_checkpoint
 
-        return save_pipeline_checkpoint(self, root, step, optimizer, keep=keep, extra=extra, async_save=async_save)
+        return save_pipeline_checkpoint(self, root, step, optimizer, scheduler=scheduler, epoch=epoch,
+                                        batch_in_epoch=batch_in_epoch, keep=keep, extra=extra,
+                                        async_save=async_save)
+
+    def load_checkpoint(self, path: str, *, optimizer=None, scheduler=None):
+        """Resume from ``path`` (a ``step-XXXXXXXX`` folder, or a checkpoints folder: its newest).
+
+        Restores this rank's weights, the optimizer's and the scheduler's state, and the RNG; returns
+        a :class:`hfpipe.checkpoint.pipeline_state.Resumed` with ``step``, ``epoch`` and
+        ``batch_in_epoch`` (where the data stands: skip that many batches of that epoch). Every rank
+        calls it; an error is raised on every rank alike.
+        """
+        from hfpipe.checkpoint.pipeline_state import load_pipeline_checkpoint
+
+        return load_pipeline_checkpoint(self, path, optimizer=optimizer, scheduler=scheduler)
 
     def save_pretrained(self, out: str, *, dtype: str = "auto", max_shard_size: str = "5GB",
-                        force: bool = False):
-        """Write an HF folder ``from_pretrained`` loads (every rank calls this; rank 0 writes)."""
+                        overwrite: bool = False, force: bool = False):
+        """Write an HF folder ``from_pretrained`` loads (every rank calls this; rank 0 writes).
+
+        ``overwrite=True`` replaces an earlier export at ``out`` (``force`` is its older name).
+        """
         import shutil
         import tempfile
         from pathlib import Path
@@ -65,22 +104,73 @@ class PipelineModel(_model.PipelineModel):
         import torch.distributed as dist
 
         from hfpipe.checkpoint.export import export_checkpoint
+        from hfpipe.checkpoint.out_folder import check_out
 
-        tmp = [tempfile.mkdtemp(prefix=".hfpipe-save-", dir=Path(out).absolute().parent)
-               if self.dist.rank == 0 else None]
+        overwrite = bool(overwrite or force)
+        rank0 = self.dist.rank == 0
+        # Rank 0 checks the folder before anything is written; every rank raises what it found.
+        _in_python_words(lambda: agree(lambda: check_out(Path(out), overwrite, ()) if rank0 else None),
+                         "save_pretrained", out=out)
+        tmp = [tempfile.mkdtemp(prefix=".hfpipe-save-", dir=Path(out).absolute().parent) if rank0 else None]
         dist.broadcast_object_list(tmp, src=0)
         try:
             ckpt = self.save_checkpoint(tmp[0], 0)
-            if self.dist.rank == 0:
-                export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
-                                  progress=False)
-            dist.barrier()
+
+            def export() -> None:
+                if rank0:
+                    export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=overwrite,
+                                      progress=False)
+
+            _in_python_words(lambda: agree(export), "save_pretrained", out=out)
         finally:
-            if self.dist.rank == 0:
+            if rank0:
                 shutil.rmtree(tmp[0], ignore_errors=True)
         return Path(out)
 
 
 @functools.wraps(_build.load_pipeline)
 def load_pipeline(model: str, **options) -> PipelineModel:
-    return _build.load_pipeline(model, model_class=PipelineModel, **options)
+    import os
+
+    from hfpipe.train.logs import default_handler
+    from hfpipe.train.progress import Ticker
+
+    default_handler(int(os.environ.get("RANK", "0") or 0))
+    error = None
+    with Ticker("load_pipeline: loading this rank's stages"):
+        try:
+            pm = _in_python_words(lambda: _build.load_pipeline(model, model_class=PipelineModel, **options),
+                                  "load_pipeline", model=model)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank alike
+            error, pm = e, None
+    raise_together(error)  # a rank that failed after the process group started: all raise it
+    return pm
+
+
+# --- The checks below the face speak the CLI's flags; a Python caller reads its arguments -------------
+#: Flags whose argument is not simply the flag's name with underscores.
+_FLAGS = {"--force": "overwrite=True", "--lora-rank": "lora", "--batch-size": "the batch's rows",
+          "--out": "out", "--model": "model"}
+_FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+
+
+def _as_arguments(message: str, call: str, arguments: dict) -> str:
+    """``message`` with each ``--flag`` as the argument of ``call`` it stands for, led by ``call``."""
+    text = message.replace("--lora-rank R", "lora=LoraConfig(r=R)")  # the API's LoRA is PEFT's config
+    text = _FLAG.sub(lambda m: _FLAGS.get(m.group(), m.group()[2:].replace("-", "_")), text)
+    for upper, value in arguments.items():  # the CLI's OUT / MODEL arguments
+        text = re.sub(rf"\b{upper.upper()}\b", upper, text)
+    return text if text.startswith(f"{call}(") else f"{call}({', '.join(f'{k}={v!r}' for k, v in arguments.items())}): {text}"
+
+
+def _in_python_words(fn, call: str, **arguments):
+    """``fn()``, its :class:`HfpipeError` re-raised (same class) in ``call``'s argument names."""
+    try:
+        return fn()
+    except HfpipeError as e:
+        text = _as_arguments(str(e), call, arguments)
+        try:
+            again = type(e)(text)
+        except TypeError:
+            raise e from None
+        raise again from None

@@ -47,17 +47,19 @@ def load_generator(model: str | Path, *, dtype: str = "auto", source: str | Path
     """
     from hfpipe.checkpoint.find import find_checkpoint, is_checkpoint_like
     from hfpipe.source.folder import load_tokenizer
+    from hfpipe.train.progress import Ticker
 
     if dtype not in _DTYPES:
         raise GenerateError(f"--dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
-    if is_checkpoint_like(model):
-        ckpt = find_checkpoint(model, "MODEL")
-        net, folder = _from_checkpoint(ckpt, source, trust_remote_code)
-        if dtype != "auto":
-            net = net.to(_DTYPES[dtype])
-    else:
-        net, folder = _from_folder_or_adapter(str(model), dtype, trust_remote_code)
-    return Generator(net.eval(), load_tokenizer(folder, trust_remote_code=trust_remote_code))
+    with Ticker(f"loading {model}"):
+        if is_checkpoint_like(model):
+            ckpt = find_checkpoint(model, "MODEL")
+            net, folder = _from_checkpoint(ckpt, source, trust_remote_code)
+            if dtype != "auto":
+                net = net.to(_DTYPES[dtype])
+        else:
+            net, folder = _from_folder_or_adapter(str(model), dtype, trust_remote_code)
+        return Generator(net.eval(), load_tokenizer(folder, trust_remote_code=trust_remote_code))
 
 
 def _from_folder_or_adapter(name: str, dtype: str, trust_remote_code: bool):

@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import shutil
-import threading
-import time
 from pathlib import Path
 
 __all__ = ["PROMPTS", "quickstart"]
@@ -25,7 +23,6 @@ log = logging.getLogger(__name__)
 PROMPTS = ("What colour is the sky on a clear day?", "How does a cat sound?")
 _MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, vocab_size=1024)
-_TICK = 5.0  # seconds between progress lines in otherwise silent stretches
 
 
 def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 120, pp: int = 2,
@@ -56,9 +53,9 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 120, pp: i
     if (base / "config.json").is_file():
         echo("    reusing the model built by an earlier quickstart (delete the folder to rebuild)")
     else:
-        with _Ticker(echo, lambda: "building"):
+        with _ticker(echo, lambda: "building"):
             _build_base(base)
-    with _Ticker(echo, lambda: "generating"):
+    with _ticker(echo, lambda: "generating"):
         before = _answers(base)
     for prompt, answer in zip(PROMPTS, before):
         echo(f"    prompt: {prompt!r}\n    before fine-tuning: {answer!r}")
@@ -72,11 +69,11 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 120, pp: i
     echo(f"3/4 exported to {hf}" + (" (a PEFT adapter folder)" if lora else ""))
     oracle = "PEFT" if lora else "transformers"
     echo(f"4/4 checking the export: {oracle} in this process vs the pipeline in {pp} processes")
-    with _Ticker(echo, lambda: "verifying"):
+    with _ticker(echo, lambda: "verifying"):
         result = _verify(hf, pp)
     echo(f"    max abs diff of the logits {result['max_abs_diff']:.2e} "
          f"({'PASS' if result['passed'] else 'FAIL'})")
-    with _Ticker(echo, lambda: "generating"):
+    with _ticker(echo, lambda: "generating"):
         after = _answers(hf)
     for prompt, answer in zip(PROMPTS, after):
         echo(f"    prompt: {prompt!r}\n    after fine-tuning:  {answer!r}")
@@ -120,12 +117,10 @@ def _finetune(base: Path, run: Path, steps: int, pp: int, echo, lora: bool) -> t
                          dataset="builtin:tiny-chat", seq_len=128, batch_size=8, microbatches=4,
                          max_steps=steps, warmup_steps=5, weight_decay=0.0,
                          save_hf_at_end=True, **extra)
-    def status() -> str | None:  # None while the run's own progress bar is on screen
-        if not (run / "metrics.jsonl").is_file():  # written at the first step
-            return "starting workers"
+    def status() -> str | None:  # the start is the run's own to tell (hfpipe.train.runner)
         return "stopping workers" if (run / "hf" / "config.json").is_file() else None
 
-    with _Ticker(echo, status):
+    with _ticker(echo, status):
         summary = finetune(cfg)
     losses = [row["loss"] for row in summary.get("history", []) if "loss" in row]
     if not losses:
@@ -148,36 +143,11 @@ def _answers(folder: Path, max_new_tokens: int = 24) -> list[str]:
     return [gen.generate(gen.encode(p), max_new_tokens=max_new_tokens).strip() for p in PROMPTS]
 
 
-class _Ticker:
-    """Prints ``    <what>... (N s)`` every few seconds while a silent stretch lasts.
+def _ticker(echo, what):
+    """The shared ticker (:class:`hfpipe.train.progress.Ticker`), its lines indented under a step's."""
+    from hfpipe.train.progress import Ticker
 
-    Args:
-        echo: Where the lines go.
-        what: What is going on now, or None while something else shows progress.
-    """
-
-    def __init__(self, echo, what):
-        self.echo, self.what = echo, what
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> _Ticker:
-        self.start = time.monotonic()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def _run(self) -> None:
-        shown = None
-        while not self.stop.wait(_TICK):
-            what = self.what()
-            if what != shown:  # a new stretch: count from here
-                shown, self.start = what, time.monotonic() - _TICK
-            if what is not None:
-                self.echo(f"    {what}... ({time.monotonic() - self.start:.0f} s)")
+    return Ticker(what, echo=lambda text: echo(f"    {text}"), first=False)  # its step line said what
 
 
 def _cpu_if_too_few_gpus(pp: int, echo) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,10 +75,27 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
         SourceError, LoadError, PlanError, PipelineError, UnsupportedModelError: the folder or
             the options cannot be used (one line saying what to fix).
     """
-    from hfpipe.parallel.launch import launch
-    from hfpipe.parallel.mesh import check_gpus
+    from hfpipe.train.progress import Ticker
+
+    with Ticker("checking the folder, the plan and the shards"):
+        from hfpipe.parallel.launch import launch
+
+        source, adapter_dir, plan, microbatches, inputs = _prepare(hf_dir, pp, schedule, tolerance, seq_len,
+                                                                    batch, trust_remote_code)
+    with Ticker(f"{'PEFT' if adapter_dir else 'transformers'}: the reference logits in this process"):
+        reference = _reference_logits(source.folder, inputs, trust_remote_code, adapter_dir)
+    with Ticker(f"the pipeline's logits in {pp} processes"):
+        results = launch(_rank_logits, pp, str(source.folder), plan, schedule, microbatches, inputs,
+                         trust_remote_code, adapter_dir)
+    logits = _gather(results)
+    return _compare(reference, logits, inputs["attention_mask"].bool(), tolerance, pp, schedule)
+
+
+def _prepare(hf_dir, pp: int, schedule: str, tolerance: float, seq_len, batch, trust_remote_code: bool):
+    """Every check before a model loads; ``(source, adapter_dir, plan, microbatches, inputs)``."""
     from hfpipe.models.support import get_adapter
     from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.mesh import check_gpus
     from hfpipe.parallel.rules import check_layout
     from hfpipe.pipeline.schedule import PipelineError
     from hfpipe.plan.split import plan_pipeline
@@ -108,12 +126,8 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
     plan = plan_pipeline(source.config, pp, vpp=layout.vpp, style=layout.style, seq_len=seq_len)
     _check_shards(source)
     inputs = _sample_batch(source.config, batch, seq_len)
-    reference = _reference_logits(source.folder, inputs, trust_remote_code, adapter_dir)
     check_gpus(pp)
-    results = launch(_rank_logits, pp, str(source.folder), plan, schedule, microbatches, inputs,
-                     trust_remote_code, adapter_dir)
-    logits = _gather(results)
-    return _compare(reference, logits, inputs["attention_mask"].bool(), tolerance, pp, schedule)
+    return source, adapter_dir, plan, microbatches, inputs
 
 
 def _check_shards(source) -> None:
@@ -194,6 +208,9 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
     """
     import torch.distributed as dist
 
+    from hfpipe.train.logs import quiet_import_noise, rank_level
+
+    quiet_import_noise(rank_level(int(os.environ.get("RANK", "0"))))  # before PEFT imports torchao
     from hfpipe.pipeline.build import load_pipeline
     from hfpipe.parallel.mesh import init_distributed
 

@@ -30,6 +30,9 @@ def test_api_example_trains_saves_and_exports(tmp_path):
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([\d.]+)", run.stdout, re.M)]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert "eval loss" in run.stdout
+    # a script that configured no logging still hears what its first seconds are spent on, from rank 0 only
+    assert "INFO [rank0] hfpipe.pipeline.build: rank 0 loaded " in run.stderr, run.stderr[-3000:]
+    assert "[rank1] hfpipe" not in run.stderr, run.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -376,6 +376,7 @@ def test_entry_point_plan_prints_everything_before_its_fast_exit():
 
 
 @pytest.mark.parametrize("args", [["export", "nope", "x"], ["verify", "./nope"], ["finetune", "./nope"],
+                                  ["finetune", ".", "--dataset", "data/chat.jsonl"],
                                   ["generate", "./nope", "--prompt", "x"], ["chat", "out/checkpoints/step-9"]])
 def test_a_wrong_path_is_named_before_torch_loads(tmp_path, args):
     # Importing torch and transformers takes seconds on a busy machine; a typo should not wait for it.
@@ -384,4 +385,4 @@ def test_a_wrong_path_is_named_before_torch_loads(tmp_path, args):
     done = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
-    assert "no such folder" in done.stderr or "not found" in done.stderr
+    assert "no such folder" in done.stderr or "not found" in done.stderr or "does not exist" in done.stderr

@@ -1,6 +1,6 @@
 """What a new user meets on a first run of `hfpipe finetune`, in real processes: no warnings from
-any rank, one log format with each thing said once, and `next:` commands that work as printed,
-also after a resumed run."""
+any rank, one log format with each thing said once, no stretch of 5 s without a line (the start-up
+of the workers told as it goes), and `next:` commands that work as printed, also after a resumed run."""
 
 from __future__ import annotations
 
@@ -54,6 +54,16 @@ def test_every_log_line_has_one_format_and_says_each_thing_once(first_run):
     assert sum("documents ->" in line for line in logs) == 1, logs  # the data, once
     assert any("[rank1] hfpipe.train.lines: step 2/2 loss" in line for line in logs), logs
     assert any(" INFO hfpipe.data.load: " in line for line in logs), logs  # the launcher's: no rank
+
+
+def test_no_stretch_of_5_s_passes_without_a_line(first_run):
+    from datetime import datetime
+
+    logs = first_run[2].stderr.split("next:\n", 1)[0].splitlines()
+    stamps = [datetime.strptime(m.group(), "%Y-%m-%d %H:%M:%S") for m in map(re.compile(STAMP).match, logs) if m]
+    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+    assert max(gaps) <= 5, list(zip(gaps, logs[1:]))  # stamps are whole seconds: a 4 s tick reads as 4 or 5
+    assert "INFO hfpipe.train.progress: starting 2 worker processes..." in " ".join(logs), logs  # seconds, always
 
 
 def test_every_printed_next_command_works_as_printed_also_after_a_resume(first_run):

@@ -37,10 +37,12 @@ def test_a_folder_that_is_not_a_quickstart_run_is_left_alone(tmp_path):
 
 
 def test_silent_stretches_get_a_line_every_tick_and_none_while_others_report(monkeypatch):
-    monkeypatch.setattr(qs, "_TICK", 0.05)
+    from hfpipe.train import progress
+
+    monkeypatch.setattr(progress, "TICK_S", 0.05)
     said: list[str] = []
     state = {"what": "starting workers"}
-    with qs._Ticker(said.append, lambda: state["what"]):
+    with qs._ticker(said.append, lambda: state["what"]):
         time.sleep(0.18)
         state["what"] = None  # the run's own progress bar is showing
         time.sleep(0.15)

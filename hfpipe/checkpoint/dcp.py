@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hfpipe.errors import CheckpointError  # noqa: F401 - raised here, and imported from here by callers
 from hfpipe.checkpoint import checksums
 from hfpipe.checkpoint.meta import read_record
+from hfpipe.parallel.agree import agree
 from hfpipe.parallel.lock import write_new
 from hfpipe.checkpoint.safe_metadata import UnsafeMetadataError, check_byte_items, read_metadata, safe_load
 
@@ -322,13 +323,8 @@ def read_meta(path: str | Path) -> dict:
     return read_record(path / "hfpipe.json", CheckpointError, "resume from an earlier checkpoint")
 
 
-def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
-    """Load model, optimizer and RNG state into this rank's ``view``; return ``hfpipe.json``.
-
-    Raises:
-        CheckpointError: incomplete folder, or tensors missing for this rank's parameters.
-    """
-    path = Path(path)
+def _load_plan(path: Path, view: nn.Module, optimizer) -> tuple[dict, dict, str]:
+    """The record, the state to load into and this rank's RNG key, once the checkpoint fits the view."""
     meta = read_meta(path)
     state = _states(view, optimizer)
     rank_key = f"rank{dist.get_rank()}"
@@ -339,6 +335,18 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {missing[0]} ({len(missing)} tensors missing); "
                               "it was written for another model")
+    return meta, state, rank_key
+
+
+def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
+    """Load model, optimizer and RNG state into this rank's ``view``; return ``hfpipe.json``.
+
+    Raises:
+        CheckpointError: incomplete folder, or tensors missing for some rank's parameters (on every
+            rank alike: none is left waiting in DCP's load).
+    """
+    path = Path(path)
+    meta, state, rank_key = agree(lambda: _load_plan(path, view, optimizer))  # DCP's load is collective
     try:
         safe_load(state, path)  # byte items as data only, every item checked against its checksum
     except ValueError as e:

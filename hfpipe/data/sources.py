@@ -20,7 +20,7 @@ from hfpipe.files import check_folder, check_regular
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["load_raw", "locate", "explain", "explain_source"]
+__all__ = ["check_exists", "load_raw", "locate", "explain", "explain_source"]
 
 _BUILDERS = dict(jsonl="json", json="json", parquet="parquet", txt="text", arrow="arrow", csv="csv")
 
@@ -59,10 +59,15 @@ def load_raw(name: str, dataset_config: str | None, split: str) -> datasets.Data
         except DataError:
             explain(path)  # the load's errors name no line: find it (only now, it reads all)
             raise
-    if _looks_like_path(name):
-        raise DataError(f"--dataset {name} does not exist; pass an existing file or folder, "
-                        "a hub id such as org/name, or builtin:tiny-chat")
+    check_exists(name)
     return _guard(name, datasets.load_dataset, name, dataset_config, split=split)
+
+
+def check_exists(name: str, flag: str = "--dataset") -> None:
+    """A name that is a path, not a hub id, must exist (torch-free: the CLI calls it before loading)."""
+    if not name.startswith("builtin:") and not _path(name).exists() and _looks_like_path(name):
+        raise DataError(f"{flag} {name} does not exist; pass an existing file or folder, "
+                        "a hub id such as org/name, or builtin:tiny-chat")
 
 
 def _looks_like_path(name: str) -> bool:

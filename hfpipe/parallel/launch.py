@@ -16,13 +16,17 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["launch", "check_launch"]
+__all__ = ["launch", "check_launch", "say_phase", "LOG_LEVEL_ENV"]
 
 log = logging.getLogger(__name__)
 
 #: The launcher's pid, for its workers: they must not outlive it (kill -9 of the launcher).
 LAUNCHER_ENV = "HFPIPE_LAUNCHER_PID"
 _QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+#: The launcher's log level (``hfpipe --log-level``), for its workers: they log at it on rank 0, and
+#: at warnings (or debug, when asked) on the others.
+LOG_LEVEL_ENV = "HFPIPE_LOG_LEVEL"
+_PHASE = "phase"  # in the control folder: what rank 0 is doing, for the launcher's ticker
 
 
 def check_launch(world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
@@ -67,7 +71,8 @@ def _check_endpoint(endpoint: str) -> None:
 
 def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0,
            rdzv_endpoint: str | None = None, threads_per_rank: int | None = None,
-           timeout_s: float = 900.0, worker_timeout_s: float | None = None) -> dict[int, object]:
+           timeout_s: float = 900.0, worker_timeout_s: float | None = None,
+           ticker: Callable | None = None) -> dict[int, object]:
     """Run ``fn(*args)`` in ``nprocs`` processes per node and return each local rank's result.
 
     Args:
@@ -81,6 +86,10 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         threads_per_rank: Torch intra-op threads per process (CPU runs).
         timeout_s: Rendezvous / join timeout.
         worker_timeout_s: The workers' collective timeout (``--timeout``), named when one hangs.
+        ticker: Makes the context manager that says, with the time so far, what the workers do
+            before they print on their own: called with a function returning that text
+            (:class:`hfpipe.train.progress.Ticker`; ``None``: silent). "starting N worker
+            processes", then what rank 0 tells by :func:`say_phase`, until it says ``None``.
 
     Raises:
         WorkerError: a rank found a user error (its one-line message, as a preflight error).
@@ -118,8 +127,10 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         signals_to_handle="SIGQUIT",  # SIGTERM/SIGINT/SIGHUP: LauncherSignals asks workers to save first
     )
     control = Path(tempfile.mkdtemp(prefix="hfpipe-control-"))
-    old_env = {k: os.environ.get(k) for k in (CONTROL_ENV, LAUNCHER_ENV, "PYTHONWARNINGS")}
+    old_env = {k: os.environ.get(k) for k in (CONTROL_ENV, LAUNCHER_ENV, "PYTHONWARNINGS", LOG_LEVEL_ENV)}
     os.environ[CONTROL_ENV] = str(control)  # spawned workers inherit it
+    if old_env[LOG_LEVEL_ENV] is None:  # --log-level reaches the workers (hfpipe.train.runner reads it)
+        os.environ[LOG_LEVEL_ENV] = logging.getLevelName(logging.getLogger("hfpipe").getEffectiveLevel())
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # they die with this process (_die_with_launcher)
     # A second signal ends this process at once; multiprocessing's resource tracker would then
     # warn about the workers' semaphores on the console, after the one line that says what happened.
@@ -128,7 +139,7 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         log.info("node %d of %d: %s node 0 at %s (up to %d s)", node_rank, nnodes,
                  "waiting for the other nodes as" if node_rank == 0 else "joining", rdzv_endpoint, timeout_s)
     try:
-        with LauncherSignals(control), _quiet_elastic(not debug()):
+        with LauncherSignals(control), _quiet_elastic(not debug()), _phase_ticker(control, ticker, nprocs):
             return elastic_launch(config, _Entry(fn, threads_per_rank))(*args)
     except ChildFailedError as e:
         raise_from_failures(control, e, nprocs * nnodes, worker_timeout_s)
@@ -146,6 +157,40 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
             else:
                 os.environ[key] = value
         shutil.rmtree(control, ignore_errors=True)
+
+
+def say_phase(text: str | None) -> None:
+    """From rank 0 of a launched run: what it does now (``None``: its own lines show progress from here).
+
+    The launcher's ticker says it with the time so far; under torchrun (no launcher) rank 0 logs it.
+    """
+    from hfpipe.parallel.signals import CONTROL_ENV
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    control = os.environ.get(CONTROL_ENV)
+    if not control or not Path(control).is_dir():
+        if text:
+            log.info("%s...", text)
+        return
+    tmp = Path(control) / f".{_PHASE}.tmp"
+    tmp.write_text(text or "")
+    os.replace(tmp, Path(control) / _PHASE)  # whole, never half-written, for the launcher's reads
+
+
+def _phase_ticker(control: Path, ticker: Callable | None, nprocs: int):
+    """The launcher's ticker over the workers' silent start, or nothing without ``ticker``."""
+    if ticker is None:
+        return contextlib.nullcontext()
+
+    def what() -> str | None:
+        try:
+            said = (control / _PHASE).read_text()
+        except OSError:
+            return f"starting {nprocs} worker processes"
+        return said or None
+
+    return ticker(what)
 
 
 @contextlib.contextmanager

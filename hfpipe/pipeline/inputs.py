@@ -48,3 +48,25 @@ def _check_ids(t, key: str, where: str, vocab: int | None, ids) -> None:
             bad = int(t[~valid][0])
             raise BatchError(f"{where}: {key} holds {bad}, outside the model's vocabulary of {vocab} tokens "
                              f"(0 .. {vocab - 1}{', or -100' if key == 'labels' else ''})")
+
+
+def pad_rows(batch: dict, microbatches: int) -> tuple[dict, int]:
+    """``batch`` grown to a multiple of ``microbatches`` rows; returns it and its own row count.
+
+    A DataLoader's last batch is often smaller (``drop_last=False``), and torch's schedules split a
+    batch into equal microbatches only. The rows added copy the last row's inputs (so attention,
+    positions and masks stay as in real rows, never an all-masked row whose softmax is NaN) with
+    every label ``-100``: they add no loss and no token, so their gradient is exactly zero and the
+    step equals the one-process step on the real rows. Logits of added rows are dropped by the caller.
+    """
+    rows = batch["input_ids"].shape[0]
+    extra = -rows % microbatches
+    if not extra:
+        return batch, rows
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == rows:
+            fill = torch.full_like(value[-1:], -100) if key == "labels" else value[-1:]
+            value = torch.cat([value, fill.expand(extra, *value.shape[1:])])
+        out[key] = value
+    return out, rows

@@ -17,6 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from hfpipe.errors import HfpipeError
 from hfpipe.pipeline.head_loss import chunk_tokens, chunked_loss_sum
+from hfpipe.pipeline.inputs import pad_rows
 from hfpipe.pipeline.shapes import resize_schedule
 from hfpipe.pipeline.stage_sync import ReducingStage
 from hfpipe.parallel.rules import SINGLE_STAGE, V_SCHEDULES
@@ -190,6 +191,7 @@ class Pipeline:
             On the rank holding the loss, the summed loss of this batch (already divided by
             ``denominator``); elsewhere ``None``.
         """
+        batch = self._whole_microbatches(batch, train=True)[0]
         shape, args, kwargs = self._inputs(batch)
         schedule = self._get_schedule(shape, kwargs, "train")
         self.loss.denominator = float(denominator)
@@ -211,8 +213,10 @@ class Pipeline:
             self._set_head(batch["input_ids"].shape, "logits")
             if self._local_hops:
                 return self._forward_in_order(batch)
+            batch, rows = self._whole_microbatches(batch)
             shape, args, kwargs = self._inputs(batch)
-            return self._get_schedule(shape, kwargs, "logits").eval(*args, **kwargs)
+            logits = self._get_schedule(shape, kwargs, "logits").eval(*args, **kwargs)
+            return None if logits is None else logits[:rows]
         finally:
             for m, mode in zip(self.modules, was_training):
                 m.train(mode)
@@ -225,6 +229,7 @@ class Pipeline:
             if logits is None:
                 return None
             return token_loss_sum(logits, batch["labels"].to(self.device)) / float(denominator)
+        batch = self._whole_microbatches(batch)[0]
         shape, args, kwargs = self._inputs(batch)
         schedule = self._get_schedule(shape, kwargs, "loss")
         self.loss.denominator = float(denominator)
@@ -232,6 +237,16 @@ class Pipeline:
         target = batch["labels"].to(self.device) if self.has_loss else None
         schedule.eval(*args, target=target, losses=losses, **kwargs)
         return torch.stack([x.float() for x in losses]).sum() if self.has_loss else None
+
+    def _whole_microbatches(self, batch: dict, train: bool = False) -> tuple[dict, int]:
+        """A partial last batch padded with rows that carry no loss (:func:`pad_rows`); its real rows."""
+        padded, rows = pad_rows(batch, self.microbatches)
+        if train and padded is not batch and any(getattr(m, "router_loss", None) for m in self.modules):
+            # The router aux loss is a mean over microbatches: a microbatch of added rows would count in it.
+            raise PipelineError(f"a batch of {rows} sequences does not divide into {self.microbatches} "
+                                "microbatches, and this model's router aux loss is per microbatch; pass a "
+                                "multiple of the microbatch count (a DataLoader with drop_last=True)")
+        return padded, rows
 
     def _owners(self) -> list[int]:
         """Pipeline rank of every stage (loop: s mod pp; V: s, then back down)."""

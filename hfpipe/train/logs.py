@@ -16,8 +16,8 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "duration", "format_line", "log_formatter", "log_line",
-           "next_commands", "open_sinks", "quiet_import_noise"]
+__all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "default_handler", "duration", "format_line", "log_formatter",
+           "log_line", "next_commands", "open_sinks", "quiet_import_noise", "rank_level"]
 
 log = logging.getLogger(__name__)
 #: Logger of the plain progress lines; the reporting rank raises it to INFO (see Reporter).
@@ -40,6 +40,32 @@ def log_formatter(rank: int | None = None) -> logging.Formatter:
     """
     where = "" if rank is None else f"[rank{rank}] "
     return logging.Formatter(f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+
+
+def default_handler(rank: int) -> None:
+    """For a script that set up no logging: hfpipe's lines on stderr, rank 0's at INFO, the others'
+    warnings (``HFPIPE_LOG_LEVEL`` changes rank 0's), in :func:`log_formatter`'s layout.
+
+    Without it a script's first minute (loading, the first step) would print nothing: Python shows
+    only warnings of a library nobody configured. A script that configured logging keeps its own.
+    """
+    logger = logging.getLogger("hfpipe")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(log_formatter(rank))
+    logger.addHandler(handler)
+    logger.setLevel(rank_level(rank))
+    logger.propagate = False
+
+
+def rank_level(rank: int) -> str:
+    """A rank's log level: ``HFPIPE_LOG_LEVEL`` (``--log-level``, which the launcher hands its workers;
+    INFO by default) on rank 0, warnings on the others (each thing said once), all ranks at DEBUG."""
+    level = (os.environ.get("HFPIPE_LOG_LEVEL") or "INFO").upper()
+    if rank != 0 and level != "DEBUG":
+        level = max(level, "WARNING", key=logging.getLevelName)
+    return level
 
 
 def log_line(text: str) -> str:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hfpipe.config.run import FinetuneConfig
 from hfpipe.data.batches import model_inputs
+from hfpipe.parallel.launch import say_phase
 
 __all__ = ["finetune", "preflight", "run_worker"]
 
@@ -140,6 +141,7 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     from hfpipe.parallel.mesh import in_launched_env, launched_node
     from hfpipe.parallel.launch import check_launch, launch
     from hfpipe.parallel.lock import run_lock
+    from hfpipe.train.progress import Ticker
 
     if in_launched_env():
         # Every rank checks the cheap things; only global rank 0 tokenises the dataset here, so
@@ -156,12 +158,13 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     check_launch(cfg.dims.world, nnodes, node_rank, rdzv_endpoint, cfg.threads_per_rank)
     lock = run_lock(cfg.output_dir, nnodes, node_rank)
     lock.check()  # a busy folder is named before any other work
-    preflight(cfg)
+    with Ticker("checking the model, the plan and the data"):
+        preflight(cfg)
     nprocs = cfg.dims.world // nnodes
     with lock:
         results = launch(run_worker, nprocs, cfg.to_dict(), nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, threads_per_rank=cfg.threads_per_rank,
-                         worker_timeout_s=cfg.timeout)
+                         worker_timeout_s=cfg.timeout, ticker=Ticker)
     return _finish(next((r for r in results.values() if r), {}))
 
 
@@ -192,8 +195,10 @@ def run_worker(cfg_dict: dict) -> dict:
 
     cfg = FinetuneConfig.from_dict(cfg_dict)
     torch.manual_seed(cfg.seed)
+    say_phase("joining the process group")
     dist_info = init_distributed(cfg.dims, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
+    say_phase("loading this rank's stages")
     pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
                        reshard_per_microbatch=cfg.reshard_per_microbatch,
                        vpp=cfg.vpp, schedule=cfg.schedule,
@@ -202,6 +207,7 @@ def run_worker(cfg_dict: dict) -> dict:
                        trust_remote_code=cfg.trust_remote_code, dist=dist_info,
                        lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base,
                        quantize_block_size=cfg.quantize_block_size)
+    say_phase("reading the tokenised data")
     examples, held = _load_data(cfg, pm, dist_info)
     total = _total_steps(cfg, examples)
     optimizer = build_optimizer(pm.modules, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps)
@@ -209,6 +215,7 @@ def run_worker(cfg_dict: dict) -> dict:
                                 schedule=cfg.lr_schedule, lr=cfg.lr, min_lr=cfg.min_lr)
     run = _Run(cfg, pm, optimizer, scheduler, examples, total, held=held)
     run.maybe_resume()
+    say_phase("building the schedule and running the first step")
     summary = run.train()
     dist.barrier()
     dist.destroy_process_group()
@@ -216,14 +223,10 @@ def run_worker(cfg_dict: dict) -> dict:
 
 
 def _setup_logging(rank: int) -> None:
-    """Rank 0 logs at INFO, the others only warnings; one handler, tagged with the rank.
+    """Rank 0 logs at ``--log-level`` (``HFPIPE_LOG_LEVEL``), others warnings (all: DEBUG); one handler."""
+    from hfpipe.train.logs import log_formatter, quiet_import_noise, rank_level
 
-    A worker launched by the CLI inherits nothing; one run under torchrun may already carry
-    the CLI's handler on the ``hfpipe`` logger, which is then reused rather than doubled.
-    """
-    from hfpipe.train.logs import log_formatter, quiet_import_noise
-
-    level = os.environ.get("HFPIPE_LOG_LEVEL", "INFO" if rank == 0 else "WARNING")
+    level = rank_level(rank)
     quiet_import_noise(level)
     logger = logging.getLogger("hfpipe")
     logger.setLevel(level)
@@ -327,6 +330,8 @@ class _Run:
         while self.pos.step < self.total:
             batches = [next(stream) for _ in range(self.cfg.grad_accum)]
             result = self.trainer.step(batches)
+            if self.pos.step == self.start:  # the first step's line follows: the launcher's ticker stops
+                say_phase(None)
             self.pos.step += 1
             row = report.log(self.pos.step, result)
             self.history.append(row)
@@ -341,6 +346,7 @@ class _Run:
         if evaluator.due(self.pos.step, final=True):  # a resumed run that had nothing left to do
             self._evaluate(evaluator, report)
         report.close()
+        say_phase("saving the last checkpoint" + (", exporting" if self.cfg.save_hf_at_end else "") + " and stopping")
         if self.pos.step > self.start and self.last_saved != self._step_dir():
             self.save()  # never at a step already saved: a finished run resumed is not rewritten
         if self.pending is not None:
