@@ -14,7 +14,7 @@ from pathlib import Path
 from hfpipe.errors import HfpipeError
 from hfpipe.files import SideFileError, check_folder, read_side_json
 
-__all__ = ["SourceError", "check_config_values", "load_config", "load_tokenizer", "read_config_json"]
+__all__ = ["SourceError", "check_config_values", "check_vocab", "load_config", "load_tokenizer", "read_config_json"]
 
 
 class SourceError(HfpipeError):
@@ -132,6 +132,14 @@ def load_tokenizer(folder: str | Path, *, trust_remote_code: bool = False):
         where = _broken_json(Path(folder)) or folder
         raise SourceError(f"{where}: no usable tokenizer ({type(e).__name__}: {why}); add the base model's "
                           "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+
+
+def check_vocab(tokenizer, config, folder) -> None:
+    """Token ids beyond the embedding would index past it (a crash, or garbage on GPU)."""
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise SourceError(f"{folder}: the tokenizer has {len(tokenizer)} tokens but config.json's "
+                          f"vocab_size is {vocab}; use the model's own tokenizer (or resize the embeddings)")
 
 
 def _broken_json(folder: Path) -> Path | None:

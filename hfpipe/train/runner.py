@@ -36,6 +36,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.models.support import get_adapter
     from hfpipe.parallel.rules import check_layout
     from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.config import check_vocab
     from hfpipe.source.folder import ModelSource
     from hfpipe.train.logs import check_sinks
 
@@ -52,7 +53,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
         for name in sorted(set(source.weight_map.values())):
             source.header(name)
     tokenizer = _tokenizer(source.folder, cfg)
-    check_vocab(tokenizer, source)
+    check_vocab(tokenizer, source.config, source.folder)
     _check_output(cfg, source)  # cheap, so before the (logged) dataset work
     examples = _load_splits(cfg, tokenizer)[0] if check_data else None
     if examples is not None and batches_per_epoch(examples, cfg.batch_size, cfg.dp) < cfg.grad_accum:
@@ -119,16 +120,6 @@ def _tokenizer(folder: Path, cfg: FinetuneConfig):
     from hfpipe.source.folder import load_tokenizer
 
     return load_tokenizer(folder, trust_remote_code=cfg.trust_remote_code)
-
-
-def check_vocab(tokenizer, source) -> None:
-    """Token ids beyond the embedding would index past it (a crash, or garbage on GPU)."""
-    from hfpipe.source.folder import SourceError
-
-    vocab = getattr(source.config, "vocab_size", None)
-    if vocab is not None and len(tokenizer) > vocab:
-        raise SourceError(f"{source.folder}: the tokenizer has {len(tokenizer)} tokens but config.json's "
-                          f"vocab_size is {vocab}; use the model's own tokenizer (or resize the embeddings)")
 
 
 def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
