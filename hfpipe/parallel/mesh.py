@@ -119,6 +119,15 @@ class Dist:
         return self.mesh.get_group("pp")
 
     @property
+    def cp_group(self):
+        """The context-parallel ranks of one replica: K and V gathered over it (hfpipe.parallel.context)."""
+        return self.mesh.get_group("cp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dims.coords(self.rank)["cp"]
+
+    @property
     def batch_group(self):
         """Ranks that saw different tokens of one step (dp, and cp once it lands): losses and token
         counts are summed over it. ``None`` when this rank is alone in it."""

@@ -43,7 +43,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     get_adapter(source.config)
     layout = check_layout(cfg.dims, cfg.schedule, vpp=cfg.vpp, microbatches=cfg.microbatches,
                           reshard_per_microbatch=cfg.reshard_per_microbatch,
-                          batch_size=cfg.batch_size, model_config=source.config)
+                          batch_size=cfg.batch_size, model_config=source.config, seq_len=cfg.seq_len)
     plan_pipeline(source.config, cfg.pp, vpp=layout.vpp, style=layout.style,
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
     check_seq_len(cfg.seq_len, source.config)
@@ -193,7 +193,8 @@ def run_worker(cfg_dict: dict) -> dict:
     torch.manual_seed(cfg.seed)
     dist_info = init_distributed(cfg.dims, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
-    pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
+    pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, cp=cfg.cp,
+                       sequence_parallel=cfg.sequence_parallel,
                        reshard_per_microbatch=cfg.reshard_per_microbatch,
                        vpp=cfg.vpp, schedule=cfg.schedule,
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,

@@ -1,0 +1,160 @@
+"""Context parallelism (``--cp``) trains exactly as transformers does in one process.
+
+Each microbatch's sequence is split head-tail over cp ranks; attention gathers K and V over them
+(:mod:`hfpipe.parallel.context`). The oracle and the comparison are ``tests/test_train_equivalence.py``'s:
+full-batch AdamW with clipping, loss and grad norm per step within 1e-5, step-1 gradients within
+reordering noise, every weight after the last step within 1e-5 plus AdamW's derived drift. Two kinds
+of rows: padded and prompt-masked (``make_batches``, a sequence length that changes between steps),
+and packed rows whose documents restart ``position_ids`` and straddle the chunk seams, fed without an
+attention mask as hfpipe's packing feeds them (transformers then keeps documents apart).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_ranks, tiny_checkpoint
+from test_train_equivalence import (BATCH, HP, SEQ, _full, _optimizer, check_equal, first_gradients, make_batches,
+                                    train_reference)
+
+STEPS_CP = 3
+LAYERS, MICRO = 4, 4  # the default run's two cases stay small: 4 layers, 4 microbatches of 2 rows
+
+
+def packed_batches(vocab: int, steps: int = STEPS_CP, dp: int = 1) -> list[list[dict]]:
+    """Packed rows: documents of random lengths back to back (positions restart at each), crossing the
+    seams of the 2*cp chunks, trailing padding with labels -100; no attention mask."""
+    g = torch.Generator().manual_seed(99)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(3, vocab, (BATCH * dp, SEQ), generator=g)
+        labels, pos = ids.clone(), torch.zeros_like(ids)
+        for row in range(ids.shape[0]):
+            t = 0
+            while t < SEQ:
+                n = int(torch.randint(2, 8, (1,), generator=g))
+                pos[row, t:t + n] = torch.arange(min(n, SEQ - t))
+                labels[row, t] = -100  # a document's first token predicts nothing from the one before
+                t += n
+            pad = int(torch.randint(0, 4, (1,), generator=g))
+            if pad:
+                labels[row, -pad:] = -100
+        full = {"input_ids": ids, "labels": labels, "position_ids": pos}
+        out.append([{k: v[d * BATCH:(d + 1) * BATCH] for k, v in full.items()} for d in range(dp)])
+    return out
+
+
+def _batches(kind: str, vocab: int, dp: int):
+    return packed_batches(vocab, dp=dp) if kind == "packed" else make_batches(vocab, STEPS_CP, dp=dp)
+
+
+def cp_worker(path: str, pp: int, dp: int, cp: int, schedules: tuple[str, ...], rows: str, options: dict) -> dict:
+    """Train with each schedule on a pp x dp x cp mesh; every cp rank is handed the same whole rows."""
+    from hfpipe.api import load_pipeline
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.mesh import init_distributed
+
+    dist = init_distributed(ParallelDims(pp=pp, dp=dp, cp=cp))
+    results = {}
+    for schedule in schedules:
+        pm = load_pipeline(path, pp=pp, dp=dp, cp=cp, schedule=schedule, microbatches=MICRO, dist=dist, **options)
+        opt, sched = _optimizer(pm.named_parameters(), STEPS_CP)
+        grads = first_gradients(opt, pm.named_parameters())
+        trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
+        losses, norms = [], []
+        for shards in _batches(rows, pm.source.config.vocab_size, dp):
+            out = trainer.step(shards[dist.dp_rank])
+            losses.append(out.loss)
+            norms.append(out.grad_norm)
+        weights = {k: _full(v) for k, v in pm.model_state_dict().items()}
+        results[schedule] = {"loss": losses, "norm": norms, "grads": grads, "weights": weights,
+                             "gathered": pm.pipe.context.received_bytes}
+    return results
+
+
+def reference(path: str, rows: str, dp: int = 1) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    batches = ({k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+               for shards in _batches(rows, model.config.vocab_size, dp))
+    return train_reference(model, batches, *_optimizer(list(model.named_parameters()), STEPS_CP))
+
+
+def _run(kind: str, pp: int, cp: int, rows: str = "padded", schedules=("1f1b",), dp: int = 1, **options) -> dict:
+    path = str(tiny_checkpoint(kind, num_hidden_layers=LAYERS))
+    ref = reference(path, rows, dp)
+    results = run_ranks(cp_worker, pp * dp * cp, path, pp, dp, cp, tuple(schedules), rows, options)
+    check_equal(ref, results, schedules)
+    assert all(r[s]["gathered"] > 0 for r in results.values() for s in schedules)  # attention really gathered
+    return results
+
+
+def test_cp2_matches_transformers():
+    _run("llama", 1, 2)
+
+
+def test_pp2_x_cp2_with_packed_documents_across_the_seams_matches_transformers():
+    """Documents straddle the chunk seams; attention must keep them apart as transformers does."""
+    _run("llama", 2, 2, "packed")
+
+
+@pytest.mark.slow
+def test_dp2_x_cp2_matches_transformers():
+    _run("llama", 1, 2, "packed", dp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen3", "mistral"])
+def test_families_at_pp2_x_cp2(kind):
+    """Tied embeddings across stages, GQA and q/k norms (Qwen3), a sliding window (Mistral)."""
+    _run(kind, 2, 2, "packed")
+
+
+@pytest.mark.slow
+def test_every_schedule_at_pp2_x_cp2():
+    _run("llama", 2, 2, "packed", schedules=("gpipe", "interleaved-1f1b", "looped-bfs"))
+
+
+@pytest.mark.slow
+def test_cp4_matches_transformers():
+    _run("llama", 1, 4)
+
+
+def test_the_split_is_head_tail_and_undone_exactly():
+    from hfpipe.parallel.context import chunk_index, split_sequence, unsplit_sequence
+
+    assert chunk_index(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_index(8, 2, 1).tolist() == [2, 3, 4, 5]
+    t = torch.arange(24).view(1, 24)
+    parts = torch.cat([split_sequence(t, 3, r) for r in range(3)], dim=1)
+    assert torch.equal(unsplit_sequence(parts, 3), t)
+
+
+@pytest.mark.parametrize("args, match", [
+    (dict(cp=2, tp=2), "--cp 2 with --tp 2: tensor parallelism's sequence-parallel"),
+    (dict(cp=2, schedule="zbv"), "--cp 2 with --schedule zbv"),
+    (dict(cp=2, seq_len=30), "--seq-len 30 does not split into 4 equal chunks"),
+])
+def test_layouts_cp_cannot_run_are_refused_in_one_line(args, match):
+    from hfpipe.errors import ParallelError
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
+
+    schedule = args.pop("schedule", "1f1b")
+    seq_len = args.pop("seq_len", None)
+    with pytest.raises(ParallelError, match=match) as e:
+        check_layout(ParallelDims(pp=2, **args), schedule, seq_len=seq_len)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind, why", [("gemma2", "softcapping"), ("gpt_oss", "attention sinks")])
+def test_families_whose_attention_cp_cannot_express_are_refused(kind, why):
+    from hfpipe.errors import ParallelError
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
+    from hfpipe.tiny import tiny_config
+
+    with pytest.raises(ParallelError, match=f"--cp 2: {kind} has .*{why}"):
+        check_layout(ParallelDims(pp=1, cp=2), model_config=tiny_config(kind))
