@@ -48,7 +48,7 @@ def save_pipeline_checkpoint(pm, root: str, step: int, optimizer=None, *, keep: 
         raise CheckpointError(f"save_checkpoint(step={step!r}): step must be an integer >= 0")
     config = pm.source.config
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-    world = {"pp": pm.dist.pp, "dp": pm.dist.dp, "ep": pm.ep, "tp": pm.dist.dims.tp}
+    world = {"pp": pm.dist.pp, "dp": pm.dist.dp, "ep": pm.ep, "tp": pm.dist.dims.tp, "cp": pm.dist.dims.cp}
     meta = {"format": 1, "source": str(pm.source.folder), "tied": pm.tied,
             "source_dtype": str(dtype).replace("torch.", ""),
             "config": {"model": pm.source.name, **world}, "world": world, "train": {}, **(extra or {})}
