@@ -55,7 +55,7 @@ def cp_worker(path: str, pp: int, dp: int, cp: int, schedules: tuple[str, ...], 
     from hfpipe.parallel.dims import ParallelDims
     from hfpipe.parallel.mesh import init_distributed
 
-    dist = init_distributed(ParallelDims(pp=pp, dp=dp, cp=cp))
+    dist = init_distributed(ParallelDims(pp=pp, dp=dp, cp=cp, ep=options.get("ep", 1)))
     results = {}
     for schedule in schedules:
         pm = load_pipeline(path, pp=pp, dp=dp, cp=cp, schedule=schedule, microbatches=MICRO, dist=dist, **options)
@@ -110,6 +110,52 @@ def test_dp2_x_cp2_matches_transformers():
 def test_families_at_pp2_x_cp2(kind):
     """Tied embeddings across stages, GQA and q/k norms (Qwen3), a sliding window (Mistral)."""
     _run(kind, 2, 2, "packed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["deepseek_v3", "qwen3_moe"])
+def test_moe_with_ep_at_dp2_x_cp2(kind):
+    """Routed experts over ep ranks of dp while the sequence is split over cp; DeepSeek-V3's MLA attention
+    (per-head K of qk_nope + qk_rope, V of v_head_dim) gathered as it is."""
+    _run(kind, 1, 2, "packed", dp=2, ep=2)
+
+
+@pytest.mark.slow
+def test_lora_at_cp2_matches_peft():
+    """PEFT's adapters on the stages, base frozen, against PEFT in one process (test_lora_equivalence's oracle)."""
+    from _dist import assert_weights_close
+    from test_lora_equivalence import LORA, TOL, merged, reference_run
+
+    path = str(tiny_checkpoint("llama", num_hidden_layers=LAYERS))
+    ranks = run_ranks(lora_worker, 2, path, 2, LORA)
+    ref = reference_run(path, LORA, merged(ranks, "cp", "start"))
+    assert ref["moved"] > 100 * TOL
+    for r in ranks.values():
+        for what in ("loss", "norm"):
+            torch.testing.assert_close(torch.tensor(r["cp"][what]), torch.tensor(ref[what]), atol=TOL, rtol=0)
+        assert r["cp"]["gathered"] > 0
+    assert_weights_close(merged(ranks, "cp", "final"), ref["final"], ref["drift"], TOL, "lora cp2")
+
+
+def lora_worker(path: str, cp: int, kw: dict) -> dict:
+    from hfpipe.api import load_pipeline
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.mesh import init_distributed
+    from test_lora_equivalence import _full as full, lora_config, start_adapters
+
+    dist = init_distributed(ParallelDims(cp=cp))
+    pm = load_pipeline(path, pp=1, cp=cp, microbatches=MICRO, dist=dist, lora=lora_config(kw))
+    start = start_adapters(pm)
+    opt, sched = _optimizer(pm.named_parameters())
+    trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
+    losses, norms = [], []
+    for shards in make_batches(pm.source.config.vocab_size):
+        out = trainer.step(shards[0])
+        losses.append(out.loss)
+        norms.append(out.grad_norm)
+    final = {n: full(p) for n, p in pm.named_parameters()}
+    return {"cp": {"loss": losses, "norm": norms, "start": start, "final": final,
+                   "gathered": pm.pipe.context.received_bytes}}
 
 
 @pytest.mark.slow

@@ -3,9 +3,10 @@
 The CLI's config, the Python API (``load_pipeline``), ``plan`` and the run's preflight all call it,
 so a layout gets the same message, in the same order, wherever it is given: the degrees
 (:class:`~hfpipe.parallel.dims.ParallelDims`), the schedule and its stages per rank, the
-microbatches, the batch, the schedules FSDP cannot run, then what the model allows (--ep over its
-routed experts, --tp over its heads and sizes, --cp over its attention). The schedule names live here too, the one table the config, the planner and the
-pipeline read.
+microbatches, the batch, the schedules FSDP cannot run, what --tp and --cp do not compose with (and
+the sequence split cp needs), then what the model allows (--ep over its routed experts, --tp over its
+heads and sizes, --cp over its attention). The schedule names live here too, the one table the config,
+the planner and the pipeline read.
 """
 
 from __future__ import annotations
