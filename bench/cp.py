@@ -10,7 +10,9 @@ once on two cp ranks. Side by side in one run:
   gathers whole, and the mask of its queries over the whole sequence;
 - collective bytes: the K/V bytes the gathers received (counted from the tensors they moved, forward and
   backward, :class:`hfpipe.parallel.context.ContextParallel`) over the analytic
-  :func:`hfpipe.plan.context.kv_gather_bytes` for the same steps (1.00: the planner prices what runs);
+  :func:`hfpipe.plan.context.kv_gather_bytes` for the same steps (1.00: the planner prices what runs),
+  the steps after the first; the first step moves 1.5x a step: torch's ``PipelineStage`` infers its
+  output shapes with one more forward on real tensors (ones) when a schedule is built, gathers included;
 - step time: median wall time of the timed steps (the first, which builds the schedule, excluded) and the
   ratio cp2/cp1. On 2 shared CPU cores the gathers are local copies through gloo: printed, not judged;
 - the losses of both modes, which must agree (the same model and tokens).
@@ -63,16 +65,17 @@ def _worker(path: str, cp: int, steps: int, batch: int, seq: int) -> dict:
     pm = load_pipeline(path, pp=1, cp=cp, schedule="1f1b", microbatches=1, dist=info, loss_chunk_tokens=0)
     trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4), max_grad_norm=1.0)
     data = _batch(pm.source.config.vocab_size, batch, seq)
-    walls, losses = [], []
+    walls, losses, received = [], [], []
     for i in range(steps + 1):
         dist.barrier()
         t0 = time.perf_counter()
         losses.append(trainer.step(data).loss)
         if i:  # the first step builds the schedule
             walls.append(time.perf_counter() - t0)
-    received = pm.pipe.context.received_bytes if pm.pipe.context else 0
+        received.append(pm.pipe.context.received_bytes if pm.pipe.context else 0)
     held = _saved_bytes(lambda: trainer.step(data))
-    return {"held": held, "received": received, "wall": statistics.median(walls), "loss": losses}
+    return {"held": held, "first": received[0], "received": received[-1] - received[0],
+            "wall": statistics.median(walls), "loss": losses}
 
 
 def _build(folder: Path, a: argparse.Namespace):
@@ -105,11 +108,13 @@ def main() -> None:
     head = cfg.hidden_size // cfg.num_attention_heads
     per_step = kv_gather_bytes(batch=a.batch, seq_len=a.seq, cp=2, kv_heads=cfg.num_key_value_heads, k_dim=head,
                                v_dim=head, dtype_bytes=4, layers=a.layers)
-    analytic = per_step * (a.steps + 1)  # every step gathered (one microbatch each)
+    analytic = per_step * a.steps  # the timed steps, one microbatch each
     print(f"activation bytes a rank holds, cp2 / cp1: {two['held'] / one['held']:.3f}  "
           f"({two['held'] / 2**20:.1f} / {one['held'] / 2**20:.1f} MiB; goal <= 0.55)")
     print(f"K/V bytes received, measured / analytic:  {two['received'] / analytic:.2f}  "
-          f"({two['received']} / {analytic}; plan.context.kv_gather_bytes)")
+          f"({two['received']} / {analytic}; plan.context.kv_gather_bytes, steps after the first)")
+    print(f"K/V bytes of the first step / a step:     {two['first'] / per_step:.2f}  "
+          "(torch's stage infers shapes with one more forward when it builds a schedule)")
     print(f"step time, cp2 / cp1:                     {two['wall'] / one['wall']:.2f}  "
           f"({two['wall']:.3f} s / {one['wall']:.3f} s; gloo on shared CPU cores)")
     diff = max(abs(x - y) for x, y in zip(one["loss"], two["loss"]))
