@@ -2,8 +2,9 @@
 
 Each microbatch's sequence is split head-tail over cp ranks; attention gathers K and V over them
 (:mod:`hfpipe.parallel.context`). The oracle and the comparison are ``tests/test_train_equivalence.py``'s:
-full-batch AdamW with clipping, loss and grad norm per step within 1e-5, step-1 gradients within
-reordering noise, every weight after the last step within 1e-5 plus AdamW's derived drift. Two kinds
+full-batch AdamW with clipping, logits (gathered over cp) and loss and grad norm per step within 1e-5,
+step-1 gradients within reordering noise, every weight after the last step within 1e-5 plus AdamW's
+derived drift. Two kinds
 of rows: padded and prompt-masked (``make_batches``, a sequence length that changes between steps),
 and packed rows whose documents restart ``position_ids`` and straddle the chunk seams, fed without an
 attention mask as hfpipe's packing feeds them (transformers then keeps documents apart).
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from _dist import run_ranks, tiny_checkpoint
-from test_train_equivalence import (BATCH, HP, SEQ, _full, _optimizer, check_equal, first_gradients, make_batches,
-                                    train_reference)
+from test_train_equivalence import (BATCH, HP, SEQ, TOL, _full, _optimizer, check_equal, first_gradients,
+                                    make_batches, train_reference)
 
 STEPS_CP = 3
 LAYERS, MICRO = 4, 4  # the default run's two cases stay small: 4 layers, 4 microbatches of 2 rows
@@ -63,13 +64,15 @@ def cp_worker(path: str, pp: int, dp: int, cp: int, schedules: tuple[str, ...], 
         grads = first_gradients(opt, pm.named_parameters())
         trainer = pm.trainer(opt, scheduler=sched, max_grad_norm=HP["max_grad_norm"])
         losses, norms = [], []
-        for shards in _batches(rows, pm.source.config.vocab_size, dp):
+        batches = _batches(rows, pm.source.config.vocab_size, dp)
+        logits = pm.forward(batches[0][0])  # the whole rows' logits, gathered over cp, on the loss rank
+        for shards in batches:
             out = trainer.step(shards[dist.dp_rank])
             losses.append(out.loss)
             norms.append(out.grad_norm)
         weights = {k: _full(v) for k, v in pm.model_state_dict().items()}
         results[schedule] = {"loss": losses, "norm": norms, "grads": grads, "weights": weights,
-                             "gathered": pm.pipe.context.received_bytes}
+                             "gathered": pm.pipe.context.received_bytes, "logits": logits}
     return results
 
 
@@ -77,17 +80,25 @@ def reference(path: str, rows: str, dp: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
-    batches = ({k: torch.cat([s[k] for s in shards]) for k in shards[0]}
-               for shards in _batches(rows, model.config.vocab_size, dp))
-    return train_reference(model, batches, *_optimizer(list(model.named_parameters()), STEPS_CP))
+    every = _batches(rows, model.config.vocab_size, dp)
+    with torch.no_grad():
+        logits = model(**every[0][0], use_cache=False).logits
+    batches = ({k: torch.cat([s[k] for s in shards]) for k in shards[0]} for shards in every)
+    return {**train_reference(model, batches, *_optimizer(list(model.named_parameters()), STEPS_CP)), "logits": logits}
 
 
-def _run(kind: str, pp: int, cp: int, rows: str = "padded", schedules=("1f1b",), dp: int = 1, **options) -> dict:
-    path = str(tiny_checkpoint(kind, num_hidden_layers=LAYERS))
+def _run(kind: str, pp: int, cp: int, rows: str = "padded", schedules=("1f1b",), dp: int = 1, config=None,
+         **options) -> dict:
+    path = str(tiny_checkpoint(kind, num_hidden_layers=LAYERS, **(config or {})))
     ref = reference(path, rows, dp)
     results = run_ranks(cp_worker, pp * dp * cp, path, pp, dp, cp, tuple(schedules), rows, options)
     check_equal(ref, results, schedules)
-    assert all(r[s]["gathered"] > 0 for r in results.values() for s in schedules)  # attention really gathered
+    for s in schedules:
+        assert all(r[s]["gathered"] > 0 for r in results.values())  # attention really gathered K/V
+        logits = [r[s]["logits"] for r in results.values() if r[s]["logits"] is not None]
+        assert len(logits) == cp * dp  # every cp rank of the loss stage holds the whole rows' logits
+        for got in logits:
+            torch.testing.assert_close(got, ref["logits"], atol=TOL, rtol=0, msg=lambda m: f"{s} logits: {m}")
     return results
 
 
@@ -110,6 +121,12 @@ def test_dp2_x_cp2_matches_transformers():
 def test_families_at_pp2_x_cp2(kind):
     """Tied embeddings across stages, GQA and q/k norms (Qwen3), a sliding window (Mistral)."""
     _run(kind, 2, 2, "packed")
+
+
+@pytest.mark.slow
+def test_a_sliding_window_is_kept_under_cp():
+    """Mistral with a window of 6 over rows of 16: the mask keeps q - k < 6 across the chunk seams."""
+    _run("mistral", 2, 2, "packed", config={"sliding_window": 6})
 
 
 @pytest.mark.slow

@@ -159,6 +159,16 @@ class Dist:
             self._cache["expert"] = DeviceMesh(self.device.type, ranks, mesh_dim_names=EXPERT_DIMS)
         return self._cache["expert"]
 
+    def expert_replica_mesh(self):
+        """The ranks holding the same routed experts, which FSDP2 shards them over and sums their gradients
+        over: edp, and with --cp the cp ranks beside them (they route other tokens of the same rows)."""
+        experts = self.expert_mesh()
+        if self.dims.cp == 1:
+            return experts["edp"]
+        if "edp_cp" not in self._cache:
+            self._cache["edp_cp"] = experts[("edp", "cp")]._flatten("edp_cp")
+        return self._cache["edp_cp"]
+
     def tied_group(self, first: int, last: int):
         """This rank's {first, last} pipeline-rank pair for a tied embedding's two copies, or ``None``
         (collective: every rank creates every pair's group, in the same order)."""

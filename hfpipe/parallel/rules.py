@@ -164,9 +164,10 @@ def _check_cp_with(dims: ParallelDims, schedule: str, seq_len: int | None) -> No
     if dims.tp > 1:  # sequence parallelism cuts the residual stream along the very dimension cp splits
         raise ParallelError(f"--cp {dims.cp} with --tp {dims.tp}: tensor parallelism's sequence-parallel regions and "
                             "the cp split both cut the sequence, which is not checked exact yet; use one of them")
-    if schedule in SPLIT_BACKWARD:  # FSDP2 shards over dp x cp: the weight-gradient pass escapes it as at dp > 1
-        raise ParallelError(f"--cp {dims.cp} with --schedule {schedule}: zero-bubble schedules leave FSDP's gradients "
-                            "(sharded over dp x cp) empty; use 1f1b, gpipe, interleaved-1f1b or looped-bfs")
+    if schedule in SPLIT_BACKWARD:  # FSDP2 shards over dp x cp; at dp > 1 the weight-gradient pass escapes it
+        raise ParallelError(f"--cp {dims.cp} with --schedule {schedule}: the zero-bubble schedules' weight pass runs "
+                            "outside FSDP's reduction over dp x cp (empty gradients at dp > 1, torch 2.13; not checked "
+                            "under cp); use 1f1b, gpipe, interleaved-1f1b or looped-bfs")
     if seq_len is not None and seq_len % (2 * dims.cp):
         fit = seq_len // (2 * dims.cp) * 2 * dims.cp
         raise ParallelError(f"--seq-len {seq_len} does not split into {2 * dims.cp} equal chunks (two per cp rank, "

@@ -326,6 +326,6 @@ def apply_fsdp(modules: list, dist, options: StageOptions) -> None:
     for m in modules:
         for layer in m.model.layers.values():
             if dims.ep > 1 and experts_of(layer):
-                shard_moe_layer(layer, mesh, dist.expert_mesh(), mp, dims.grad_divide_factor)
+                shard_moe_layer(layer, mesh, dist.expert_replica_mesh(), mp, dims.grad_divide_factor)
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=again)
         fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=again)
