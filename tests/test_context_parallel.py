@@ -182,7 +182,8 @@ def test_every_schedule_at_pp2_x_cp2():
 
 @pytest.mark.slow
 def test_cp4_matches_transformers():
-    _run("llama", 1, 4)
+    """Eight chunks of two tokens on packed rows of 16 (the padded rows' 12 would not split into 8)."""
+    _run("llama", 1, 4, "packed")
 
 
 def test_the_split_is_head_tail_and_undone_exactly():
@@ -221,3 +222,19 @@ def test_families_whose_attention_cp_cannot_express_are_refused(kind, why):
 
     with pytest.raises(ParallelError, match=f"--cp 2: {kind} has .*{why}"):
         check_layout(ParallelDims(pp=1, cp=2), model_config=tiny_config(kind))
+
+
+def test_documents_start_where_transformers_starts_them():
+    """Packed rows (no attention mask): a document starts where positions do not go up by one; with a mask,
+    only its padding is kept out."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from hfpipe.parallel.context import document_ids
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2]])
+    keys = document_ids(pos, None, tuple(pos.shape))
+    assert torch.equal(keys[:, 0], find_packed_sequence_indices(pos))
+    assert bool(keys[:, 1].all())
+    mask = torch.tensor([[1] * 9 + [0] * 3, [1] * 12])
+    keys = document_ids(pos, mask, tuple(pos.shape))
+    assert not keys[:, 0].any() and torch.equal(keys[:, 1], mask)
