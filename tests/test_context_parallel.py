@@ -181,6 +181,12 @@ def test_every_schedule_at_pp2_x_cp2():
 
 
 @pytest.mark.slow
+def test_the_zero_bubble_schedules_at_pp2_x_cp2():
+    """Their split backward under FSDP2 over cp alone (at dp > 1 they are refused, as without cp)."""
+    _run("llama", 2, 2, "packed", schedules=("interleaved-zb", "zbv", "dualpipev"))
+
+
+@pytest.mark.slow
 def test_cp4_matches_transformers():
     """Eight chunks of two tokens on packed rows of 16 (the padded rows' 12 would not split into 8)."""
     _run("llama", 1, 4, "packed")
@@ -198,7 +204,7 @@ def test_the_split_is_head_tail_and_undone_exactly():
 
 @pytest.mark.parametrize("args, match", [
     (dict(cp=2, tp=2), "--cp 2 with --tp 2: tensor parallelism's sequence-parallel"),
-    (dict(cp=2, schedule="zbv"), "--cp 2 with --schedule zbv"),
+    (dict(cp=2, dp=2, schedule="zbv"), "--schedule zbv with --dp 2: zero-bubble schedules"),
     (dict(cp=2, seq_len=30), "--seq-len 30 does not split into 4 equal chunks"),
 ])
 def test_layouts_cp_cannot_run_are_refused_in_one_line(args, match):
