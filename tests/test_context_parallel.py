@@ -187,6 +187,12 @@ def test_the_zero_bubble_schedules_at_pp2_x_cp2():
 
 
 @pytest.mark.slow
+def test_activation_checkpointing_under_cp():
+    """A recomputed layer gathers K and V again in backward, under the same context mask."""
+    _run("llama", 2, 2, "packed", activation_checkpointing="full")
+
+
+@pytest.mark.slow
 def test_cp4_matches_transformers():
     """Eight chunks of two tokens on packed rows of 16 (the padded rows' 12 would not split into 8)."""
     _run("llama", 1, 4, "packed")
