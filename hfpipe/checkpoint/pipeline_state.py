@@ -51,7 +51,7 @@ def save_pipeline_checkpoint(pm, root: str, step: int, optimizer=None, *, schedu
     train = agree(lambda: _train_record(root, step, scheduler, epoch, batch_in_epoch, keep, extra))
     config = pm.source.config
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-    world = {"pp": pm.dist.pp, "dp": pm.dist.dp, "ep": pm.ep, "tp": pm.dist.dims.tp}
+    world = {"pp": pm.dist.pp, "dp": pm.dist.dp, "ep": pm.ep, "tp": pm.dist.dims.tp, "cp": pm.dist.dims.cp}
     meta = {"format": 1, "source": str(pm.source.folder), "tied": pm.tied,
             "source_dtype": str(dtype).replace("torch.", ""),
             "config": {"model": pm.source.name, **world}, "world": world, "train": train, **(extra or {})}

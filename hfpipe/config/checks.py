@@ -125,7 +125,7 @@ def _check_finite(c: "FinetuneConfig") -> None:
 
 
 def _check_ranges(c: "FinetuneConfig") -> None:
-    ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep)  # the degrees, checked where every layout is
+    ParallelDims(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep)  # the degrees, checked where every layout is
     for name in _AT_LEAST_ONE + _NONE_OR_AT_LEAST_ONE:
         value = getattr(c, name)
         if value is not None and value < 1:
@@ -169,7 +169,7 @@ def _check_layout(c: "FinetuneConfig") -> None:
     becomes the 2 a multi-stage schedule needs."""
     layout = check_layout(c.dims, c.schedule, vpp=c.vpp, microbatches=c.microbatches, batch_size=c.batch_size,
                           reshard_per_microbatch=c.reshard_per_microbatch, lora=c.lora_rank is not None,
-                          quantize_base=c.quantize_base)
+                          quantize_base=c.quantize_base, seq_len=c.seq_len)
     c.vpp = layout.vpp
 
 

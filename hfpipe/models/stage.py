@@ -71,6 +71,9 @@ class PipelineStageModule(nn.Module):
         self.router_loss = router_loss_spec(full)
         self._router_sums = RouterSums(self.router_loss, self.model.layers) if self.router_loss else None
         self.carry_router_sums = False
+        # --cp: a hfpipe.parallel.context.ContextParallel; the stage then takes ``context_keys`` and builds
+        # the context masks its attention (registered with transformers) reads.
+        self.context = None
 
     @property
     def is_first(self) -> bool:
@@ -84,14 +87,18 @@ class PipelineStageModule(nn.Module):
         """Shape of the hidden states this stage receives from the previous one."""
         return self.adapter.hidden_shape(self.config, batch_size, seq_len)
 
-    def forward(self, x: torch.Tensor, router_sums=None, attention_mask=None, position_ids=None, input_ids=None):
+    def forward(self, x: torch.Tensor, router_sums=None, attention_mask=None, position_ids=None, input_ids=None,
+                context_keys=None):
         """Token ids (first stage) or hidden states in; hidden states or logits out.
 
         ``input_ids`` reaches every stage only for families whose layers take it (DeepSeek-V4).
         While ``carry_router_sums`` is set, a second tensor rides along: the router sums (received
         as ``router_sums``, sent on), and the last stage returns ``coef * aux`` of the microbatch
-        instead (hfpipe.models.router_loss).
+        instead (hfpipe.models.router_loss). Under ``--cp`` the stage holds its tokens only and
+        ``context_keys`` describes the whole rows (hfpipe.parallel.context).
         """
+        if context_keys is not None:
+            attention_mask = context_keys  # the context masks are built from it (see _masks)
         if not (self.carry_router_sums and self._router_sums is not None):
             return self._forward(x, None, attention_mask, position_ids, input_ids)
         sums = self._router_sums.start(router_sums, x.device)
@@ -136,6 +143,8 @@ class PipelineStageModule(nn.Module):
         return self.adapter.mask_kind or _mask_kind(self.config, idx)
 
     def _masks(self, h, attention_mask, position_ids) -> dict:
+        if self.context is not None:  # attention_mask is the context keys: (B, 2, T)
+            return {kind: self.context.mask(attention_mask, self._window(kind)) for kind in self._mask_kinds}
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         # DeepSeek-V3.2's "indexed_attention" layers take the plain causal mask (materialised).
@@ -149,6 +158,10 @@ class PipelineStageModule(nn.Module):
                       cache=None, position_ids=position_ids)
         kwargs.update(self.adapter.mask_kwargs)
         return {kind: make[kind](**kwargs) for kind in self._mask_kinds}
+
+    def _window(self, kind: str) -> int | None:
+        """The sliding window of a layer type under --cp (the kinds cp accepts: parallel.rules)."""
+        return self.config.sliding_window if kind == "sliding_attention" else None
 
     def _run_layer(self, n: int, layer, h, mask, rope, position_ids, extra=None):
         """Run one layer; recompute it in backward under activation checkpointing.

@@ -16,8 +16,8 @@ Where hfpipe differs from ``transformers.distributed``, and why:
   ``ep`` consecutive dp ranks at one pipeline rank, and the ``dp / ep`` ranks holding the same experts
   form the "edp" group.
 - FSDP2 (:func:`shard_moe_layer`) wraps attention and the MoE block as separate units and the experts as a
-  unit of their own over edp. Their gradients are summed over edp and divided by dp, as the dense
-  parameters' are averaged over dp.
+  unit of their own over edp (edp x cp under --cp). Their gradients are summed over it and divided by
+  dp (x cp), as the dense parameters' are averaged over dp (x cp).
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ def experts_of(layer: nn.Module) -> list[nn.Module]:
     return [m for m in layer.modules() if getattr(m, "_is_expert_parallel", False)]
 
 
-def shard_moe_layer(layer: nn.Module, fsdp_mesh, expert_mesh, mp, divide_factor: int) -> None:
+def shard_moe_layer(layer: nn.Module, fsdp_mesh, replica_mesh, mp, divide_factor: int) -> None:
     """FSDP2 for one decoder layer with sharded experts (called before the layer's own ``fully_shard``).
 
-    The experts are a unit over edp. Attention and the MoE block are units of their own over dp: then the
+    The experts are a unit over ``replica_mesh`` (edp, x cp under --cp: the cp ranks route other tokens of
+    the same rows through the same experts). Attention and the MoE block are units of their own over dp: then the
     layer's reduce-scatters never fire between the MoE block's two backward all-to-alls, which
     deadlocks when ranks of one ep group wait in different collectives. The experts shard on dim 1 (or
     the first later dim edp divides): dim 0 is already split over ep, and a second split of it would need
@@ -82,7 +83,7 @@ def shard_moe_layer(layer: nn.Module, fsdp_mesh, expert_mesh, mp, divide_factor:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    edp_mesh = expert_mesh["edp"]
+    edp_mesh = replica_mesh  # Dist.expert_replica_mesh: edp, or edp x cp flattened
     edp = edp_mesh.size()
     for experts in experts_of(layer):
         if not _has_params(experts):

@@ -133,6 +133,15 @@ class Dist:
         return self.mesh.get_group("pp")
 
     @property
+    def cp_group(self):
+        """The context-parallel ranks of one replica: K and V gathered over it (hfpipe.parallel.context)."""
+        return self.mesh.get_group("cp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dims.coords(self.rank)["cp"]
+
+    @property
     def batch_group(self):
         """Ranks that saw different tokens of one step (dp, and cp once it lands): losses and token
         counts are summed over it. ``None`` when this rank is alone in it."""
@@ -163,6 +172,16 @@ class Dist:
             ranks = torch.arange(self.dims.world).view(self.dims.expert_shape)
             self._cache["expert"] = DeviceMesh(self.device.type, ranks, mesh_dim_names=EXPERT_DIMS)
         return self._cache["expert"]
+
+    def expert_replica_mesh(self):
+        """The ranks holding the same routed experts, which FSDP2 shards them over and sums their gradients
+        over: edp, and with --cp the cp ranks beside them (they route other tokens of the same rows)."""
+        experts = self.expert_mesh()
+        if self.dims.cp == 1:
+            return experts["edp"]
+        if "edp_cp" not in self._cache:
+            self._cache["edp_cp"] = experts[("edp", "cp")]._flatten("edp_cp")
+        return self._cache["edp_cp"]
 
     def tied_group(self, first: int, last: int):
         """This rank's {first, last} pipeline-rank pair for a tied embedding's two copies, or ``None``

@@ -3,9 +3,10 @@
 The CLI's config, the Python API (``load_pipeline``), ``plan`` and the run's preflight all call it,
 so a layout gets the same message, in the same order, wherever it is given: the degrees
 (:class:`~hfpipe.parallel.dims.ParallelDims`), the schedule and its stages per rank, the
-microbatches, the batch, the schedules FSDP cannot run, then what the model allows (--ep over its
-routed experts, --tp over its heads and sizes). The schedule names live here too, the one table the config, the planner and the
-pipeline read.
+microbatches, the batch, the schedules FSDP cannot run, what --tp and --cp do not compose with (and
+the sequence split cp needs), then what the model allows (--ep over its routed experts, --tp over its
+heads and sizes, --cp over its attention). The schedule names live here too, the one table the config,
+the planner and the pipeline read.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ class Layout:
 
 def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None = None,
                  microbatches: int | None = None, batch_size: int | None = None, model_config=None,
-                 reshard_per_microbatch: bool = False, lora: bool = False, quantize_base: str | None = None) -> Layout:
+                 reshard_per_microbatch: bool = False, lora: bool = False, quantize_base: str | None = None,
+                 seq_len: int | None = None) -> Layout:
     """Raise :class:`~hfpipe.errors.ParallelError` unless the layout can run; return it resolved.
 
     ``vpp`` None (or 1 for a schedule that needs several stages per rank) becomes the schedule's
-    default; ``microbatches`` None becomes the number of stages. ``model_config`` adds the model's rules.
+    default; ``microbatches`` None becomes the number of stages. ``model_config`` adds the model's rules,
+    ``seq_len`` the split of each sequence over cp ranks.
     """
     if schedule not in SCHEDULES:
         raise ParallelError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -92,12 +95,14 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
                             "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
                             "looped-bfs with --dp > 1, or --dp 1")
     _check_tp_with(dims, schedule, lora, quantize_base)
+    _check_cp_with(dims, seq_len)
     if reshard_per_microbatch and dims.dp == 1:
         raise ParallelError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
                             "is nothing to shard: raise --dp or leave it out")
     if model_config is not None:
         _check_moe_config(model_config)
         _check_experts(dims.ep, model_config)
+        _check_cp_config(model_config, dims.cp)
         if dims.tp > 1:
             from hfpipe.parallel.tensor_plan import check_tp_config  # torch's styles: only when asked
 
@@ -150,6 +155,47 @@ def _check_tp_with(dims: ParallelDims, schedule: str, lora: bool, quantize_base:
     if quantize_base:
         raise ParallelError(f"--tp {dims.tp} with --quantize-base {quantize_base}: a quantized base is not split "
                             "over tp ranks yet; use --tp 1")
+
+
+def _check_cp_with(dims: ParallelDims, seq_len: int | None) -> None:
+    """What context parallelism does not compose with, and the sequence split it needs."""
+    if dims.cp == 1:
+        return
+    if dims.tp > 1:  # sequence parallelism cuts the residual stream along the very dimension cp splits
+        raise ParallelError(f"--cp {dims.cp} with --tp {dims.tp}: tensor parallelism's sequence-parallel regions and "
+                            "the cp split both cut the sequence, which is not checked exact yet; use one of them")
+    # The zero-bubble schedules run exactly at dp 1 x cp 2 (FSDP2 over cp alone, measured); at dp > 1 the
+    # dp rule above refuses them.
+    if seq_len is not None and seq_len % (2 * dims.cp):
+        fit = seq_len // (2 * dims.cp) * 2 * dims.cp
+        raise ParallelError(f"--seq-len {seq_len} does not split into {2 * dims.cp} equal chunks (two per cp rank, "
+                            f"head and tail) for --cp {dims.cp}; use a multiple of {2 * dims.cp}, e.g. "
+                            f"{fit or 2 * dims.cp}")
+
+
+#: Families whose attention the gathered-K/V path does not express, and why.
+_CP_REFUSED = {"deepseek_v32": "an indexer that picks keys inside attention",
+               "deepseek_v4": "compressed attention over hyper-connection streams",
+               "gpt_oss": "attention sinks", "llama4": "chunked attention"}
+
+
+def _check_cp_config(config, cp: int) -> None:
+    """A family whose attention is not causal-with-window (or has softcapping, sinks, a router aux loss
+    summed per cp rank) is refused: never run as plain causal attention."""
+    if cp == 1:
+        return
+    kind = config.model_type
+    why = _CP_REFUSED.get(kind)
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if why is None and kinds:
+        why = f"{sorted(kinds)[0]!r} layers"
+    if why is None and getattr(config, "attn_logit_softcapping", None):
+        why = "attention logit softcapping"
+    if why is None and getattr(config, "output_router_logits", False):
+        why = "a router aux loss over the whole sequence (each cp rank sees part of it)"
+    if why:
+        raise ParallelError(f"--cp {cp}: {kind} has {why}, which context parallelism does not run exactly; "
+                            "use --cp 1" + (" or set output_router_logits false" if "router" in why else ""))
 
 
 def _check_moe_config(config) -> None:

@@ -14,6 +14,8 @@ shape or storage comes before one that wraps it):
  meta    ``apply_quant`` a LoRA base's linears and expert stacks swapped for quantized storage
  meta    ``apply_ac``    activation checkpointing of each decoder layer
  load    ``load``        this rank's bytes only, into what the steps above left (pipeline/load.py)
+ loaded  ``apply_cp``    attention through the gathered-K/V function (hfpipe.parallel.context); the stage
+                         then takes its tokens of each sequence and the whole rows' document ids
  loaded  ``apply_lora``  PEFT's adapters; after loading, since PEFT initialises them from the seed
                          on real tensors
  loaded  ``apply_fsdp``  FSDP2 over the fsdp mesh; after loading, since the loader reads whole
@@ -36,6 +38,7 @@ from hfpipe.models.meta import model_config
 from hfpipe.models.registry import adapter_for
 from hfpipe.models.stage import build_stage_modules
 from hfpipe.models.support import get_adapter
+from hfpipe.parallel.context import ContextParallel, register_attention
 from hfpipe.parallel.dims import ParallelDims, check_degrees
 from hfpipe.parallel.expert import experts_of, shard_experts, shard_moe_layer
 from hfpipe.parallel.mesh import Dist, init_distributed
@@ -104,7 +107,7 @@ def _check_arguments(*, activation_checkpointing: str, **counts) -> None:
                             f"choose one of {', '.join(_CHECKPOINTING)}")
 
 
-def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, tp: int = 1,
+def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, tp: int = 1, cp: int = 1,
                   sequence_parallel: bool = True, reshard_per_microbatch: bool = False, vpp: int | None = None,
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
@@ -121,6 +124,9 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
         ep: Expert-parallel degree: MoE routed experts sharded over ep ranks of the dp group.
         tp: Tensor-parallel degree: each stage's matrices, embedding and head split over tp ranks
             (:mod:`hfpipe.parallel.tensor`); the world is pp * dp * tp processes.
+        cp: Context-parallel degree: each microbatch's sequence split over cp ranks (head-tail balanced),
+            attention over K and V gathered from them (:mod:`hfpipe.parallel.context`); every cp rank of a
+            replica is handed the same whole rows. The world is pp * dp * cp * tp processes.
         sequence_parallel: With tp > 1, also split the norms and the activations between layers by
             sequence (default on).
         reshard_per_microbatch: With dp > 1, FSDP2 shards weights and gradients under the pipeline too:
@@ -144,13 +150,13 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
             checkpoint's own tiles, else 128).
         model_class: The :class:`PipelineModel` subclass to return (:mod:`hfpipe.api` passes its own).
     """
-    check_degrees("load_pipeline", **({} if pp is None else {"pp": pp}), dp=dp, ep=ep, tp=tp)
+    check_degrees("load_pipeline", **({} if pp is None else {"pp": pp}), dp=dp, ep=ep, tp=tp, cp=cp)
     _check_arguments(vpp=vpp, microbatches=microbatches, seed=seed, loss_chunk_tokens=loss_chunk_tokens,
                      activation_checkpointing=activation_checkpointing)
     quantize = _quant_spec(quantize_base, quantize_block_size, lora)
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
-    dims = ParallelDims(pp=pp or (dist.pp if dist else _default_pp(dp * tp)), dp=dp, tp=tp, ep=ep)
+    dims = ParallelDims(pp=pp or (dist.pp if dist else _default_pp(dp * cp * tp)), dp=dp, cp=cp, tp=tp, ep=ep)
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
     checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, model_config=source.config,
@@ -171,7 +177,8 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
     # one rank holding both ends already shares one parameter between them
     group = dist.tied_group(first, last) if tied and first != last else None
     pipe = Pipeline(modules, len(plan.stages), schedule, checked.microbatches, dist.pp_group, dist.device,
-                    loss_chunk_tokens=loss_chunk_tokens, reduce_every_microbatch=options.reshard_per_microbatch)
+                    loss_chunk_tokens=loss_chunk_tokens, reduce_every_microbatch=options.reshard_per_microbatch,
+                    context=modules[0].context if modules else None)
     return (model_class or PipelineModel)(source, plan, dist, modules, pipe, group, lora, quantize, ep, stats)
 
 
@@ -207,6 +214,8 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
     modules, stats = _loaded_stages(source, plan, dist.pp_rank, dist.device, options, options.param_dtype,
                                     dist.mesh["tp"] if dist.dims.tp > 1 else None,
                                     dist.expert_mesh() if dist.dims.ep > 1 else None)
+    if dist.dims.cp > 1:
+        apply_cp(modules, ContextParallel(dist.cp_group, dist.dims.cp, dist.cp_rank))
     lora = apply_lora(modules, options)
     apply_fsdp(modules, dist, options)
     return modules, stats, lora
@@ -243,6 +252,15 @@ def apply_tp(modules: list, tp_mesh, options: StageOptions) -> None:
     for m in modules:
         names = [n for n, _ in m.named_modules()]
         split(m, tp_mesh, stage_tp_plan(m.config, names, options.sequence_parallel, tp_mesh.size()))
+
+
+def apply_cp(modules: list, context: ContextParallel) -> None:
+    """Every stage's attention through the gathered-K/V function, registered with transformers'
+    ``AttentionInterface`` (the model classes stay as they are); the stages share one ``context``."""
+    name = register_attention()
+    for m in modules:
+        m.config._attn_implementation = name  # the layers' config: read at every attention call
+        m.context = context
 
 
 def apply_ep(modules: list, expert_mesh) -> None:
@@ -308,6 +326,6 @@ def apply_fsdp(modules: list, dist, options: StageOptions) -> None:
     for m in modules:
         for layer in m.model.layers.values():
             if dims.ep > 1 and experts_of(layer):
-                shard_moe_layer(layer, mesh, dist.expert_mesh(), mp, dims.grad_divide_factor)
+                shard_moe_layer(layer, mesh, dist.expert_replica_mesh(), mp, dims.grad_divide_factor)
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=again)
         fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=again)

@@ -56,7 +56,7 @@ def pad_rows(batch: dict, microbatches: int) -> tuple[dict, int]:
     A DataLoader's last batch is often smaller (``drop_last=False``), and torch's schedules split a
     batch into equal microbatches only. The rows added copy the last row's inputs (so attention,
     positions and masks stay as in real rows, never an all-masked row whose softmax is NaN) with
-    every label ``-100``: they add no loss and no token, so their gradient is exactly zero and the
+    every label (``shift_labels`` too, under --cp) ``-100``: they add no loss and no token, so their gradient is exactly zero and the
     step equals the one-process step on the real rows. Logits of added rows are dropped by the caller.
     """
     rows = batch["input_ids"].shape[0]
@@ -66,7 +66,7 @@ def pad_rows(batch: dict, microbatches: int) -> tuple[dict, int]:
     out = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == rows:
-            fill = torch.full_like(value[-1:], -100) if key == "labels" else value[-1:]
+            fill = torch.full_like(value[-1:], -100) if key in ("labels", "shift_labels") else value[-1:]
             value = torch.cat([value, fill.expand(extra, *value.shape[1:])])
         out[key] = value
     return out, rows

@@ -23,7 +23,7 @@ from hfpipe.pipeline.stage_sync import ReducingStage
 from hfpipe.parallel.rules import SINGLE_STAGE, V_SCHEDULES
 from hfpipe.parallel.schedules import schedule_class
 
-__all__ = ["PipelineError", "Pipeline", "TokenLoss", "count_tokens"]
+__all__ = ["PipelineError", "Pipeline", "TokenLoss", "batch_tokens", "count_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +50,24 @@ class TokenLoss:
         self.router_denominator = 1.0
         self.head = None
         self.chunk = 0
+        self.shifted = False  # --cp: the labels were shifted before the sequence split
 
     def __call__(self, out, labels: torch.Tensor) -> torch.Tensor:
         router = None
         if isinstance(out, tuple):  # (hidden or logits, coef * aux of the microbatch): hfpipe.models.router_loss
             out, router = out
         if self.head is not None:
-            loss = chunked_loss_sum(self.head.logits, out, _shift(labels), self.chunk, self.denominator, IGNORE_INDEX)
+            targets = labels if self.shifted else _shift(labels)
+            loss = chunked_loss_sum(self.head.logits, out, targets, self.chunk, self.denominator, IGNORE_INDEX)
         else:
-            loss = token_loss_sum(out, labels) / self.denominator
+            loss = token_loss_sum(out, labels, self.shifted) / self.denominator
         return loss if router is None else loss + router.to(loss.device) / self.router_denominator
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy (fp32) over labels != -100; labels are unshifted."""
-    return F.cross_entropy(logits.float().flatten(0, -2), _shift(labels).flatten().to(logits.device),
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """Sum of next-token cross-entropy (fp32) over labels != -100; labels are unshifted unless ``shifted``."""
+    targets = labels if shifted else _shift(labels)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten().to(logits.device),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -75,6 +78,17 @@ def _shift(labels: torch.Tensor) -> torch.Tensor:
 def count_tokens(labels: torch.Tensor) -> int:
     """Tokens that carry loss after the causal shift."""
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def batch_tokens(batch: dict) -> int:
+    """Tokens that carry loss in a batch: of its ``labels``, or of a cp rank's ``shift_labels``."""
+    if "shift_labels" in batch:
+        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    return count_tokens(batch["labels"])
+
+
+def _targets(batch: dict) -> torch.Tensor:
+    return batch["shift_labels"] if "shift_labels" in batch else batch["labels"]
 
 
 class Pipeline:
@@ -92,10 +106,13 @@ class Pipeline:
             0 computes the full logits in the last stage's forward.
         reduce_every_microbatch: FSDP2 reduce-scatters and reshards after every microbatch
             (hfpipe.pipeline.stage_sync), instead of once a step.
+        context: Under ``--cp``, the stages' :class:`hfpipe.parallel.context.ContextParallel`: every method
+            takes whole rows and runs this rank's tokens of them (:meth:`local`).
     """
 
     def __init__(self, stages, num_stages: int, schedule: str, microbatches: int, group, device,
-                 loss_chunk_tokens: int | None = None, reduce_every_microbatch: bool = False) -> None:
+                 loss_chunk_tokens: int | None = None, reduce_every_microbatch: bool = False,
+                 context=None) -> None:
         self.modules = stages
         self.stage_class = ReducingStage if reduce_every_microbatch else PipelineStage
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -105,6 +122,7 @@ class Pipeline:
         self.group = group
         self.device = device
         self.loss = TokenLoss()
+        self.context = context
         self._schedules: dict = {}  # (kwargs, mode, chunked head) -> (shape, schedule), most recent last
         self.builds = 0  # schedules (and torch stages) built so far
 
@@ -165,9 +183,16 @@ class Pipeline:
         self.loss.head, self.loss.chunk = (last if chunk else None), chunk
         return chunk > 0
 
+    def local(self, batch: dict) -> dict:
+        """This rank's part of a batch of whole rows: under --cp its tokens (labels shifted first), else all."""
+        if self.context is None or "shift_labels" in batch:
+            return batch
+        return self.context.split_batch(batch)
+
     def _inputs(self, batch: dict):
         ids = batch["input_ids"]
-        kwargs = {k: batch[k].to(self.device) for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+        kwargs = {k: batch[k].to(self.device) for k in ("attention_mask", "position_ids", "context_keys")
+                  if batch.get(k) is not None}
         if "input_ids" in self.modules[0].adapter.layer_inputs:  # every stage's layers read the ids (DeepSeek-V4)
             kwargs["input_ids"] = ids.to(self.device)
         args = (ids.to(self.device),) if self.has_input else ()
@@ -191,13 +216,14 @@ class Pipeline:
             On the rank holding the loss, the summed loss of this batch (already divided by
             ``denominator``); elsewhere ``None``.
         """
-        batch = self._whole_microbatches(batch, train=True)[0]
+        batch = self._whole_microbatches(self.local(batch), train=True)[0]
         shape, args, kwargs = self._inputs(batch)
         schedule = self._get_schedule(shape, kwargs, "train")
         self.loss.denominator = float(denominator)
         self.loss.router_denominator = float(router_denominator or self.microbatches)
+        self.loss.shifted = "shift_labels" in batch
         losses: list = []
-        target = batch["labels"].to(self.device) if self.has_loss else None
+        target = _targets(batch).to(self.device) if self.has_loss else None
         schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not self.has_loss:
             return None
@@ -205,7 +231,14 @@ class Pipeline:
 
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor | None:
-        """Logits [B, T, V] on the rank holding the last stage; ``None`` elsewhere."""
+        """Logits [B, T, V] on the rank holding the last stage; ``None`` elsewhere (under --cp gathered
+        from every cp rank's tokens)."""
+        logits = self._local_logits(self.local(batch))
+        if self.context is None or logits is None:
+            return logits
+        return self.context.gather_sequence(logits)
+
+    def _local_logits(self, batch: dict) -> torch.Tensor | None:
         was_training = [m.training for m in self.modules]
         for m in self.modules:
             m.eval()
@@ -224,17 +257,20 @@ class Pipeline:
     @torch.no_grad()
     def eval_loss(self, batch: dict, denominator: float) -> torch.Tensor | None:
         """Summed loss / ``denominator`` of a batch without backward (on the loss rank)."""
+        batch = self.local(batch)
+        shifted = "shift_labels" in batch
         if self._local_hops:
-            logits = self.forward(batch)
+            logits = self._local_logits(batch)
             if logits is None:
                 return None
-            return token_loss_sum(logits, batch["labels"].to(self.device)) / float(denominator)
+            return token_loss_sum(logits, _targets(batch).to(self.device), shifted) / float(denominator)
         batch = self._whole_microbatches(batch)[0]
         shape, args, kwargs = self._inputs(batch)
         schedule = self._get_schedule(shape, kwargs, "loss")
         self.loss.denominator = float(denominator)
+        self.loss.shifted = shifted
         losses: list = []
-        target = batch["labels"].to(self.device) if self.has_loss else None
+        target = _targets(batch).to(self.device) if self.has_loss else None
         schedule.eval(*args, target=target, losses=losses, **kwargs)
         return torch.stack([x.float() for x in losses]).sum() if self.has_loss else None
 

@@ -32,7 +32,7 @@ MUST_MATCH = ("model", "seq_len", "batch_size", "microbatches", "grad_accum", "d
 MAY_CHANGE = ("lr", "min_lr", "lr_schedule", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
               "weight_decay", "betas", "eps")
 #: Settings that change how the run is laid out, saved, logged or evaluated, not what it trains.
-FREE = ("output_dir", "pp", "ep", "tp", "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule",
+FREE = ("output_dir", "pp", "ep", "tp", "cp", "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule",
         "layout", "plan_method", "dtype",
         "activation_checkpointing", "save_every", "keep", "async_save", "resume", "save_hf_at_end",
         "trust_remote_code", "threads_per_rank", "log_every", "eval_dataset", "eval_split", "eval_every",

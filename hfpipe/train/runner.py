@@ -45,7 +45,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     get_adapter(source.config)
     layout = check_layout(cfg.dims, cfg.schedule, vpp=cfg.vpp, microbatches=cfg.microbatches,
                           reshard_per_microbatch=cfg.reshard_per_microbatch,
-                          batch_size=cfg.batch_size, model_config=source.config)
+                          batch_size=cfg.batch_size, model_config=source.config, seq_len=cfg.seq_len)
     plan_pipeline(source.config, cfg.pp, vpp=layout.vpp, style=layout.style,
                   method=cfg.plan_method, layout=cfg.layout, seq_len=cfg.seq_len)
     check_seq_len(cfg.seq_len, source.config)
@@ -190,7 +190,8 @@ def run_worker(cfg_dict: dict) -> dict:
     dist_info = init_distributed(cfg.dims, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
     say_phase("loading this rank's stages")
-    pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
+    pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, cp=cfg.cp,
+                       sequence_parallel=cfg.sequence_parallel,
                        reshard_per_microbatch=cfg.reshard_per_microbatch,
                        vpp=cfg.vpp, schedule=cfg.schedule,
                        microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
@@ -266,7 +267,7 @@ class _Run:
         self.trainer = trainer_for(pm, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm)
         self.pos = _Position()
         self.out = Path(cfg.output_dir)
-        self.reporter = pm.dist.pp_rank == pm.loss_rank and pm.dist.dp_rank == 0
+        self.reporter = pm.dist.pp_rank == pm.loss_rank and pm.dist.dp_rank == 0 and pm.dist.cp_rank == 0
         self.history: list[dict] = []
         self.evals: list[dict] = []  # evaluation rows
         self.pending = None  # the async save still being written, if any

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hfpipe.pipeline.schedule import Pipeline, count_tokens
+from hfpipe.pipeline.schedule import Pipeline, batch_tokens
 from hfpipe.pipeline.inputs import BatchError, check_batches
 from hfpipe.pipeline.params import by_mesh, unique_parameters
 from hfpipe.parallel.grads import squared_norm
@@ -76,6 +76,7 @@ class PipelineTrainer:
         """
         batches = [batches] if isinstance(batches, Mapping) else list(batches)
         check_batches(batches, self.vocab_size, "trainer.step")
+        batches = [self.pipe.local(b) for b in batches]  # --cp: this rank's tokens, labels shifted first
         tokens = self.global_tokens(batches)
         loss = torch.zeros((), dtype=torch.float64)
         for batch in batches:
@@ -113,6 +114,7 @@ class PipelineTrainer:
         """Token-mean loss over ``batches`` without gradients (same value on every rank)."""
         batches = [batches] if isinstance(batches, Mapping) else list(batches)
         check_batches(batches, self.vocab_size, "trainer.eval_loss")
+        batches = [self.pipe.local(b) for b in batches]
         tokens = self.global_tokens(batches)
         loss = torch.zeros((), dtype=torch.float64)
         for batch in batches:
@@ -122,8 +124,8 @@ class PipelineTrainer:
         return self.share_loss(loss)
 
     def global_tokens(self, batches: list[dict]) -> int:
-        """The loss tokens of ``batches`` summed over the batch group (every dp shard), at least 1."""
-        count = torch.tensor(sum(count_tokens(b["labels"]) for b in batches), dtype=torch.int64)
+        """The loss tokens of ``batches`` summed over the batch group (every dp and cp shard), at least 1."""
+        count = torch.tensor(sum(batch_tokens(b) for b in batches), dtype=torch.int64)
         if self.dist.batch_group is not None:
             count = count.to(self.dist.device)
             dist.all_reduce(count, group=self.dist.batch_group)
