@@ -38,7 +38,7 @@ def test_the_recipes_are_there():
         "llama3_1_405b_sft_pp16_tp8.yaml",
         "llama3_1_70b_lora_pp8.yaml",
         "llama3_1_70b_qlora_pp2.yaml",
-        "llama3_1_70b_sft_32k_pp4_cp2_tp8.yaml",
+        "llama3_1_70b_sft_32k_pp16_cp4.yaml",
         "llama3_1_70b_sft_pp16_dp2.yaml",
         "llama3_1_70b_sft_pp3_tp8.yaml",
         "llama3_1_8b_sft_128k_cp8.yaml",

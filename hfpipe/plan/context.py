@@ -30,10 +30,9 @@ so cp divides a rank's sharded state as dp does (:func:`hfpipe.plan.memory.param
 
 from __future__ import annotations
 
-from hfpipe.errors import PlanError
 from hfpipe.plan.memory import ACT_BYTES
 
-__all__ = ["check_cp", "cp_traffic", "describe", "held_kv", "kv_gather_bytes", "kv_shape", "layer_bytes"]
+__all__ = ["cp_traffic", "describe", "held_kv", "kv_gather_bytes", "kv_shape", "layer_bytes"]
 
 
 def kv_gather_bytes(*, batch: int, seq_len: int, cp: int, kv_heads: int, k_dim: int, v_dim: int,
@@ -50,14 +49,6 @@ def kv_gather_bytes(*, batch: int, seq_len: int, cp: int, kv_heads: int, k_dim: 
         return 0
     local = batch * kv_heads * (seq_len // cp) * (k_dim + v_dim) * dtype_bytes
     return (cp - 1) * local * (2 * layers + recomputed)
-
-
-def check_cp(cp: int, seq_len: int) -> None:
-    """Refuse a sequence the head-tail split cannot cut into ``2 * cp`` equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
-        raise PlanError(f"--seq-len {seq_len} must be a multiple of 2 * --cp ({2 * cp}): each cp rank holds "
-                        f"two of {2 * cp} equal chunks; raise --seq-len to {-(-seq_len // (2 * cp)) * 2 * cp} "
-                        "or pick a --cp that divides it")
 
 
 def kv_shape(config, tp: int = 1) -> tuple[int, int, int]:

@@ -209,11 +209,10 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     from hfpipe.config.options import require_positive
 
     require_positive(seq_len=seq_len, microbatches=microbatches, batch_size=batch_size)
-    context.check_cp(cp, seq_len)
     schedule = schedule or ("interleaved-1f1b" if vpp and vpp > 1 else "1f1b")
     checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, batch_size=batch_size,
                            model_config=config, reshard_per_microbatch=reshard, lora=lora_rank is not None,
-                           quantize_base=quantize_base)
+                           quantize_base=quantize_base, seq_len=seq_len)
     vpp, m = checked.vpp, checked.microbatches
     batch = batch_size or m
     plan = plan_pipeline(config, pp, vpp=vpp, style=checked.style, method=method,
