@@ -267,7 +267,8 @@ class _Run:
         self.trainer = trainer_for(pm, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm)
         self.pos = _Position()
         self.out = Path(cfg.output_dir)
-        self.reporter = pm.dist.pp_rank == pm.loss_rank and pm.dist.dp_rank == 0 and pm.dist.cp_rank == 0
+        coords = pm.dist.dims.coords(pm.dist.rank)  # one reporter: the loss rank of replica 0, cp and tp rank 0
+        self.reporter = coords["pp"] == pm.loss_rank and coords["dp"] == coords["cp"] == coords["tp"] == 0
         self.history: list[dict] = []
         self.evals: list[dict] = []  # evaluation rows
         self.pending = None  # the async save still being written, if any
