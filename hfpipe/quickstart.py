@@ -131,7 +131,12 @@ def _finetune(base: Path, run: Path, steps: int, pp: int, echo, lora: bool) -> t
 def _verify(hf: Path, pp: int) -> dict:
     from hfpipe.verify import verify
 
-    r = verify(str(hf), pp=pp)
+    ticks = logging.getLogger("hfpipe.train.progress")  # the quickstart's own "verifying..." line ticks
+    level, _ = ticks.level, ticks.setLevel(logging.WARNING)  # (seen on an H200: both, in two formats)
+    try:
+        r = verify(str(hf), pp=pp)
+    finally:
+        ticks.setLevel(level)
     return {"max_abs_diff": r.max_abs_diff, "passed": r.passed}
 
 
