@@ -131,8 +131,11 @@ def _finetune(base: Path, run: Path, steps: int, pp: int, echo, lora: bool) -> t
 def _verify(hf: Path, pp: int) -> dict:
     from hfpipe.verify import verify
 
-    ticks = logging.getLogger("hfpipe.train.progress")  # the quickstart's own "verifying..." line ticks
-    level, _ = ticks.level, ticks.setLevel(logging.WARNING)  # (seen on an H200: both, in two formats)
+    # The quickstart's own "verifying..." line ticks; verify's logged ticker would say it again in
+    # another format (seen on an H200).
+    ticks = logging.getLogger("hfpipe.train.progress")
+    level = ticks.level
+    ticks.setLevel(logging.WARNING)
     try:
         r = verify(str(hf), pp=pp)
     finally:
