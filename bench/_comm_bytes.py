@@ -54,6 +54,8 @@ def _c10d(func, args) -> tuple[str, str, int] | None:
     if func is _C._reduce_scatter_base_.default:  # (output, input, group, ...)
         g = ProcessGroup.unbox(args[2])
         return "reduce_scatter", g.group_name, (g.size() - 1) * _nbytes(args[1]) // g.size()
+    if func is _C.broadcast_.default:  # (tensors, group, ...): the pipeline's loss, a scalar
+        return "broadcast", ProcessGroup.unbox(args[1]).group_name, _nbytes(args[0])
     return None
 
 
@@ -75,7 +77,7 @@ class CommBytes(TorchDispatchMode):
             if seen is not None:
                 kind, group, moved = seen
                 self.bytes[self.labels.get(group, "other"), kind] += moved
-            elif not func.name().endswith(("wait_tensor", "barrier", "monitored_barrier")):
+            elif not func.name().endswith(("wait_tensor", "_wrap_tensor_autograd", "barrier")):
                 self.unpriced.add(func.name())  # a collective this counter does not price: said, not hidden
         return func(*args, **(kwargs or {}))
 

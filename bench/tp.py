@@ -104,11 +104,12 @@ def main() -> None:
     for name, default in (("hidden", 512), ("layers", 4), ("seq", 64), ("batch", 4), ("steps", 3), ("microbatches", 2)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--no-sp", dest="sp", action="store_false", help="tp without sequence parallelism")
+    p.add_argument("--only-fsdp", action="store_true", help=argparse.SUPPRESS)  # debugging one mode
     a = p.parse_args()
     from hfpipe.parallel.launch import launch
 
     work = Path(tempfile.mkdtemp(prefix="hfpipe-bench-tp-"))
-    modes = ((1, 1), (1, 2), (2, 2))  # (dp, tp)
+    modes = ((1, 1), (1, 2), (2, 2)) if not a.only_fsdp else ((2, 2),)  # (dp, tp)
     try:
         _build(work / "model", a)
         runs = {m: launch(_worker, m[0] * m[1], str(work / "model"), *m, a, threads_per_rank=1) for m in modes}
@@ -131,7 +132,8 @@ def _report(a, runs: dict, planned: dict) -> None:
             got = sum(b for k, b in run["moved"].items() if k.startswith(label + " ") and
                       (label == "tp" or "all_reduce" not in k))
             if want or got:
-                print(f"  {kind:6s} {got / 2**20:9.3f} MiB / {want / 2**20:9.3f} MiB = {got / max(want, 1):.3f}  (goal 1.00)")
+                print(f"  {kind:6s} {got / 2**20:9.3f} MiB / {want / 2**20:9.3f} MiB = "
+                      f"{got / max(want, 1):.3f}  (goal 1.00)")
         parts = ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in run["moved"].items())
         print(f"  by collective: {parts}")
         if run["unpriced"]:

@@ -151,7 +151,10 @@ def test_resharding_per_microbatch_divides_weights_and_grads_by_dp_and_prices_it
         assert r.grad_bytes == int(int(r.params * grad / 4) + unit * grad)
         assert r.optimizer_bytes == s.optimizer_bytes and r.weight_bytes < s.weight_bytes
         moved = r.params * 3 / 4  # (dp - 1) / dp of the rank's parameters, each way
-        assert r.fsdp_bytes == int(4 * moved * (2 * compute + grad))  # per microbatch: 2 all-gathers + 1 RS
+        # the last stage's root (norm, head) stays gathered from forward to backward: one all-gather
+        kept = (costs.head_params + costs.embed_params * stage.embed) * stage.head * 3 / 4
+        # per microbatch: 2 all-gathers + 1 RS
+        assert r.fsdp_bytes == int(4 * (moved * (2 * compute + grad) - kept * compute))
         assert s.fsdp_bytes == int(moved * (compute + grad))  # per step: 1 all-gather + 1 reduce-scatter
     text = "\n".join(micro.notes)
     assert "FSDP2 resharded per microbatch" in text and "once per step" in text

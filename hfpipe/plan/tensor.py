@@ -43,7 +43,8 @@ after each microbatch's forward and reduce-scatters after each backward (NeMo Au
 a time: the stage's root (embedding, final norm, head) and its largest decoder layer, in the compute
 dtype, with their gradient unsharded in the reduce dtype. Traffic per microbatch: an all-gather in
 forward, another in backward (resharded after forward) and a reduce-scatter, each moving
-``(dp - 1) / dp`` of the rank's parameters (routed experts over their ``dp / ep`` replicas);
+``(dp - 1) / dp`` of the rank's parameters (routed experts over their ``dp / ep`` replicas), but the
+last stage's root, which stays gathered from forward to backward for the head loss (one all-gather);
 without the option, one all-gather and one reduce-scatter per step.
 """
 
@@ -171,7 +172,10 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
                 o, e = _held(costs, i, tp, ep)
                 other, expert = other + o, expert + e
         moved = other * (dp - 1) / dp + expert * (edp - 1) / edp
-        out.append(int(rounds * moved * (gathers * compute + grad)))
+        # resharding, the last stage's root (norm, head) stays gathered from forward to backward
+        # (hfpipe.pipeline.stage_sync): gathered once per microbatch, not twice
+        kept = sum(_root(costs, s, tp) for s in plan.stages_of_rank(rank) if s.head) * (dp - 1) / dp
+        out.append(int(rounds * (moved * (gathers * compute + grad) - (gathers - 1) * kept * compute)))
     return tuple(out)
 
 
