@@ -96,16 +96,17 @@ def test_lora_at_pp2_x_tp2_equals_pp1_and_exports_whole_adapters_under_peft_keys
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("later", [("--pp", 4, "--schedule", "gpipe"), ("--pp", 1, "--dp", 2)],
-                         ids=["tp1-pp4", "tp1-dp2"])
-def test_a_run_saved_at_pp2_x_tp2_resumes_at_another_pp_and_dp_equal_to_the_uninterrupted_run(tmp_path, later):
-    """DCP reshards the tp-split weights and their AdamW state by name: the checkpoint of a pp 2 x tp 2 run
-    resumes at tp 1 on 4 stages, or at tp 1 on 2 data-parallel replicas (FSDP2 shards), and steps 3-4
-    equal the uninterrupted run's."""
+@pytest.mark.parametrize("dp, later", [(1, ("--pp", 4, "--schedule", "gpipe")), (2, ("--pp", 2))],
+                         ids=["tp2-pp2-to-tp1-pp4", "dp2-tp2-to-dp2-pp2-tp1"])
+def test_a_tp2_checkpoint_resumes_at_tp1_on_another_pp_and_dp_mesh_equal_to_the_uninterrupted_run(tmp_path, dp, later):
+    """DCP reshards the tp-split weights and their AdamW state by name: a pp 2 x tp 2 checkpoint resumes at
+    tp 1 on 4 stages; a dp 2 x tp 2 one (FSDP2 shards of tp-split tensors, 2-D) at dp 2 x pp 2 x tp 1 (1-D
+    FSDP2 shards). Steps 3-4 equal the uninterrupted run's. (--dp itself must match: with --batch-size it
+    defines the data stream, hfpipe.train.resume_check.MUST_MATCH.)"""
     model = tiny_checkpoint("llama", num_hidden_layers=4)
-    whole, _ = _finetune(model, tmp_path, "--pp", 1, steps=4)
-    _finetune(model, tmp_path, "--pp", 2, "--tp", 2, steps=2, out="resumed")
-    rows, _ = _finetune(model, tmp_path, *later, steps=4, out="resumed", resume=True)
+    whole, _ = _finetune(model, tmp_path, "--pp", 1, "--dp", dp, steps=4)
+    _finetune(model, tmp_path, "--pp", 3 - dp, "--dp", dp, "--tp", 2, steps=2, out="resumed")
+    rows, _ = _finetune(model, tmp_path, *later, "--dp", dp, steps=4, out="resumed", resume=True)
     resumed = [r for r in rows if "loss" in r and r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4]
     _same_rows(resumed, [r for r in whole if "loss" in r and r["step"] > 2], f"resumed at {later} vs uninterrupted")
