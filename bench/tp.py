@@ -1,21 +1,26 @@
-"""Benchmark: tensor parallelism (pp 1 x tp 2) against one rank (pp 1 x tp 1), same tokens.
+"""Benchmark: tensor parallelism (pp 1 x tp 2) against one rank (pp 1 x tp 1), same tokens; and FSDP2
+resharded every microbatch on top of it (pp 1 x dp 2 x tp 2, ``--reshard-per-microbatch``).
 
-Builds a random Llama (default hidden 512, 4 layers, fp32) and trains it for a few steps, once on one
-process and once on two tp ranks (sequence parallel). Per mode, side by side in one run:
+Builds a random Llama (default hidden 512, 4 layers, fp32) and trains it for a few steps in each mode.
+Per mode, side by side in one run:
 
 - bytes a rank holds: its parameters' local bytes after loading (goal at tp 2: ratio <= 0.55; norms
   stay whole on every rank, so it is a little above 0.50);
 - bytes a rank read from the checkpoint, against its share (the tp 1 read divided by tp): rows of a
   row-split matrix are read alone, a column split is read whole and sliced, so the ratio says what
   column splits cost;
+- bytes a rank moved per step in the tp collectives, counted at torch's dispatcher
+  (``bench/_comm_bytes.py``: DTensor's redistributions, the vocab-parallel loss's all-reduces, forward
+  and backward), against ``hfpipe plan``'s ``tp_bytes`` (:func:`hfpipe.plan.tensor.tp_traffic`); and
+  FSDP2's all-gathers and reduce-scatters over dp against its ``fsdp_bytes``
+  (:func:`hfpipe.plan.tensor.fsdp_traffic`). Goal 1.00; the small all-reduces of losses, token counts and
+  gradient norms are printed apart;
 - step time: median wall time of the timed steps (the first, which builds the schedule, excluded) and the
   ratio tp2/tp1. On 2 shared CPU cores the tp collectives are local copies through gloo: printed, not judged;
-- the losses of both modes, which must agree (the same model and tokens).
+- the losses of every mode, which must agree (the same model and tokens).
 
-The bytes the tp collectives move are not counted here yet (DTensor's redistributions run through
-torch's functional collectives, which this benchmark does not wrap).
-
-Run:  python bench/tp.py [--hidden 512] [--layers 4] [--seq 64] [--batch 4] [--steps 3]
+Run:  python bench/tp.py [--hidden 512] [--layers 4] [--seq 64] [--batch 4] [--steps 3] [--microbatches 2]
+        [--no-sp]
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from pathlib import Path
 
 import torch
 
+from _comm_bytes import CommBytes
 
-def _worker(path: str, tp: int, steps: int, batch: int, seq: int) -> dict:
+
+def _worker(path: str, dp: int, tp: int, a: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from hfpipe.api import load_pipeline
@@ -38,20 +45,49 @@ def _worker(path: str, tp: int, steps: int, batch: int, seq: int) -> dict:
     from hfpipe.parallel.mesh import init_distributed
     from hfpipe.train.optim import build_optimizer
 
-    info = init_distributed(ParallelDims(pp=1, tp=tp))
-    pm = load_pipeline(path, pp=1, tp=tp, schedule="1f1b", microbatches=1, dist=info)
+    info = init_distributed(ParallelDims(pp=1, dp=dp, tp=tp))
+    pm = load_pipeline(path, pp=1, dp=dp, tp=tp, schedule="gpipe", microbatches=a.microbatches, dist=info,
+                       sequence_parallel=a.sp, reshard_per_microbatch=dp > 1)
     held = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for _, p in pm.named_parameters())
     trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4), max_grad_norm=1.0)
-    ids = torch.randint(3, pm.source.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    ids = torch.randint(3, pm.source.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
+    rows = slice(info.dp_rank * a.batch // dp, (info.dp_rank + 1) * a.batch // dp)
+    data = {"input_ids": ids[rows], "attention_mask": torch.ones_like(ids[rows]), "labels": ids[rows]}
+    counter = CommBytes(_labels(info, dp, tp))
     walls, losses = [], []
-    for i in range(steps + 1):
+    for i in range(a.steps + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        losses.append(trainer.step(data).loss)
-        if i:  # the first step builds the schedule
+        if i:  # the first step builds the schedule (and its shape probes): timed and counted apart
+            with counter:
+                losses.append(trainer.step(data).loss)
             walls.append(time.perf_counter() - t0)
-    return {"held": held, "read": pm.load_stats.bytes_read, "wall": statistics.median(walls), "loss": losses}
+        else:
+            losses.append(trainer.step(data).loss)
+    moved = {f"{lab} {kind}": b / a.steps for (lab, kind), b in sorted(counter.bytes.items())}
+    return {"held": held, "read": pm.load_stats.bytes_read, "wall": statistics.median(walls), "loss": losses,
+            "moved": moved, "unpriced": sorted(counter.unpriced)}
+
+
+def _labels(info, dp: int, tp: int) -> dict[str, str]:
+    """Group name -> what it carries: the tp collectives, FSDP2's over dp (the loss sums share its group)."""
+    labels = {}
+    if tp > 1:
+        labels[info.mesh["tp"].get_group().group_name] = "tp"
+    if dp > 1:
+        labels[info.fsdp_mesh.get_group().group_name] = "dp"
+    return labels
+
+
+def _planned(path: str, dp: int, tp: int, a: argparse.Namespace) -> tuple[int, int]:
+    """``hfpipe plan``'s (tp_bytes, fsdp_bytes) of the busiest rank for the same run."""
+    from hfpipe.plan.report import plan_report
+    from hfpipe.source.config import load_config
+
+    config = load_config(Path(path))
+    r = plan_report(config, 1, schedule="gpipe", microbatches=a.microbatches, seq_len=a.seq, batch_size=a.batch // dp,
+                    dtype="fp32", dp=dp, tp=tp, sequence_parallel=a.sp, reshard_per_microbatch=dp > 1)
+    return max(x.tp_bytes for x in r.ranks), max(x.fsdp_bytes for x in r.ranks)
 
 
 def _build(folder: Path, a: argparse.Namespace) -> None:
@@ -65,24 +101,47 @@ def _build(folder: Path, a: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("hidden", 512), ("layers", 4), ("seq", 64), ("batch", 4), ("steps", 3)):
+    for name, default in (("hidden", 512), ("layers", 4), ("seq", 64), ("batch", 4), ("steps", 3), ("microbatches", 2)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--no-sp", dest="sp", action="store_false", help="tp without sequence parallelism")
+    p.add_argument("--only-fsdp", action="store_true", help=argparse.SUPPRESS)  # debugging one mode
     a = p.parse_args()
     from hfpipe.parallel.launch import launch
 
     work = Path(tempfile.mkdtemp(prefix="hfpipe-bench-tp-"))
+    modes = ((1, 1), (1, 2), (2, 2)) if not a.only_fsdp else ((2, 2),)  # (dp, tp)
     try:
         _build(work / "model", a)
-        runs = {tp: launch(_worker, tp, str(work / "model"), tp, a.steps, a.batch, a.seq, threads_per_rank=1)
-                for tp in (1, 2)}
+        runs = {m: launch(_worker, m[0] * m[1], str(work / "model"), *m, a, threads_per_rank=1) for m in modes}
+        planned = {m: _planned(str(work / "model"), *m, a) for m in modes}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    one, two = runs[1][0], max(runs[2].values(), key=lambda r: r["held"])
+    _report(a, {m: max(r.values(), key=lambda x: x["held"]) for m, r in runs.items()}, planned)
+
+
+def _report(a, runs: dict, planned: dict) -> None:
+    one, two, fsdp = runs[1, 1], runs[1, 2], runs[2, 2]
+    print(f"Llama hidden {a.hidden}, {a.layers} layers, batch {a.batch} x seq {a.seq} in {a.microbatches} "
+          f"microbatches, fp32, sequence parallel {'on' if a.sp else 'off'}")
     print(f"bytes a rank holds, tp2 / tp1:        {two['held'] / one['held']:.3f}  (goal <= 0.55)")
     print(f"bytes a rank read / its share (tp2):  {two['read'] / (one['read'] / 2):.3f}  (1.00: rows only)")
-    print(f"step time, tp2 / tp1:                 {two['wall'] / one['wall']:.2f}  (gloo on shared CPU cores)")
-    diff = max(abs(x - y) for x, y in zip(one["loss"], two["loss"]))
-    print(f"losses tp1 {[round(x, 6) for x in one['loss']]}, largest difference at tp2 {diff:.2e}")
+    for mode, run in (("pp1 x tp2", two), ("pp1 x dp2 x tp2, resharded per microbatch", fsdp)):
+        print(f"{mode}: bytes a rank moved per step, measured / planned")
+        for label, kind, want in (("tp", "tp", planned[(1, 2) if run is two else (2, 2)][0]),
+                                  ("dp", "FSDP2", planned[2, 2][1] if run is fsdp else 0)):
+            got = sum(b for k, b in run["moved"].items() if k.startswith(label + " ") and
+                      (label == "tp" or "all_reduce" not in k))
+            if want or got:
+                print(f"  {kind:6s} {got / 2**20:9.3f} MiB / {want / 2**20:9.3f} MiB = "
+                      f"{got / max(want, 1):.3f}  (goal 1.00)")
+        parts = ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in run["moved"].items())
+        print(f"  by collective: {parts}")
+        if run["unpriced"]:
+            print(f"  collectives not priced: {', '.join(run['unpriced'])}")
+    print(f"step time, tp2 / tp1:                 {two['wall'] / one['wall']:.2f}  (gloo on shared CPU cores; "
+          f"tp1 {one['wall'] * 1e3:.0f} ms, tp2 {two['wall'] * 1e3:.0f} ms, dp2 x tp2 {fsdp['wall'] * 1e3:.0f} ms)")
+    diff = max(abs(x - y) for r in (two, fsdp) for x, y in zip(one["loss"], r["loss"]))
+    print(f"losses tp1 {[round(x, 6) for x in one['loss']]}, largest difference at tp2 and dp2 x tp2 {diff:.2e}")
 
 
 if __name__ == "__main__":

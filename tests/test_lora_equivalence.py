@@ -69,9 +69,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def pipeline_worker(path: str, pp: int, dp: int, schedules: tuple[str, ...], kw: dict, options: dict) -> dict:
     """Train LoRA ``len(batches)`` steps with each schedule; return measurements of this rank."""
     from hfpipe.api import load_pipeline
+    from hfpipe.parallel.dims import ParallelDims
     from hfpipe.parallel.mesh import init_distributed
 
-    dist = init_distributed(pp, dp)
+    dist = init_distributed(ParallelDims(pp=pp, dp=dp, tp=options.get("tp", 1)))
     results = {}
     for schedule in schedules:
         pm = load_pipeline(path, pp=pp, dp=dp, schedule=schedule, microbatches=MICRO, dist=dist,
@@ -145,7 +146,8 @@ def run_and_check(kind: str, pp: int, schedules, kw: dict = LORA, options: dict 
                   dp: int = 1, dtype: torch.dtype = torch.float32, tol: float = TOL, build=hf_model,
                   path: str | None = None) -> dict:
     path = path or str(tiny_checkpoint(kind, num_hidden_layers=LAYERS))
-    ranks = run_ranks(pipeline_worker, pp * dp, path, pp, dp, tuple(schedules), kw, options or {})
+    options = options or {}
+    ranks = run_ranks(pipeline_worker, pp * dp * options.get("tp", 1), path, pp, dp, tuple(schedules), kw, options)
     start = merged(ranks, schedules[0], "start")
     ref = reference_run(path, kw, start, dp, dtype, build)
     assert ref["moved"] > 100 * TOL  # the adapters really move: agreement is not trivial

@@ -21,8 +21,8 @@ from test_e2e import hfpipe
 
 def _finetune(model: Path, cwd: Path, *mesh, steps: int = 3, out: str | None = None, resume: bool = False):
     """``hfpipe finetune`` for ``steps`` steps (constant lr, so a resume continues the same run);
-    (metrics rows, the last checkpoint)."""
-    out = out or "out-" + "-".join(map(str, mesh))
+    (metrics rows, the last checkpoint). ``mesh`` holds any other flags too (``--lora-rank``)."""
+    out = out or "out-" + "-".join(map(str, mesh)).replace("--", "")
     run = hfpipe("finetune", model, *mesh, "--max-steps", steps, "--seq-len", 32, "--batch-size", 4,
                  "--microbatches", 2, "--lr", 3e-3, "--lr-schedule", "constant", "--output-dir", out,
                  "--save-every", steps, *(["--resume", "auto"] if resume else []), cwd=cwd, timeout=900)
@@ -63,3 +63,50 @@ def test_a_run_saved_at_tp2_resumes_at_tp1_equal_to_the_uninterrupted_run(tmp_pa
     for step in (3, 4):
         for what in ("loss", "grad_norm"):
             assert abs(resumed[step][what] - whole[step - 1][what]) <= 1e-5, (step, what, resumed[step], whole[step - 1])
+
+
+def _same_rows(got: list[dict], want: list[dict], what: str) -> None:
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]),
+                                   atol=1e-5, rtol=0, msg=lambda m: f"{key} {what}: {m}")
+
+
+@pytest.mark.slow
+def test_lora_at_pp2_x_tp2_equals_pp1_and_exports_whole_adapters_under_peft_keys(tmp_path):
+    """``--lora-rank`` with ``--tp``: tp-split adapters train as at tp 1, and the exported adapter folder is
+    PEFT's (its keys, whole tensors), which ``PeftModel.from_pretrained`` loads onto the base."""
+    model = tiny_checkpoint("llama", num_hidden_layers=4)
+    lora = ("--lora-rank", 4, "--lora-targets", "all-linear")
+    rows1, ckpt1 = _finetune(model, tmp_path, "--pp", 1, *lora)
+    rows2, ckpt2 = _finetune(model, tmp_path, "--pp", 2, "--tp", 2, *lora)
+    _same_rows(rows2, rows1, "LoRA pp2 x tp2 vs pp1")
+    for ckpt, name in ((ckpt1, "tp1"), (ckpt2, "tp2")):
+        run = hfpipe("export", ckpt, tmp_path / name, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+    one, two = (load_file(tmp_path / n / "adapter_model.safetensors") for n in ("tp1", "tp2"))
+    assert sorted(two) == sorted(one) and all(k.startswith("base_model.model.model.layers.") for k in two)
+    assert all(two[k].shape == one[k].shape for k in one)  # whole tensors, not a rank's part
+    # (their values after 3 steps are held to PEFT's in tests/test_tensor_parallel_lora.py, with AdamW's drift)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), tmp_path / "tp2")
+    loaded = {k.replace(".default", ""): v for k, v in peft.state_dict().items() if ".lora_" in k}
+    assert sorted(loaded) == sorted(two) and all(torch.equal(loaded[k], two[k]) for k in two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp, later", [(1, ("--pp", 4, "--schedule", "gpipe")), (2, ("--pp", 2))],
+                         ids=["tp2-pp2-to-tp1-pp4", "dp2-tp2-to-dp2-pp2-tp1"])
+def test_a_tp2_checkpoint_resumes_at_tp1_on_another_pp_and_dp_mesh_equal_to_the_uninterrupted_run(tmp_path, dp, later):
+    """DCP reshards the tp-split weights and their AdamW state by name: a pp 2 x tp 2 checkpoint resumes at
+    tp 1 on 4 stages; a dp 2 x tp 2 one (FSDP2 shards of tp-split tensors, 2-D) at dp 2 x pp 2 x tp 1 (1-D
+    FSDP2 shards). Steps 3-4 equal the uninterrupted run's. (--dp itself must match: with --batch-size it
+    defines the data stream, hfpipe.train.resume_check.MUST_MATCH.)"""
+    model = tiny_checkpoint("llama", num_hidden_layers=4)
+    whole, _ = _finetune(model, tmp_path, "--pp", 1, "--dp", dp, steps=4)
+    _finetune(model, tmp_path, "--pp", 3 - dp, "--dp", dp, "--tp", 2, steps=2, out="resumed")
+    rows, _ = _finetune(model, tmp_path, *later, "--dp", dp, steps=4, out="resumed", resume=True)
+    resumed = [r for r in rows if "loss" in r and r["step"] > 2]
+    assert [r["step"] for r in resumed] == [3, 4]
+    _same_rows(resumed, [r for r in whole if "loss" in r and r["step"] > 2], f"resumed at {later} vs uninterrupted")

@@ -38,3 +38,31 @@ def test_packed_batches_keep_documents_apart():
 def test_unpacked_batches_keep_their_padding_mask():
     batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)}
     assert model_inputs(batch, packed=False) is batch
+
+
+def test_a_scheduler_saved_with_more_parameter_groups_resumes_on_fewer_and_on_more():
+    """Optimizer groups follow the layout (one per device mesh under --tp/FSDP2): the LR schedule's state
+    is one entry per group, the same for each, and maps onto any other count at the same step."""
+    import torch
+
+    from hfpipe.train.optim import build_scheduler, load_scheduler_state
+
+    def scheduler(groups: int):
+        opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=1e-3)
+        return build_scheduler(opt, warmup_steps=2, total_steps=10, lr=1e-3)
+
+    saved = scheduler(4)
+    for _ in range(3):
+        saved.optimizer.step()
+        saved.step()
+    for groups in (1, 2, 8):
+        resumed = scheduler(groups)
+        load_scheduler_state(resumed, saved.state_dict())
+        resumed.optimizer.step()
+        resumed.step()
+        saved_next = scheduler(4)
+        load_scheduler_state(saved_next, saved.state_dict())
+        saved_next.optimizer.step()
+        saved_next.step()
+        assert resumed.get_last_lr() == [saved_next.get_last_lr()[0]] * groups
+        assert resumed.last_epoch == 4

@@ -191,10 +191,30 @@ def add_adapters(modules: list[nn.Module], config, *, seed: int = 0) -> None:
             LoraModel(module, copy.deepcopy(config), ADAPTER)
             for name, layer in module.named_modules():
                 if isinstance(layer, BaseTunerLayer) and ADAPTER in layer.lora_A:
+                    _whole_size(layer)
                     torch.manual_seed(_name_seed(seed, name))
                     layer.reset_lora_parameters(ADAPTER, config.init_lora_weights)
         cast_adapter_dtype(module, ADAPTER, autocast_adapter_dtype=True)  # fp32 adapters on a bf16 base
         del module.peft_config  # set by LoraModel; the PipelineModel keeps the config
+
+
+def _whole_size(layer: nn.Module) -> None:
+    """Give a linear's adapters the whole layer's shapes where PEFT sized them by a tp-split base.
+
+    PEFT sizes the adapters of a linear whose weight is a tensor-parallel DTensor by its local shard
+    (``peft.tuners.tuners_utils._get_in_out_features``) and initialises each rank's on its own. hfpipe
+    initialises the whole adapters, as one process does, and splits them afterwards
+    (:mod:`hfpipe.lora.tensor_parallel`), so the start does not depend on --tp.
+    """
+    base = layer.get_base_layer()
+    if not isinstance(base, nn.Linear) or (layer.in_features, layer.out_features) == (base.in_features,
+                                                                                       base.out_features):
+        return
+    a, b = layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]
+    like = dict(device=a.weight.device, dtype=a.weight.dtype)
+    layer.lora_A[ADAPTER] = nn.Linear(base.in_features, a.out_features, bias=False, **like)
+    layer.lora_B[ADAPTER] = nn.Linear(b.in_features, base.out_features, bias=b.bias is not None, **like)
+    layer.in_features, layer.out_features = base.in_features, base.out_features
 
 
 def adapter_view(modules: list[nn.Module]) -> nn.Module:

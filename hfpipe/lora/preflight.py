@@ -25,7 +25,11 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
         from hfpipe.models.meta import build_meta_model, model_config as hf_config
 
         full = build_meta_model(hf_config(model_config))
-        resolve_config(config, full)
+        resolved = resolve_config(config, full)
+        if cfg.tp > 1:
+            from hfpipe.lora.tensor_parallel import check_tp_lora
+
+            check_tp_lora(resolved, cfg.tp)
         if getattr(cfg, "quantize_base", None) is not None:  # block sizes and torchao, before any process starts
             from hfpipe.quant.linear import check_quantize
 

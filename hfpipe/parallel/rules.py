@@ -76,7 +76,9 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
 
     ``vpp`` None (or 1 for a schedule that needs several stages per rank) becomes the schedule's
     default; ``microbatches`` None becomes the number of stages. ``model_config`` adds the model's rules,
-    ``seq_len`` the split of each sequence over cp ranks.
+    ``seq_len`` the split of each sequence over cp ranks. ``lora`` is whether adapters are trained; what
+    LoRA needs under ``--tp`` depends on its resolved targets and is checked on them
+    (:func:`hfpipe.lora.tensor_parallel.check_tp_lora`).
     """
     if schedule not in SCHEDULES:
         raise ParallelError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -94,7 +96,7 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError(f"--schedule {schedule} with --dp {dims.dp}{needs}: zero-bubble schedules leave FSDP's "
                             "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
                             "looped-bfs with --dp > 1, or --dp 1")
-    _check_tp_with(dims, schedule, lora, quantize_base)
+    _check_tp_with(dims, schedule, quantize_base)
     _check_cp_with(dims, seq_len)
     if reshard_per_microbatch and dims.dp == 1:
         raise ParallelError("--reshard-per-microbatch shards over the data-parallel ranks; with --dp 1 there "
@@ -138,7 +140,7 @@ def _check_microbatches(schedule: str, pp: int, vpp: int, microbatches: int) -> 
                                 f"rounds ({rounds}); got {microbatches}: use {rounds * pp}")
 
 
-def _check_tp_with(dims: ParallelDims, schedule: str, lora: bool, quantize_base: str | None) -> None:
+def _check_tp_with(dims: ParallelDims, schedule: str, quantize_base: str | None) -> None:
     """What tensor parallelism does not compose with yet: refused in one line, never run half-right."""
     if dims.tp == 1:
         return
@@ -149,9 +151,6 @@ def _check_tp_with(dims: ParallelDims, schedule: str, lora: bool, quantize_base:
     if dims.ep > 1:
         raise ParallelError(f"--tp {dims.tp} with --ep {dims.ep}: tensor and expert parallelism together are "
                             "not checked exact yet; use one of them")
-    if lora:
-        raise ParallelError(f"--tp {dims.tp} with --lora-rank: LoRA on tensor-parallel stages is not checked "
-                            "exact against PEFT yet; use --tp 1 (with more --pp or --dp) for LoRA")
     if quantize_base:
         raise ParallelError(f"--tp {dims.tp} with --quantize-base {quantize_base}: a quantized base is not split "
                             "over tp ranks yet; use --tp 1")

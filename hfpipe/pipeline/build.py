@@ -216,7 +216,7 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
                                     dist.expert_mesh() if dist.dims.ep > 1 else None)
     if dist.dims.cp > 1:
         apply_cp(modules, ContextParallel(dist.cp_group, dist.dims.cp, dist.cp_rank))
-    lora = apply_lora(modules, options)
+    lora = apply_lora(modules, options, dist.mesh["tp"] if dist.dims.tp > 1 else None)
     apply_fsdp(modules, dist, options)
     return modules, stats, lora
 
@@ -284,18 +284,37 @@ def apply_ac(modules: list, options: StageOptions) -> None:
         m.hidden_dtype = options.compute_dtype
 
 
-def apply_lora(modules: list, options: StageOptions):
-    """PEFT's LoRA adapters on the loaded stage (base frozen); returns the resolved ``LoraConfig``."""
+def apply_lora(modules: list, options: StageOptions, tp_mesh=None):
+    """PEFT's LoRA adapters on the loaded stage (base frozen); returns the resolved ``LoraConfig``.
+
+    Under ``--tp`` each adapter is then split as its base layer is (:mod:`hfpipe.lora.tensor_parallel`).
+    """
     if options.lora is None:
         return None
     from hfpipe.lora.adapters import add_adapters, resolve_config
     from hfpipe.lora.experts import attach_expert_adapters, stacks_as_parameters
 
     lora = resolve_config(options.lora, modules[0]._hf_model)
+    plans = _tp_plans(modules, options, tp_mesh, lora)  # keyed by the names PEFT is about to wrap
     with stacks_as_parameters(modules, options.param_dtype):  # quantized expert stacks: PEFT adapts parameters
         add_adapters(modules, lora, seed=options.seed)
     attach_expert_adapters(modules)  # quantized or ep-split experts: hfpipe's experts forward adapts them
+    if tp_mesh is not None:
+        from hfpipe.lora.tensor_parallel import split_adapters
+
+        split_adapters(modules, plans, tp_mesh)
     return lora
+
+
+def _tp_plans(modules: list, options: StageOptions, tp_mesh, lora) -> list | None:
+    if tp_mesh is None:
+        return None
+    from hfpipe.lora.tensor_parallel import check_tp_lora
+    from hfpipe.parallel.tensor_plan import stage_tp_plan
+
+    check_tp_lora(lora, tp_mesh.size())
+    return [stage_tp_plan(m.config, [n for n, _ in m.named_modules()], options.sequence_parallel, tp_mesh.size())
+            for m in modules]
 
 
 def apply_fsdp(modules: list, dist, options: StageOptions) -> None:

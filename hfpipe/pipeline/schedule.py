@@ -64,6 +64,13 @@ class TokenLoss:
         return loss if router is None else loss + router.to(loss.device) / self.router_denominator
 
 
+def _vocab_split(last) -> bool:
+    """Whether the last stage's head is split over tp ranks (its weight sharded on the ``tp`` mesh dim)."""
+    weight = getattr(last.lm_head, "weight", None)
+    names = getattr(getattr(weight, "device_mesh", None), "mesh_dim_names", None) or ()
+    return "tp" in names and weight.placements[names.index("tp")].is_shard()
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
     """Sum of next-token cross-entropy (fp32) over labels != -100; labels are unshifted unless ``shifted``."""
     targets = labels if shifted else _shift(labels)
@@ -174,8 +181,12 @@ class Pipeline:
         if last is not None and mode != "logits":
             vocab = getattr(last.lm_head, "out_features", None) or last.config.vocab_size
             chunk = chunk_tokens(vocab, self.loss_chunk_tokens)
-            if not 0 < chunk < shape[0] // self.microbatches * shape[1]:
-                chunk = 0  # one chunk would hold the whole microbatch: nothing to save
+            tokens = shape[0] // self.microbatches * shape[1]
+            if not 0 < chunk < tokens:
+                # One chunk would hold the whole microbatch: nothing to save, unless the head is split
+                # over tp ranks, whose logits the stage would otherwise gather whole on every rank
+                # (measured by bench/tp.py) instead of taking the vocabulary-parallel loss on them.
+                chunk = tokens if _vocab_split(last) else 0
         if last is not None:
             last.head_in_loss = chunk > 0
         for m in self.modules:  # router sums ride along in training only (hfpipe.models.router_loss)

@@ -20,7 +20,17 @@ __all__ = ["ReducingStage"]
 
 
 class ReducingStage(PipelineStage):
-    """A :class:`torch.distributed.pipelining.PipelineStage` whose FSDP2 module reduces every microbatch."""
+    """A :class:`torch.distributed.pipelining.PipelineStage` whose FSDP2 module reduces every microbatch.
+
+    On the last stage the stage's own unit (final norm and head) stays gathered from its forward to its
+    backward: the chunked head loss (:mod:`hfpipe.pipeline.head_loss`) runs them after the stage's
+    forward, outside it, where resharded weights would be dp shards. It is resharded after each backward.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.is_last and isinstance(self.submod, FSDPModule):
+            self.submod.set_reshard_after_forward(False, recurse=False)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if not isinstance(self.submod, FSDPModule) or backward_type != "full":

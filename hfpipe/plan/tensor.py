@@ -15,11 +15,25 @@ sequence too, so everything divides by tp. hfpipe measures each layer's bytes
 activation checkpointing is a residual: whole without sequence parallelism, ``1 / tp`` with it. The
 head's logits are vocabulary-parallel (``1 / tp``).
 
-Collectives per step: each decoder layer runs two all-reduces of the microbatch's hidden states in
-forward (after attention and after the MLP) and two in backward; sequence parallelism swaps each
-for an all-gather plus a reduce-scatter, the same bytes. A ring all-reduce moves
-``2 * (tp - 1) / tp * size`` per rank. A recomputed layer runs its forward pair once more. The
-embedding's and the head's one collective each are left out (under ``1 / (2 * layers)`` of it).
+Collectives per microbatch, as hfpipe's plan runs them (counted at torch's dispatcher by
+``bench/tp.py``, measured / planned 1.00 on a dense Llama). In units of one all-reduce of the
+microbatch's hidden states (a ring moves ``2 * (tp - 1) / tp * size`` per rank; an all-gather or a
+reduce-scatter half of it):
+
+- a decoder layer: 2 in forward (after attention and after the MLP: all-reduces, or under sequence
+  parallelism an all-gather before and a reduce-scatter after each); in backward, one all-reduce for
+  *each* column-split projection that reads the layer's hidden states (q, k, v, gate, up: 5 on a
+  dense Llama-type layer), because every ``ColwiseParallel`` sums its own input gradient, and under
+  sequence parallelism 1 more (the all-gathers of the two reduce-scatters' gradients). Megatron sums
+  one gradient per block instead (2 in all): hfpipe's backward moves more, and this prices what it moves.
+  A recomputed layer runs its forward pair once more.
+- the first stage's vocabulary-parallel embedding: 1 (an all-reduce, or a reduce-scatter and its
+  backward all-gather); under sequence parallelism each stage gathers its last layer's output (1/2)
+  and a later stage's first layer takes its gradient gathered (1/2); the head's column split sums its
+  input gradient (1); the vocabulary-parallel loss all-reduces 3 fp32 values per token.
+
+MoE and MLA layers run other collectives (the experts' summed outputs, MLA's narrower latents): they are
+priced as a dense layer, approximately.
 
 **FSDP resharded per microbatch** (``--reshard-per-microbatch``): instead of holding its stage's
 compute-dtype weights gathered and its gradients unsharded for the whole step, a rank reshards
@@ -29,7 +43,8 @@ after each microbatch's forward and reduce-scatters after each backward (NeMo Au
 a time: the stage's root (embedding, final norm, head) and its largest decoder layer, in the compute
 dtype, with their gradient unsharded in the reduce dtype. Traffic per microbatch: an all-gather in
 forward, another in backward (resharded after forward) and a reduce-scatter, each moving
-``(dp - 1) / dp`` of the rank's parameters (routed experts over their ``dp / ep`` replicas);
+``(dp - 1) / dp`` of the rank's parameters (routed experts over their ``dp / ep`` replicas), but the
+last stage's root, which stays gathered from forward to backward for the head loss (one all-gather);
 without the option, one all-gather and one reduce-scatter per step.
 """
 
@@ -113,23 +128,30 @@ def gathered_unit(ranks, plan, costs, dtype: str, tp: int, ep: int) -> tuple:
 
 
 def tp_traffic(plan, costs, hidden: int, tp: int, microbatches: int, tokens: int, dtype: str,
-               ac: str) -> tuple[int, ...]:
+               ac: str, *, sequence_parallel: bool = True, readers: int = 5) -> tuple[int, ...]:
     """Per pipeline rank, the bytes one GPU moves in tensor-parallel collectives per schedule step.
 
     Args:
         hidden: Elements per token of the hidden states between layers (``h``; ``hc * h`` for streams).
+        sequence_parallel: Whether the run splits activations by sequence (the runtime's default).
+        readers: Column-split projections per layer that read its hidden states (module docstring).
     """
     if tp == 1:
         return (0,) * plan.pp
     one = 2 * (tp - 1) / tp * tokens * hidden * ACT_BYTES[dtype]  # one all-reduce (or AG + RS)
+    loss = 3 * 2 * (tp - 1) / tp * tokens * 4  # max, sum of exp and the target logit, fp32 per token
     step = {"none": 0, "full": 1, "selective": 2}[ac]
+    layer = 2 + readers + (1 if sequence_parallel else 0)
     out = []
     for rank in range(plan.pp):
-        calls = 0
+        calls, extra = 0.0, 0.0
         for stage in plan.stages_of_rank(rank):
             recomputed = sum(1 for j, _ in enumerate(stage.layers) if j % step == 0) if step else 0
-            calls += 4 * len(stage.layers) + 2 * recomputed  # 2 forward + 2 backward, + forward again
-        out.append(int(calls * one * microbatches))
+            calls += layer * len(stage.layers) + 2 * recomputed + stage.embed + stage.head
+            if sequence_parallel and stage.layers:  # the gather after the last layer, the scatter before the first
+                calls += 0.5 + (0 if stage.embed else 0.5)
+            extra += loss if stage.head else 0
+        out.append(int((calls * one + extra) * microbatches))
     return tuple(out)
 
 
@@ -150,7 +172,10 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
                 o, e = _held(costs, i, tp, ep)
                 other, expert = other + o, expert + e
         moved = other * (dp - 1) / dp + expert * (edp - 1) / edp
-        out.append(int(rounds * moved * (gathers * compute + grad)))
+        # resharding, the last stage's root (norm, head) stays gathered from forward to backward
+        # (hfpipe.pipeline.stage_sync): gathered once per microbatch, not twice
+        kept = sum(_root(costs, s, tp) for s in plan.stages_of_rank(rank) if s.head) * (dp - 1) / dp
+        out.append(int(rounds * (moved * (gathers * compute + grad) - (gathers - 1) * kept * compute)))
     return tuple(out)
 
 

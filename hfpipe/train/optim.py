@@ -60,3 +60,24 @@ def build_scheduler(optimizer, *, warmup_steps: int, total_steps: int, schedule:
     fn = partial(lr_lambda, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule,
                  min_ratio=(min_lr / lr) if lr else 0.0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def load_scheduler_state(scheduler, state: dict) -> None:
+    """``scheduler.load_state_dict(state)`` for a state saved under another layout.
+
+    The optimizer's parameter groups follow the layout (one per device mesh under --tp and FSDP2,
+    :func:`hfpipe.pipeline.params.by_mesh`), so a run resumed at another tp, pp or dp can have another
+    number of groups than the saved one. Every group follows the one schedule of
+    :func:`build_scheduler` from the same lr, so the saved per-group entries are one value repeated:
+    it is given to each of this run's groups.
+    """
+    groups = len(scheduler.optimizer.param_groups)
+    state = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        entries = state.get(key)
+        if isinstance(entries, list) and entries and len(entries) != groups:
+            if any(e != entries[0] for e in entries):
+                raise ValueError(f"scheduler state: {key} differs between parameter groups; cannot map it "
+                                 f"onto {groups} groups")
+            state[key] = [entries[0]] * groups
+    scheduler.load_state_dict(state)

@@ -281,6 +281,7 @@ class _Run:
     def maybe_resume(self) -> None:
         from hfpipe.checkpoint.dcp import load_checkpoint, read_meta, resolve_resume
         from hfpipe.checkpoint.pipeline_state import pipeline_view
+        from hfpipe.train.optim import load_scheduler_state
         from hfpipe.train.resume_check import apply_schedule_changes, check_resume
 
         path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
@@ -288,7 +289,7 @@ class _Run:
             return
         changed = check_resume(path, read_meta(path), self.cfg, self.pm.tied)
         meta = load_checkpoint(path, pipeline_view(self.pm), self.optimizer)
-        self.scheduler.load_state_dict(meta["train"]["scheduler"])
+        load_scheduler_state(self.scheduler, meta["train"]["scheduler"])  # groups may differ by layout
         self.pos = _Position(**meta["train"]["position"])
         self.start, self.last_saved = self.pos.step, path
         note = apply_schedule_changes(changed, meta, self.cfg, self.optimizer, self.scheduler, self.pos.step)
