@@ -81,6 +81,10 @@ def plan(
 
         require_matplotlib()
     config = load_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    if seq_len is not None:  # past the model's context: refused here as finetune refuses it (#27)
+        from hfpipe.data.config import check_seq_len
+
+        check_seq_len(seq_len, config)
     report = report_for(config, cfg)
     if png is not None:
         save_png(report, png, gpu_memory=limit)

@@ -196,3 +196,15 @@ def test_a_miscased_bundled_id_names_the_one_meant_and_every_bundled_id():
     with pytest.raises(SourceError, match=r"did you mean meta-llama/Llama-3\.1-8B\? bundled ids: "
                                           r"deepseek-ai/DeepSeek-V2-Lite, .*meta-llama/Llama-3\.2-1B"):
         load_model_config("meta-llama/Llama-3.1-8b")
+
+
+@pytest.mark.parametrize("seq_len", [131073, 10**12])
+def test_plan_refuses_a_seq_len_past_the_models_context_as_finetune_does(seq_len):
+    from typer.testing import CliRunner
+
+    from hfpipe.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", "meta-llama/Llama-3.1-8B", "--seq-len", str(seq_len)])
+    assert result.exit_code == 2
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        f"error: --seq-len {seq_len} exceeds the model's max_position_embeddings 131072; lower --seq-len"]
