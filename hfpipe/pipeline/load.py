@@ -22,6 +22,7 @@ from torch import nn
 from hfpipe.models.conversion import model_key_mapper
 from hfpipe.models.registry import adapter_for
 from hfpipe.source.safetensors_io import SafetensorsError, read_tensors
+from hfpipe.source.tensor_checks import fp8_block
 from hfpipe.source.folder import ModelSource, SourceError
 
 __all__ = ["LoadError", "LoadStats", "load_stage_weights", "model_key_mapper"]
@@ -122,12 +123,6 @@ def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int,
     return weight.float() * scale
 
 
-def _fp8_block(config) -> tuple[int, int]:
-    qc = getattr(config, "quantization_config", None) or {}
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    return tuple(qc.get("weight_block_size") or (128, 128))
-
-
 def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: torch.device,
                        dtype: torch.dtype | None = None, quantizer=None) -> LoadStats:
     """Fill the meta-device ``stages`` of one rank with their tensors from ``source``.
@@ -190,7 +185,7 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats, qua
             waiting[key].append(unit)
         slices.update({k: unit.rows for key in unit.sliced for k in (key, key + _SCALE_SUFFIX)})
     have: dict[str, torch.Tensor] = {}
-    block = _fp8_block(source.config)
+    block = fp8_block(source.config) or (128, 128)  # DeepSeek's tiles where the config names none
     for fname in sorted(needed_by_file):
         keys = sorted(set(needed_by_file[fname]))
         try:

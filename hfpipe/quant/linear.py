@@ -55,16 +55,14 @@ class QuantSpec:
 
 def source_fp8_block(config) -> int | None:
     """The tile edge of a block-FP8 checkpoint (``quantization_config``), or ``None``."""
-    qc = getattr(config, "quantization_config", None)
-    if not qc:
+    from hfpipe.source.tensor_checks import fp8_block  # the one reading of weight_block_size
+
+    block = fp8_block(config)
+    if block is None:
         return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    if qc.get("quant_method") != "fp8":
-        return None
-    block = qc.get("weight_block_size") or (FP8_DEFAULT_BLOCK, FP8_DEFAULT_BLOCK)
-    if len(set(block)) != 1:
+    if block[0] != block[1]:
         raise QuantError(f"weight_block_size {list(block)}: --quantize-base fp8 keeps square tiles only")
-    return int(block[0])
+    return block[0]
 
 
 def check_quantize(model_config, kind: str, block: int | None = None, *, backend: bool = True) -> None:
