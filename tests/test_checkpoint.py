@@ -390,7 +390,7 @@ def pp4_interleaved(tmp_path_factory) -> dict:
 def test_a_pp4_interleaved_checkpoint_resumes_at_pp2_with_1f1b(pp4_interleaved, tmp_path):
     run = pp4_interleaved
     meta = json.loads((step_dir(run["out"], 2) / "hfpipe.json").read_text())
-    assert meta["world"] == {"pp": 4, "dp": 1, "ep": 1, "tp": 1} and meta["config"]["schedule"] == "interleaved-1f1b"
+    assert meta["world"] == {"pp": 4, "dp": 1, "ep": 1, "cp": 1, "tp": 1} and meta["config"]["schedule"] == "interleaved-1f1b"
     out = copy_run(run["out"], tmp_path / "out", upto=2)
     resumed = finetune(config(run["model"], out, pp=2, schedule="1f1b", resume="auto", **RESHARD))
     got, want = losses(resumed["history"]), {s: v for s, v in run["losses"].items() if s > 2}

@@ -32,14 +32,15 @@ MUST_MATCH = ("model", "seq_len", "batch_size", "microbatches", "grad_accum", "d
 MAY_CHANGE = ("lr", "min_lr", "lr_schedule", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
               "weight_decay", "betas", "eps")
 #: Settings that change how the run is laid out, saved, logged or evaluated, not what it trains.
-FREE = ("output_dir", "pp", "ep", "tp", "cp", "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule",
+FREE = ("output_dir", "pp", "ep", "tp",
+        "cp",  # context parallelism lays the sequence out over ranks; DCP reshards by name
+        "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule",
         "layout", "plan_method", "dtype",
         "activation_checkpointing", "save_every", "keep", "async_save", "resume", "save_hf_at_end",
         "trust_remote_code", "threads_per_rank", "log_every", "eval_dataset", "eval_split", "eval_every",
         "eval_batches", "keep_best", "report_to", "timeout",
         # the same records give the same rows with it or without it: it only decides whether to refuse
-        "allow_dropped_records",
-        "cp")  # context parallelism lays the sequence out over ranks; DCP reshards by name
+        "allow_dropped_records")
 _OPTIMIZER = ("weight_decay", "betas", "eps")
 
 
