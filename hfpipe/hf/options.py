@@ -3,7 +3,6 @@ a pipeline cannot run, refused by name before anything loads."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 from hfpipe.errors import ConfigError
@@ -21,7 +20,7 @@ class PipelineOptions:
         dp: Data-parallel replicas (FSDP2); each sees its own shard of the data.
         ep: Expert-parallel degree (MoE models).
         tp: Tensor-parallel degree.
-        cp: Context-parallel degree (passed through once ``load_pipeline`` takes it).
+        cp: Context-parallel degree: only 1 for now (refused otherwise, in one line).
         schedule: A torch schedule name (``1f1b``, ``gpipe``, ``interleaved1f1b``, ...).
         microbatches: Microbatches per batch (default: the number of stages); must divide
             ``per_device_train_batch_size``.
@@ -116,11 +115,11 @@ def load_kwargs(load_pipeline, options: PipelineOptions, args, peft_config, trus
                   dtype="bf16-mixed" if args.bf16 else "fp32",
                   activation_checkpointing="full" if checkpointing else "none",
                   lora=peft_config, seed=args.seed, trust_remote_code=trust_remote_code)
-    if options.cp != 1:  # context parallelism (#25) is taken by load_pipeline once it lands
-        if "cp" not in inspect.signature(load_pipeline).parameters:
-            raise ConfigError(f"PipelineTrainer(cp={options.cp!r}): context parallelism is not in this hfpipe "
-                              "yet (#25); drop cp")
-        kwargs["cp"] = options.cp
+    if options.cp != 1:
+        # The Trainer's loop counts a step's tokens on whole rows (hfpipe.hf.loop), while under cp each rank
+        # holds a part of every row: the token count would be cp times too large. Not wired yet.
+        raise ConfigError(f"PipelineTrainer(cp={options.cp!r}): context parallelism is not wired into the "
+                          "Trainer's loop yet; drop cp, or use hfpipe finetune --cp / load_pipeline(cp=...)")
     return kwargs
 
 
