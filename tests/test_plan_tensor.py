@@ -204,3 +204,17 @@ def test_plan_and_finetune_refuse_heads_with_one_rule():
     with pytest.raises(ParallelError) as plan:
         plan_report(tiny_config("llama"), 2, seq_len=16, tp=3)
     assert str(run.value) == str(plan.value)
+
+
+def test_the_plan_prices_tp_traffic_for_the_sequence_parallel_setting_it_runs():
+    """Without sequence parallelism a layer runs one all-reduce fewer (no gather/scatter at its ends)."""
+    from hfpipe.plan.tensor import tp_traffic
+
+    config = tiny_config("llama", num_hidden_layers=4)
+    kw = dict(tp=2, seq_len=16, batch_size=4, microbatches=2, dtype="fp32")
+    with_sp, without = (plan_report(config, 2, sequence_parallel=sp, **kw) for sp in (True, False))
+    assert all(a.tp_bytes > b.tp_bytes > 0 for a, b in zip(with_sp.ranks, without.ranks))
+    costs = layer_costs(config, 16)
+    for report, sp in ((with_sp, True), (without, False)):
+        assert [r.tp_bytes for r in report.ranks] == list(tp_traffic(
+            report.plan, costs, config.hidden_size, 2, 2, 2 * 16, "fp32", "none", sequence_parallel=sp))

@@ -275,7 +275,8 @@ def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard,
     ranks = tensor.price_ranks(ranks, plan, costs, tp)
     if reshard:
         ranks = tensor.gathered_unit(ranks, plan, costs, dtype, tp, ep)
-    tp_bytes = tensor.tp_traffic(plan, costs, _hidden_elements(config), tp, m, tokens, dtype, ac)
+    tp_bytes = tensor.tp_traffic(plan, costs, _hidden_elements(config), tp, m, tokens, dtype, ac,
+                                  sequence_parallel=sp)
     traffic = [tensor.fsdp_traffic(plan, costs, dtype, dp, ep, tp, m, r) for r in (False, reshard)]
     ranks = tuple(dataclasses.replace(r, tp_bytes=t, fsdp_bytes=f)
                   for r, t, f in zip(ranks, tp_bytes, traffic[1]))
