@@ -161,9 +161,9 @@ def _ticker(echo, what):
 def _cpu_if_too_few_gpus(pp: int, echo) -> None:
     """The demo runs anywhere: on a machine with fewer GPUs than --pp (NCCL puts one rank on each GPU),
     its ranks run as CPU processes instead, which the tiny model allows, and it says so."""
-    import torch
+    from hfpipe.parallel.mesh import visible_gpus
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     if 0 < gpus < pp:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # inherited by the workers the launcher starts
         echo(f"    {gpus} GPU(s) here for {pp} ranks (one rank per GPU): the quickstart runs on CPU processes")

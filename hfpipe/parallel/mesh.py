@@ -19,7 +19,7 @@ from hfpipe.errors import ParallelError
 from hfpipe.parallel.dims import EXPERT_DIMS, MESH_DIMS, ParallelDims
 
 __all__ = ["Dist", "LaunchError", "check_gpus", "first_host", "init_distributed", "pick_device", "in_launched_env",
-           "launched_node"]
+           "launched_node", "visible_gpus"]
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +28,18 @@ class LaunchError(ParallelError):
     """The processes started do not fit the requested mesh, or the launch options are incomplete."""
 
 
+def visible_gpus() -> int:
+    """The GPUs ranks started from here will see (none once CUDA_VISIBLE_DEVICES is set to '', which this
+    process may do after it first asked CUDA: its count is cached, the ranks' is not)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
 def check_gpus(ranks_here: int) -> None:
     """One rank per GPU: NCCL refuses two ranks on one device ("invalid usage", measured on an H200 with
     NCCL 2.28), so more ranks on a node than its GPUs is refused before a process group starts."""
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") == ""  # set after CUDA was first asked: ranks start on CPU
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not hidden else 0
+    gpus = visible_gpus()
     if 0 < gpus < ranks_here:
         raise LaunchError(f"{ranks_here} ranks on this node (pp x dp x cp x tp) but {gpus} GPU(s) visible: NCCL "
                           f"runs one rank per GPU; lower the degrees to {gpus} rank(s) per node, or run every "
