@@ -37,7 +37,7 @@ def check_launch(world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | N
     if nnodes < 1:
         raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
     if world % nnodes:
-        raise LaunchError(f"--nnodes {nnodes} does not divide the {world} ranks (--pp x --dp); "
+        raise LaunchError(f"--nnodes {nnodes} does not divide the {world} ranks (--pp x --dp x --cp x --tp); "
                           "choose a divisor of the world size (pp * dp * cp * tp)")
     if not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node-rank {node_rank} is out of range for --nnodes {nnodes}; use 0 .. {nnodes - 1}")
