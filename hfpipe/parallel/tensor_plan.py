@@ -150,7 +150,8 @@ class _VocabEmbedding(ParallelStyle):
 
 
 class _Experts(ParallelStyle):
-    """Fused MoE expert stacks split along the intermediate size: transformers' own styles.
+    """Fused MoE expert stacks split along the intermediate size: transformers' own styles (without ``--ep``;
+    with it the experts stay whole on each tp rank, :mod:`hfpipe.parallel.expert`).
 
     ``gate_up_proj`` [E, 2I, H] is packed (gate then up), so each rank takes its rows of both halves
     (``packed_colwise``); ``down_proj`` [E, H, I] by its last dim; the forward runs on the local
@@ -248,7 +249,7 @@ def _layer_plan(config, shipped: dict, layer: str, names: set, sp: bool,
     plan[f"{layer}.self_attn"] = PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
         use_local_output=True)
-    if moe:  # experts and shared experts return whole, summed outputs: keep this rank's tokens
+    if moe:  # experts and shared experts return whole outputs (summed, or under ep gathered): keep this rank's tokens
         plan[f"{layer}.mlp"] = PrepareModuleInputOutput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
             output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
