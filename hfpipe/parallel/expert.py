@@ -85,9 +85,9 @@ def shard_moe_layer(layer: nn.Module, fsdp_mesh, replica_mesh, mp, divide_factor
     the same rows through the same experts; x tp under --tp: each tp rank routes its slice of the tokens).
     Attention and the MoE block are units of their own over dp: then the layer's reduce-scatters never fire
     between the MoE block's two backward all-to-alls, which deadlocks when ranks of one ep group wait in
-    different collectives. The experts shard on dim 1 (or the first later dim the replicas divide): dim 0 is already split over ep, and a second split of it would need
-    a strided placement. ``divide_factor`` is what the dense gradients are averaged over
-    (:attr:`hfpipe.parallel.dims.ParallelDims.grad_divide_factor`).
+    different collectives. The experts shard on dim 1 (or the first later dim the replicas divide): dim 0
+    is already split over ep, and a second split of it would need a strided placement. ``divide_factor`` is
+    what the dense gradients are averaged over (:attr:`hfpipe.parallel.dims.ParallelDims.grad_divide_factor`).
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
