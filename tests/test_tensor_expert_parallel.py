@@ -81,11 +81,11 @@ def _check_experts_whole_per_tp_rank(ranks: dict, degrees: dict, experts: int) -
         assert read == set(mine), f"rank {rank} read experts {sorted(read)}, holds {list(mine)}"
 
 
-def run_case(kind: str, degrees: dict, tmp_path, options: dict | None = None) -> None:
+def run_case(kind: str, degrees: dict, tmp_path, options: dict | None = None, path=None) -> None:
     from hfpipe.models.moe import routed_experts
     from hfpipe.tiny import tiny_config
 
-    path = tiny_checkpoint(kind, num_hidden_layers=LAYERS)
+    path = path or tiny_checkpoint(kind, num_hidden_layers=LAYERS)
     world = degrees.get("pp", 1) * degrees["dp"] * degrees["tp"]
     out = tmp_path / "hf"
     ranks = run_ranks(_worker, world, str(path), degrees, options or {}, str(out))
@@ -106,6 +106,21 @@ def test_deepseek_v3_pp2_dp2_ep2_tp2_matches_transformers(tmp_path):
 def test_qwen3_moe_dp2_ep2_tp2_with_sequence_parallelism_matches_transformers(tmp_path):
     """pp 1: the MoE block gathers the sequence-split residual before the router and experts."""
     run_case("qwen3_moe", dict(pp=1, dp=2, ep=2, tp=2), tmp_path, {"sequence_parallel": True})
+
+
+@pytest.mark.parametrize("kind, degrees, options", [
+    ("deepseek_v3", dict(pp=2, dp=2, ep=2, tp=2), {"sequence_parallel": False}),
+    ("qwen3_moe", dict(pp=1, dp=2, ep=2, tp=2), {"reshard_per_microbatch": True}),
+], ids=["deepseek_v3-no-sequence-parallelism", "qwen3_moe-fsdp-resharded-per-microbatch"])
+def test_without_sequence_parallelism_and_with_fsdp_resharding_per_microbatch(kind, degrees, options, tmp_path):
+    run_case(kind, degrees, tmp_path, options)
+
+
+def test_a_rank_whose_experts_get_no_token_still_matches(tmp_path):
+    """Every token picks experts 0 and 1: ep rank 1's experts, on both of its tp ranks, receive nothing."""
+    from test_expert_parallel import starved_checkpoint
+
+    run_case("deepseek_v3", dict(pp=2, dp=2, ep=2, tp=2), tmp_path, path=starved_checkpoint("deepseek_v3"))
 
 
 # --- a checkpoint saved under tp x ep, resumed without tp ------------------------------------------
