@@ -52,7 +52,8 @@ dp too and counts FSDP2's traffic (both: :mod:`hfpipe.plan.tensor`).
 keeps, shards weights, gradients and AdamW state over dp x cp and counts the K/V gathers
 (:mod:`hfpipe.plan.context`).
 ``ep > 1`` re-prices each rank's routed experts (:mod:`hfpipe.plan.experts`: ``1/ep`` of them,
-FSDP2 over ``dp/ep``) and counts the all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
+FSDP2 over ``dp/ep``; with tp, whole on each tp rank and FSDP2 over ``dp/ep x tp``) and counts the
+all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
 its frozen base (:mod:`hfpipe.plan.quant`) and adds the transient dequantized weight.
 """
 
