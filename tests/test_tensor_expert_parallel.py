@@ -111,8 +111,12 @@ def test_qwen3_moe_dp2_ep2_tp2_with_sequence_parallelism_matches_transformers(tm
 @pytest.mark.parametrize("kind, degrees, options", [
     ("deepseek_v3", dict(pp=2, dp=2, ep=2, tp=2), {"sequence_parallel": False}),
     ("qwen3_moe", dict(pp=1, dp=2, ep=2, tp=2), {"reshard_per_microbatch": True}),
-], ids=["deepseek_v3-no-sequence-parallelism", "qwen3_moe-fsdp-resharded-per-microbatch"])
-def test_without_sequence_parallelism_and_with_fsdp_resharding_per_microbatch(kind, degrees, options, tmp_path):
+    ("qwen3_moe", dict(pp=1, dp=4, ep=2, tp=2), {}),
+], ids=["deepseek_v3-no-sequence-parallelism", "qwen3_moe-fsdp-resharded-per-microbatch", "qwen3_moe-edp2-x-tp2"])
+def test_the_other_settings_match_transformers(kind, degrees, options, tmp_path):
+    """Without sequence parallelism the MoE block's whole output joins the residual; FSDP2 resharding every
+    microbatch; two replicas of each expert shard (edp 2), so the experts' FSDP2 mesh flattens edp and tp,
+    which are not neighbours in the expert view (pp, edp, ep, cp, tp)."""
     run_case(kind, degrees, tmp_path, options)
 
 
