@@ -148,9 +148,8 @@ def _check_tp_with(dims: ParallelDims, schedule: str, quantize_base: str | None)
         raise ParallelError(f"--tp {dims.tp} with --schedule {schedule}: the zero-bubble schedules' split "
                             "backward does not run on tensor-parallel stages yet (torch 2.13); use 1f1b, gpipe, "
                             "interleaved-1f1b or looped-bfs")
-    if dims.ep > 1:
-        raise ParallelError(f"--tp {dims.tp} with --ep {dims.ep}: tensor and expert parallelism together are "
-                            "not checked exact yet; use one of them")
+    # With --ep the routed experts stay whole on each tp rank, which dispatches its slice of the tokens
+    # (hfpipe.parallel.expert); with --cp too, _check_cp_with refuses tp x cp.
     if quantize_base:
         raise ParallelError(f"--tp {dims.tp} with --quantize-base {quantize_base}: a quantized base is not split "
                             "over tp ranks yet; use --tp 1")

@@ -4,7 +4,8 @@
 expert's matrices) over ``tp`` ranks, and the embedding and head by vocabulary rows; the norms and
 a MoE router stay whole on every rank (:func:`hfpipe.plan.cost._replicated` counts them). A rank's
 weights, gradients and optimizer state then scale by the share of parameters it keeps:
-``(params - whole) / tp + whole``.
+``(params - whole) / tp + whole``. Under ``--ep`` the routed experts are not split: each tp rank holds
+its ep shard whole (:mod:`hfpipe.plan.experts` prices them; :func:`price_ranks` leaves them as priced).
 
 Activations follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
 Models"): of a GPT block's ``34 * h`` bytes per token, tensor parallelism alone divides ``24 * h``
@@ -78,19 +79,23 @@ def layer_bytes(per_layer: tuple[int, ...], tp: int, sp: bool) -> tuple[int, ...
     return tuple(int(b * share) for b in per_layer)
 
 
-def price_ranks(ranks, plan, costs, tp: int) -> tuple:
+def price_ranks(ranks, plan, costs, tp: int, kept=None) -> tuple:
     """``ranks`` with weights, gradients, optimizer state and dequantized weights cut to the share
-    of parameters one tensor-parallel rank keeps (the norms and routers stay whole)."""
+    of parameters one tensor-parallel rank keeps (the norms and routers stay whole). ``kept``: per rank,
+    the (params, weight, grad, optimizer bytes) tp does not split, already priced (the routed experts
+    under ep, :func:`hfpipe.plan.experts.whole_over_tp`)."""
     if tp == 1:
         return tuple(ranks)
     out = []
-    for r in ranks:
+    for r, (n, w, g, o) in zip(ranks, kept or [(0, 0, 0, 0)] * len(ranks)):
+        rest = r.params - n
         whole = _replicated_on(plan, r.rank, costs)
-        params = (r.params - whole) // tp + whole
-        share = params / max(1, r.params)
+        params = (rest - whole) // tp + whole
+        share = params / max(1, rest)
         out.append(dataclasses.replace(
-            r, params=params, weight_bytes=int(r.weight_bytes * share), grad_bytes=int(r.grad_bytes * share),
-            optimizer_bytes=int(r.optimizer_bytes * share), transient_bytes=int(r.transient_bytes * share)))
+            r, params=params + n, weight_bytes=int((r.weight_bytes - w) * share + w),
+            grad_bytes=int((r.grad_bytes - g) * share + g), optimizer_bytes=int((r.optimizer_bytes - o) * share + o),
+            transient_bytes=int(r.transient_bytes * share)))
     return tuple(out)
 
 
@@ -101,11 +106,12 @@ def _replicated_on(plan, rank: int, costs) -> int:
 
 
 def _held(costs, layer: int, tp: int, ep: int) -> tuple[float, float]:
-    """(params FSDP shards over dp, routed-expert params it shards over dp / ep) of one layer on a rank."""
+    """(params FSDP shards over dp, routed-expert params it shards over dp / ep, x tp) of one layer on a
+    rank. Under ep the experts are whole on each tp rank; without it tp splits them."""
     routed = costs.layer_routed_params[layer] if costs.layer_routed_params else 0
     whole = costs.layer_replicated_params[layer] if costs.layer_replicated_params else 0
     other = costs.layer_params[layer] - routed
-    return (other - whole) / tp + whole, routed / ep / tp
+    return (other - whole) / tp + whole, routed / ep / (1 if ep > 1 else tp)
 
 
 def _root(costs, stage, tp: int) -> float:
@@ -162,7 +168,7 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
         return (0,) * plan.pp
     _, compute, grad, _ = fsdp_bytes(dtype)
     rounds, gathers = (microbatches, 2) if reshard else (1, 1)
-    edp = dp // ep
+    edp = dp // ep * (tp if ep > 1 else 1)  # the ranks holding one expert (hfpipe.plan.experts.replicas)
     out = []
     for rank in range(plan.pp):
         other = expert = 0.0
@@ -179,13 +185,15 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
     return tuple(out)
 
 
-def describe(tp: int, sp: bool, dp: int, reshard: bool, tp_bytes, fsdp_once, fsdp_now, size) -> list[str]:
+def describe(tp: int, sp: bool, dp: int, reshard: bool, tp_bytes, fsdp_once, fsdp_now, size,
+             ep: int = 1) -> list[str]:
     """The lines ``hfpipe plan`` prints about tensor parallelism and FSDP's resharding."""
     lines = []
     if tp > 1:
         how = ("sequence parallel: activations / tp" if sp else
                "no sequence parallelism: norms' and residuals' activations whole")
-        lines.append(f"tensor parallel: tp {tp}, every matrix, the embedding and the head split {tp} ways "
+        which = "every matrix but the routed experts'" if ep > 1 else "every matrix"
+        lines.append(f"tensor parallel: tp {tp}, {which}, the embedding and the head split {tp} ways "
                      f"(norms and routers whole; rank params count the share); {how}; all-reduce "
                      f"{'(all-gather + reduce-scatter) ' if sp else ''}{size(max(tp_bytes))} per GPU per "
                      f"step on the busiest rank")
