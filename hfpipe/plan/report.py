@@ -235,24 +235,26 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r]) for r in range(pp))
-    ranks = price_ep(ranks, plan, costs, dtype, shards, ep, reshard)
+    ranks = tensor.price_ranks(price_ep(ranks, plan, costs, dtype, shards, ep, reshard), plan, costs, tp, ep)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
-    lora, notes = None, []
+    lora, notes, adapters = None, [], None
     if lora_rank is not None:
-        from hfpipe.plan.lora import describe_plan
+        from hfpipe.plan.lora import describe_plan, tp_adapters
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
-                                    total - costs.embed_params * tied, shards)
+                                    total - costs.embed_params * tied, shards, tp)
+        adapters = tp_adapters(config, lora_rank, lora_targets, tp) if tp > 1 else {}
         if ep > 1 or quantize_base:
             ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep)
     ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, shards, ep, tp, sp, reshard, m, tokens,
-                                    activation_checkpointing)
+                                    activation_checkpointing, adapters)
     cp_bytes = context.cp_traffic(plan, config, cp, tp, m, batch // m, seq_len, dtype, activation_checkpointing)
     ranks = tuple(dataclasses.replace(r, cp_bytes=c) for r, c in zip(ranks, cp_bytes))
     notes += lines + context.describe(cp, dp, cp_bytes, [r.fsdp_bytes for r in ranks], _size)
     if ep > 1:
-        a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing)
+        # under tp each tp rank dispatches its 1/tp of the tokens (the experts' outputs gathered over tp)
+        a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens / tp, dtype, activation_checkpointing)
         ranks = tuple(dataclasses.replace(r, all_to_all_bytes=a) for r, a in zip(ranks, a2a))
         notes.append(describe_ep(config, ep, dp, a2a, _size, dtype, frozen=lora_rank is not None))
     if quantize_base:
@@ -269,14 +271,13 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         reshard_per_microbatch=reshard, cp=cp)
 
 
-def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens, ac):
-    """``ranks`` cut to one tensor-parallel rank's share, with FSDP2's gathered unit when it reshards
+def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens, ac, adapters):
+    """``ranks`` (already one tensor-parallel rank's share) with FSDP2's gathered unit when it reshards
     per microbatch, and the traffic of both (:mod:`hfpipe.plan.tensor`); and the lines that say so."""
-    ranks = tensor.price_ranks(ranks, plan, costs, tp)
     if reshard:
         ranks = tensor.gathered_unit(ranks, plan, costs, dtype, tp, ep)
-    tp_bytes = tensor.tp_traffic(plan, costs, _hidden_elements(config), tp, m, tokens, dtype, ac,
-                                  sequence_parallel=sp)
+    tp_bytes = tensor.tp_traffic(plan, costs, config, tp, m, tokens, dtype, ac, sequence_parallel=sp, ep=ep,
+                                 adapters=adapters, reshard=reshard)
     traffic = [tensor.fsdp_traffic(plan, costs, dtype, dp, ep, tp, m, r) for r in (False, reshard)]
     ranks = tuple(dataclasses.replace(r, tp_bytes=t, fsdp_bytes=f)
                   for r, t, f in zip(ranks, tp_bytes, traffic[1]))

@@ -1,0 +1,103 @@
+"""The tensor-parallel collectives of one decoder layer, per family, as hfpipe's tp plan issues them.
+
+Counted from :mod:`hfpipe.parallel.tensor_plan` (which module is split how) and the styles it maps to
+(torch's ``ColwiseParallel`` sums its input's gradient, ``RowwiseParallel`` its output; transformers'
+``moe_tp_experts`` sums the experts' partial outputs forward and their inputs' gradients backward),
+per token of a microbatch, in bytes of an all-reduce (a ring moves ``2 (tp - 1) / tp`` of it per rank;
+an all-gather or a reduce-scatter half of it). ``h`` is the hidden size, ``r`` a LoRA rank.
+
+=========================  ===============================  ===============================================
+part                       forward                          backward
+=========================  ===============================  ===============================================
+attention (q, k, v, o)     o_proj's rowwise sum: h          q, k, v each sum their input's gradient: 3 h
+MLA (DeepSeek-V3)          o_proj: h                        q_b_proj's input (q_lora_rank, or q_proj's h
+                                                            without one), kv_b_proj's (kv_lora_rank), and
+                                                            the shared rope key's (qk_rope_head_dim)
+dense MLP                  down_proj: h                     gate, up: 2 h
+routed experts over tp     partial outputs summed: h        their input: h; the top-k weights: top_k
+                                                            (fp32 where the router runs in fp32)
+routed experts under ep    outputs all-gathered over tp     that gather's backward (a reduce-scatter):
+(whole, tokens over tp)    (each rank ran 1/tp): h / 2      h / 2
+shared experts             down_proj: h                     gate, up: 2 h
+sequence parallelism       a dense block's all-reduce is    each reduce-scatter's gradient all-gathered;
+                           an all-gather in + a reduce-     a MoE MLP's whole output cut to this rank's
+                           scatter out (still h); a MoE     tokens, its gradient gathered: h / 2 per
+                           MLP gathers its input: + h / 2   block
+LoRA on a colwise base     none                             ``lora_B``'s input (r wide) summed
+LoRA on a rowwise base     ``lora_A``'s output summed (r;   under SP that scatter's gather (r / 2)
+                           under SP reduce-scattered, r/2)
+=========================  ===============================  ===============================================
+
+LoRA's r-wide tensors are fp32 (the adapters' dtype; PEFT casts their input to it).
+
+Once per step (per microbatch when FSDP2 reshards every microbatch), a parameter whose gradient is a
+pending partial sum over tp is all-reduced (:mod:`hfpipe.parallel.grads` reduces it first): the layer
+norms under sequence parallelism (2 h), Qwen3's per-head q/k norms (``replicated_with_grad_allreduce``
+in its plan: ``head_dim`` each) and, under SP, the whole ``lora_B`` of a rowwise base.
+"""
+
+from __future__ import annotations
+
+from hfpipe.models.moe import routed_experts
+
+__all__ = ["LORA_BYTES", "adapter_comm", "layer_comm", "step_partials"]
+
+#: LoRA adapters are fp32 whatever the base's dtype (hfpipe.lora.adapters), and so their activations.
+LORA_BYTES = 4
+
+# DeepSeek-V3's TopkRouter casts the hidden states and its weight to fp32 (sigmoid scores in fp32):
+# its top-k weights reach the experts in fp32. Qwen3-MoE's router casts them back to the compute dtype.
+_FP32_ROUTERS = ("deepseek_v3",)
+
+
+def layer_comm(config, moe: bool, sp: bool, act: int, ep: int = 1) -> tuple[float, float]:
+    """(forward, backward) bytes per token of one decoder layer's tp collectives, in all-reduces.
+
+    Args:
+        moe: Whether the layer's MLP is a routed-experts block (``CostModel.is_moe``).
+        sp: Sequence parallelism.
+        act: Bytes per element of the activations (the compute dtype).
+        ep: Expert-parallel degree; above 1 the routed experts stay whole on each tp rank.
+    """
+    h = config.hidden_size * act
+    attn_f, attn_b = h, _attention_inputs(config) * act
+    mlp_f, mlp_b = _moe(config, act, ep) if moe else (h, 2 * h)
+    if sp:
+        attn_b += h / 2
+        mlp_b += h / 2
+        mlp_f += h / 2 if moe else 0  # its output is summed whole (no reduce-scatter): the gather is extra
+    return attn_f + mlp_f, attn_b + mlp_b
+
+
+def _attention_inputs(config) -> int:
+    """Elements per token whose gradient the attention's column-split projections sum."""
+    if getattr(config, "kv_lora_rank", None):  # MLA: the projections read latents, not the hidden states
+        q = getattr(config, "q_lora_rank", None) or config.hidden_size
+        return q + config.kv_lora_rank + config.qk_rope_head_dim
+    return 3 * config.hidden_size  # q, k, v
+
+
+def _moe(config, act: int, ep: int) -> tuple[float, float]:
+    h = config.hidden_size * act
+    f, b = (h, 2 * h) if getattr(config, "n_shared_experts", 0) else (0, 0)
+    if ep > 1:  # experts whole on every tp rank; each runs 1/tp of the tokens and gathers the outputs
+        return f + h / 2, b + h / 2
+    _, top_k = routed_experts(config)
+    weights = top_k * (4 if config.model_type in _FP32_ROUTERS else act)
+    return f + h, b + h + weights
+
+
+def adapter_comm(col_r: int, row_r: int, sp: bool) -> tuple[float, float]:
+    """(forward, backward) bytes per token LoRA adds to a layer: ``col_r``/``row_r`` are the summed
+    ranks of its adapters on column-/row-split bases."""
+    if sp:
+        return row_r * LORA_BYTES / 2, (col_r + row_r / 2) * LORA_BYTES
+    return row_r * LORA_BYTES, col_r * LORA_BYTES
+
+
+def step_partials(config, sp: bool) -> int:
+    """Elements per layer of a full run's parameters whose gradient waits as a partial sum over tp."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    heads = sum(1 for style in plan.values() if style == "replicated_with_grad_allreduce")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return heads * head_dim + (2 * config.hidden_size if sp else 0)
