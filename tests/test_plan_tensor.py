@@ -315,7 +315,7 @@ def test_the_fit_search_proposes_tp_for_a_deepseek_v3_moe_priced_by_its_own_coll
     # input's gather h / 2, once more recomputed; backward MLA's latents (1536 + 512 + 64), experts h +
     # 8 fp32 top-k weights, shared gate/up 2 h, SP's two gathered gradients h
     h = 7168
-    moe = 2 * 3.5 * h + (1536 + 512 + 64) + h + 16 + 2 * h + h  # 11.5 h + 2128 (a dense count: 10 h + 6 h)
+    moe = 2 * 3.5 * h + (1536 + 512 + 64) + h + 16 + 2 * h + h
     mid = report.plan.stages_of_rank(1)[0]
     assert not mid.embed and not mid.head and all(costs.is_moe[i] for i in mid.layers)
     per_step = len(mid.layers) * 2 * h * 4  # the layer norms' partial fp32 gradients under SP

@@ -1,9 +1,10 @@
 """What tensor parallelism (``--tp N``) and FSDP resharding per microbatch cost each rank, for ``hfpipe plan``.
 
 **Tensor parallelism** splits every matrix of a decoder layer (q/k/v/o, gate/up/down, each
-expert's matrices) over ``tp`` ranks, and the embedding and head by vocabulary rows; the norms and
-a MoE router stay whole on every rank (:func:`hfpipe.plan.cost._replicated` counts them). A rank's
-weights, gradients and optimizer state then scale by the share of parameters it keeps:
+expert's matrices) over ``tp`` ranks, and the embedding and head by vocabulary rows; the norms, a
+MoE router and MLA's down-projections stay whole on every rank (:func:`hfpipe.plan.cost._replicated`
+counts them). A rank's weights, gradients and optimizer state then scale by the share of parameters
+it keeps:
 ``(params - whole) / tp + whole``.
 
 Activations follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
