@@ -6,7 +6,8 @@ Builds a random model (default a Llama of hidden 512, 4 layers, fp32; ``--family
 Per mode, side by side in one run:
 
 - bytes a rank holds: its parameters' local bytes after loading (goal at tp 2: ratio <= 0.55; norms
-  stay whole on every rank, so it is a little above 0.50);
+  stay whole on every rank, so it is a little above 0.50), and against ``hfpipe plan``'s weight bytes
+  (with ``--lora-rank`` the pipeline's parameters are its adapters: against the plan's adapter bytes);
 - bytes a rank read from the checkpoint, against its share (the tp 1 read divided by tp): rows of a
   row-split matrix are read alone, a column split is read whole and sliced, so the ratio says what
   column splits cost;
@@ -92,7 +93,9 @@ def _planned(path: str, dp: int, tp: int, a: argparse.Namespace) -> tuple[int, i
     r = plan_report(config, 1, schedule="gpipe", microbatches=a.microbatches, seq_len=a.seq, batch_size=a.batch // dp,
                     dtype="fp32", dp=dp, tp=tp, sequence_parallel=a.sp, reshard_per_microbatch=dp > 1,
                     lora_rank=a.lora_rank, lora_targets=a.lora_targets)
-    return max(x.tp_bytes for x in r.ranks), max(x.fsdp_bytes for x in r.ranks), max(x.weight_bytes for x in r.ranks)
+    # a LoRA pipeline's parameters are its adapters (fp32): their bytes are their fp32 gradients' bytes
+    held = max((x.grad_bytes if a.lora_rank else x.weight_bytes) for x in r.ranks)
+    return max(x.tp_bytes for x in r.ranks), max(x.fsdp_bytes for x in r.ranks), held
 
 
 def _build(folder: Path, a: argparse.Namespace) -> None:

@@ -44,15 +44,21 @@ def adapter_params(model_config, rank: int, targets: str = "all-linear", tp: int
     return out
 
 
-def tp_adapters(model_config, rank: int, targets: str, tp: int) -> dict[int, tuple[int, int, int]]:
-    """Per decoder layer, what its adapters add to the tp collectives (:mod:`hfpipe.plan.tensor_comm`):
-    ``(ranks on column-split bases, ranks on row-split bases, the row-split bases' lora_B elements)``."""
-    out: dict[int, tuple[int, int, int]] = {}
-    for key, _, (_, o), style in _linear_targets(model_config, rank, targets, tp)[2]:
+def tp_adapters(model_config, rank: int, targets: str, tp: int):
+    """What a LoRA run's adapters add to and spare of the tp collectives (:mod:`hfpipe.plan.tensor_comm`):
+    per decoder layer ``(ranks on column-split bases, ranks on row-split bases, the row-split bases'
+    lora_B elements)``, and the first layer's attention input sums its frozen input spares."""
+    from hfpipe.plan.tensor_comm import Adapters, frozen_input_sums
+
+    layers: dict[int, tuple[int, int, int]] = {}
+    first: set[str] = set()
+    for key, name, (_, o), style in _linear_targets(model_config, rank, targets, tp)[2]:
+        if name.startswith("model.layers.0."):
+            first.add(name.rsplit(".", 1)[1])
         if key.startswith("layer.") and style:
-            col, row, b = out.get(int(key[6:]), (0, 0, 0))
-            out[int(key[6:])] = (col + rank, row, b) if style == "colwise" else (col, row + rank, b + rank * o)
-    return out
+            col, row, b = layers.get(int(key[6:]), (0, 0, 0))
+            layers[int(key[6:])] = (col + rank, row, b) if style == "colwise" else (col, row + rank, b + rank * o)
+    return Adapters(layers, frozen_input_sums(model_config, first))
 
 
 def _linear_targets(model_config, rank: int, targets: str, tp: int):

@@ -244,7 +244,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
                                     total - costs.embed_params * tied, shards, tp)
-        adapters = tp_adapters(config, lora_rank, lora_targets, tp) if tp > 1 else {}
+        adapters = tp_adapters(config, lora_rank, lora_targets, tp) if tp > 1 else None
         if ep > 1 or quantize_base:
             ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep)
     ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, shards, ep, tp, sp, reshard, m, tokens,

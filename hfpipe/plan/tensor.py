@@ -149,7 +149,7 @@ def tp_traffic(plan, costs, config, tp: int, microbatches: int, tokens: int, dty
             (:func:`hfpipe.plan.tensor_comm.layer_comm`).
         sequence_parallel: Whether the run splits activations by sequence (the runtime's default).
         ep: Expert-parallel degree (the routed experts then stay whole over tp).
-        adapters: A LoRA run's ``{layer: (colwise ranks, rowwise ranks, rowwise lora_B elements)}``
+        adapters: A LoRA run's :class:`~hfpipe.plan.tensor_comm.Adapters`
             (:func:`hfpipe.plan.lora.tp_adapters`); ``None`` for full fine-tuning.
         reshard: FSDP2 reshards every microbatch (the partial gradients are then reduced each one).
     """
@@ -157,10 +157,13 @@ def tp_traffic(plan, costs, config, tp: int, microbatches: int, tokens: int, dty
         return (0,) * plan.pp
     sp, act = sequence_parallel, ACT_BYTES[dtype]
     ring, h = 2 * (tp - 1) / tp, config.hidden_size * act
-    comm = [_layer(config, costs.is_moe[i], sp, act, ep, (adapters or {}).get(i)) for i in range(len(costs.layers))]
+    lora = adapters.layers if adapters is not None else {}
+    comm = [_layer(config, costs.is_moe[i], sp, act, ep, lora.get(i)) for i in range(len(costs.layers))]
     # partial gradients: a full run's norms, or a LoRA run's rowwise lora_B under SP (its norms are frozen)
-    partial = ({i: a[2] * sp * LORA_BYTES for i, a in adapters.items()} if adapters is not None else
+    partial = ({i: a[2] * sp * LORA_BYTES for i, a in lora.items()} if adapters is not None else
                dict.fromkeys(range(len(comm)), step_partials(config, sp) * BYTES_PER_PARAM[dtype][1]))
+    # a LoRA run's frozen embedding: no gradient into it or into the first layer's projections reading it
+    spared = adapters.frozen_first * act + h / 2 * sp if adapters is not None else 0
     step = {"none": 0, "full": 1, "selective": 2}[ac]
     out = []
     for rank in range(plan.pp):
@@ -173,6 +176,7 @@ def tp_traffic(plan, costs, config, tp: int, microbatches: int, tokens: int, dty
             per_mb += h * (stage.embed + stage.head) + 3 * 4 * stage.head  # + the loss's 3 fp32 per token
             if sp and stage.layers:  # the gather after the last layer, the scatter before the first
                 per_mb += h / 2 * (1 + (not stage.embed))
+            per_mb -= spared if stage.embed and stage.layers else 0
         per_step *= microbatches if reshard else 1
         out.append(int(ring * (per_mb * tokens * microbatches + per_step)))
     return tuple(out)

@@ -38,9 +38,11 @@ in its plan: ``head_dim`` each) and, under SP, the whole ``lora_B`` of a rowwise
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from hfpipe.models.moe import routed_experts
 
-__all__ = ["LORA_BYTES", "adapter_comm", "layer_comm", "step_partials"]
+__all__ = ["LORA_BYTES", "Adapters", "adapter_comm", "frozen_input_sums", "layer_comm", "step_partials"]
 
 #: LoRA adapters are fp32 whatever the base's dtype (hfpipe.lora.adapters), and so their activations.
 LORA_BYTES = 4
@@ -48,6 +50,14 @@ LORA_BYTES = 4
 # DeepSeek-V3's TopkRouter casts the hidden states and its weight to fp32 (sigmoid scores in fp32):
 # its top-k weights reach the experts in fp32. Qwen3-MoE's router casts them back to the compute dtype.
 _FP32_ROUTERS = ("deepseek_v3",)
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """A LoRA run's adapters as the tp collectives see them (:func:`hfpipe.plan.lora.tp_adapters`)."""
+
+    layers: dict = field(default_factory=dict)  # layer -> (colwise ranks, rowwise ranks, rowwise lora_B elements)
+    frozen_first: int = 0  # elements per token of the first layer's attention input sums that do not run
 
 
 def layer_comm(config, moe: bool, sp: bool, act: int, ep: int = 1) -> tuple[float, float]:
@@ -85,6 +95,22 @@ def _moe(config, act: int, ep: int) -> tuple[float, float]:
     _, top_k = routed_experts(config)
     weights = top_k * (4 if config.model_type in _FP32_ROUTERS else act)
     return f + h, b + h + weights
+
+
+def frozen_input_sums(config, adapted: set[str]) -> int:
+    """Elements per token of the first layer's attention input-gradient sums a LoRA run never runs.
+
+    The hidden states entering the first layer come from the frozen embedding and need no gradient, so
+    autograd skips the sums of a column-split projection that reads them: q, k, v; under MLA q_b_proj and
+    kv_b_proj (and the rope key) only read the whole down-projections' outputs, which need a gradient
+    where those carry an adapter. (The embedding's own backward gather under SP is skipped too.)
+    """
+    if not getattr(config, "kv_lora_rank", None):
+        return 3 * config.hidden_size
+    q_rank = getattr(config, "q_lora_rank", None)
+    q = config.hidden_size if not q_rank else 0 if "q_a_proj" in adapted else q_rank
+    kv = 0 if "kv_a_proj_with_mqa" in adapted else config.kv_lora_rank + config.qk_rope_head_dim
+    return q + kv
 
 
 def adapter_comm(col_r: int, row_r: int, sp: bool) -> tuple[float, float]:
