@@ -281,7 +281,7 @@ def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard,
     traffic = [tensor.fsdp_traffic(plan, costs, dtype, dp, ep, tp, m, r) for r in (False, reshard)]
     ranks = tuple(dataclasses.replace(r, tp_bytes=t, fsdp_bytes=f)
                   for r, t, f in zip(ranks, tp_bytes, traffic[1]))
-    return ranks, tensor.describe(tp, sp, dp, reshard, tp_bytes, *traffic, _size)
+    return ranks, tensor.describe(tp, sp, dp, reshard, tp_bytes, *traffic, _size, ep=ep)
 
 
 def _hidden_elements(config) -> int:

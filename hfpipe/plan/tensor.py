@@ -214,14 +214,16 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
     return tuple(out)
 
 
-def describe(tp: int, sp: bool, dp: int, reshard: bool, tp_bytes, fsdp_once, fsdp_now, size) -> list[str]:
+def describe(tp: int, sp: bool, dp: int, reshard: bool, tp_bytes, fsdp_once, fsdp_now, size,
+             ep: int = 1) -> list[str]:
     """The lines ``hfpipe plan`` prints about tensor parallelism and FSDP's resharding."""
     lines = []
     if tp > 1:
         how = ("sequence parallel: activations / tp" if sp else
                "no sequence parallelism: norms' and residuals' activations whole")
+        whole = "norms, routers, MLA's down-projections" + (" and the ep-sharded experts" if ep > 1 else "")
         lines.append(f"tensor parallel: tp {tp}, every matrix, the embedding and the head split {tp} ways "
-                     f"(norms and routers whole; rank params count the share); {how}; all-reduce "
+                     f"({whole} whole; rank params count the share); {how}; all-reduce "
                      f"{'(all-gather + reduce-scatter) ' if sp else ''}{size(max(tp_bytes))} per GPU per "
                      f"step on the busiest rank")
     if reshard:
