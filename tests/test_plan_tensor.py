@@ -122,8 +122,8 @@ def test_tp_collectives_are_priced_as_the_runtime_issues_them(ac, recomputed):
     """Per layer and microbatch, in all-reduces of the hidden states: 2 forward, 5 backward (q, k, v, gate
     and up each sum their input gradient) and 1 for sequence parallelism's gathers; a recomputed layer's
     forward again; the embedding, each stage's boundary gathers, the head and the loss's 3 fp32 per token;
-    once per step the two norms' partial gradients of each layer (the count bench/tp.py measures at
-    torch's dispatcher)."""
+    once per step the two norms' partial gradients of each layer and clipping's fp32 norm (the count
+    bench/tp.py and tests/test_plan_tp_measured.py measure at torch's dispatcher)."""
     config = tiny_config("llama", num_hidden_layers=4)  # hidden 64
     kw = dict(seq_len=16, batch_size=8, microbatches=4, dtype="bf16", activation_checkpointing=ac)
     report = plan_report(config, 2, tp=2, **kw)
@@ -134,7 +134,7 @@ def test_tp_collectives_are_priced_as_the_runtime_issues_them(ac, recomputed):
         n = len(stage.layers)
         edges = stage.embed + stage.head + 0.5 + 0.5 * (not stage.embed)
         loss = 3 * 2 * (2 - 1) / 2 * tokens * 4 * stage.head
-        norms = 2 * (2 - 1) / 2 * n * 2 * hidden * 2  # all-reduced once per step, bf16 gradients
+        norms = 2 * (2 - 1) / 2 * (n * 2 * hidden * 2 + 4)  # once per step, bf16 gradients; the fp32 grad norm
         assert r.tp_bytes == int(((8 * n + 2 * recomputed(n) + edges) * one + loss) * 4 + norms)
     assert [r.tp_bytes for r in plan_report(config, 2, **kw).ranks] == [0, 0]
 
@@ -239,12 +239,12 @@ def test_a_qwen3_moe_layer_is_priced_by_its_experts_sum_and_head_norms(sp):
     bf16: Qwen3-MoE's router casts them back); under SP the MoE block gathers its input (h / 2) and
     cuts its whole output to this rank's tokens (its gradient gathered: h / 2), o_proj's reduce-scatter
     has its gradient gathered (h / 2). Per step: the partial gradients of q_norm and k_norm (head_dim 16
-    each) and, under SP, of the two layer norms (2 h)."""
+    each) and, under SP, of the two layer norms (2 h); and clipping's fp32 gradient norm."""
     config = tiny_config("qwen3_moe", num_hidden_layers=2)
     h = 64
     per_layer = (2 * h + (h / 2 if sp else 0)) + (4 * h + 2 + (h if sp else 0))
     edges = 2 * h + 12 / 2 + (h / 2 if sp else 0)  # embedding + head (bf16), the loss's 3 fp32, the gather
-    partial = 2 * (2 * 16 + (2 * h if sp else 0)) * 2  # 2 layers, bf16 gradients
+    partial = 2 * (2 * 16 + (2 * h if sp else 0)) * 2 + 4  # 2 layers, bf16 gradients; the fp32 grad norm
     got, mb, step = _one_rank_traffic(config, sp)
     assert got == int(mb * 2 * (2 * per_layer + edges) + step * partial)
 
@@ -263,7 +263,7 @@ def test_deepseek_v3_layers_are_priced_by_mla_latents_shared_experts_and_dense_f
     dense = 2 * h + mla + 2 * h + (h if sp else 0)
     moe = 3 * h + (h / 2 if sp else 0) + mla + 3 * h + 4 + (h if sp else 0)
     edges = 2 * h + 12 / 2 + (h / 2 if sp else 0)
-    partial = 4 * (2 * h if sp else 0) * 2  # the layer norms' partial gradients under SP, bf16
+    partial = 4 * (2 * h if sp else 0) * 2 + 4  # the layer norms' partial gradients under SP, bf16; the norm
     got, mb, step = _one_rank_traffic(config, sp)
     assert got == int(mb * 2 * (2 * dense + 2 * moe + edges) + step * partial)
 
@@ -318,6 +318,6 @@ def test_the_fit_search_proposes_tp_for_a_deepseek_v3_moe_priced_by_its_own_coll
     moe = 2 * 3.5 * h + (1536 + 512 + 64) + h + 16 + 2 * h + h
     mid = report.plan.stages_of_rank(1)[0]
     assert not mid.embed and not mid.head and all(costs.is_moe[i] for i in mid.layers)
-    per_step = len(mid.layers) * 2 * h * 4  # the layer norms' partial fp32 gradients under SP
+    per_step = len(mid.layers) * 2 * h * 4 + 4  # the layer norms' partial fp32 gradients under SP, the norm
     edges = h / 2 + h / 2  # the scatter before its first layer, the gather after its last
     assert planned[1] == int(2 * 3 / 4 * (tokens * 16 * 2 * (len(mid.layers) * moe + edges) + per_step))

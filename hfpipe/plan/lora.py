@@ -1,7 +1,9 @@
 """What a LoRA run costs each rank, for ``hfpipe plan --lora-rank``.
 
 The adapters are counted on the meta model from the modules PEFT would adapt (``rank * (in + out)``
-each); the frozen base keeps its weights but has no gradients or optimizer state.
+each); the frozen base keeps its weights but has no gradients or optimizer state. Under ``--tp`` a
+rank holds the part of each adapter the runtime splits off for it (:func:`adapter_params`), and the
+adapters' own collectives are counted with the layers' (:func:`tp_adapters`, :mod:`hfpipe.plan.tensor_comm`).
 """
 
 from __future__ import annotations

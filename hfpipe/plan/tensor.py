@@ -35,7 +35,8 @@ all-gather or a reduce-scatter half of it):
   and a later stage's first layer takes its gradient gathered (1/2); the head's column split sums its
   input gradient (1); the vocabulary-parallel loss all-reduces 3 fp32 values per token.
 - once per step, the gradients left as partial sums over tp (norms under sequence parallelism,
-  Qwen3's head norms, a rowwise base's ``lora_B``) are all-reduced.
+  Qwen3's head norms, a rowwise base's ``lora_B``) are all-reduced, and so is the gradient norm's
+  squared sum (one fp32; clipping is on by default).
 
 Under ``--ep`` the routed experts are not split over tp: each tp rank keeps its ep share of them
 whole (weights, gradients and optimizer state not divided by tp) and runs 1/tp of the tokens.
@@ -59,7 +60,7 @@ import dataclasses
 
 from hfpipe.errors import PlanError
 from hfpipe.plan.memory import ACT_BYTES, BYTES_PER_PARAM, fsdp_bytes
-from hfpipe.plan.tensor_comm import LORA_BYTES, adapter_comm, layer_comm, step_partials
+from hfpipe.plan.tensor_comm import LORA_BYTES, Adapters, adapter_comm, layer_comm, step_partials
 
 __all__ = ["check_tp", "describe", "fsdp_traffic", "gathered_unit", "layer_bytes", "price_ranks",
            "tp_traffic"]
@@ -140,7 +141,7 @@ def gathered_unit(ranks, plan, costs, dtype: str, tp: int, ep: int) -> tuple:
 
 
 def tp_traffic(plan, costs, config, tp: int, microbatches: int, tokens: int, dtype: str, ac: str, *,
-               sequence_parallel: bool = True, ep: int = 1, adapters: dict | None = None,
+               sequence_parallel: bool = True, ep: int = 1, adapters: Adapters | None = None,
                reshard: bool = False) -> tuple[int, ...]:
     """Per pipeline rank, the bytes one GPU moves in tensor-parallel collectives per schedule step.
 
@@ -178,6 +179,7 @@ def tp_traffic(plan, costs, config, tp: int, microbatches: int, tokens: int, dty
                 per_mb += h / 2 * (1 + (not stage.embed))
             per_mb -= spared if stage.embed and stage.layers else 0
         per_step *= microbatches if reshard else 1
+        per_step += 4  # clipping's squared gradient norm, summed over tp in fp32 once a step (parallel/grads.py)
         out.append(int(ring * (per_mb * tokens * microbatches + per_step)))
     return tuple(out)
 
