@@ -282,13 +282,12 @@ def test_with_ep_the_experts_stay_whole_over_tp_and_gather_their_outputs():
     split, whole = (tensor.tp_traffic(plan, costs, config, 2, 1, 32, "bf16", "none", ep=e, **kw)[0] for e in (1, 2))
     h = 64  # a ring all-reduce over 2 ranks moves its size once; 32 tokens, bf16, 2 layers
     assert split - whole == 32 * 2 * 2 * ((h + h + 2) - (h / 2 + h / 2))
+    from hfpipe.plan.experts import price_ranks as price_ep
+
     (rank,) = plan_report(config, 1, seq_len=16, dp=2).ranks
-    routed = sum(costs.layer_routed_params)
-    held = rank.params - routed + routed // 2  # what price_ep leaves at ep 2
-    report = dataclasses.replace(rank, params=held)
-    (cut,) = tensor.price_ranks([report], plan, costs, 2, ep=2)
-    whole_params = sum(costs.layer_replicated_params) + costs.head_replicated_params + routed // 2
-    assert cut.params == (held - whole_params) // 2 + whole_params
+    routed, whole = sum(costs.layer_routed_params), sum(costs.layer_replicated_params) + costs.head_replicated_params
+    (cut,) = price_ep(tensor.price_ranks([rank], plan, costs, 2, ep=2), plan, costs, "bf16-mixed", 2, 2)
+    assert cut.params == (rank.params - routed - whole) // 2 + whole + routed // 2
 
 
 def test_the_fit_search_proposes_tp_for_a_deepseek_v3_moe_priced_by_its_own_collectives():

@@ -235,7 +235,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r]) for r in range(pp))
-    ranks = tensor.price_ranks(price_ep(ranks, plan, costs, dtype, shards, ep, reshard), plan, costs, tp, ep)
+    # tp first: under ep the routed experts stay whole over tp, and price_ep then prices its share of them
+    ranks = price_ep(tensor.price_ranks(ranks, plan, costs, tp, ep), plan, costs, dtype, shards, ep, reshard)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
     lora, notes, adapters = None, [], None
@@ -281,7 +282,8 @@ def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard,
     traffic = [tensor.fsdp_traffic(plan, costs, dtype, dp, ep, tp, m, r) for r in (False, reshard)]
     ranks = tuple(dataclasses.replace(r, tp_bytes=t, fsdp_bytes=f)
                   for r, t, f in zip(ranks, tp_bytes, traffic[1]))
-    return ranks, tensor.describe(tp, sp, dp, reshard, tp_bytes, *traffic, _size, ep=ep)
+    return ranks, tensor.describe(tp, sp, dp, reshard, tp_bytes, *traffic, _size, ep=ep,
+                                  mla=bool(getattr(config, "kv_lora_rank", None)))
 
 
 def _hidden_elements(config) -> int:

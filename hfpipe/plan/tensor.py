@@ -88,12 +88,12 @@ def layer_bytes(per_layer: tuple[int, ...], tp: int, sp: bool) -> tuple[int, ...
 def price_ranks(ranks, plan, costs, tp: int, ep: int = 1) -> tuple:
     """``ranks`` with weights, gradients, optimizer state and dequantized weights cut to the share
     of parameters one tensor-parallel rank keeps (the norms and routers stay whole; under ``ep`` the
-    routed experts too: ``ranks`` then already hold their ``1 / ep``)."""
+    routed experts too, which :func:`hfpipe.plan.experts.price_ranks` then cuts to ``1 / ep``)."""
     if tp == 1:
         return tuple(ranks)
     out = []
     for r in ranks:
-        whole = _replicated_on(plan, r.rank, costs) + (_routed_on(plan, r.rank, costs) // ep if ep > 1 else 0)
+        whole = _replicated_on(plan, r.rank, costs) + (_routed_on(plan, r.rank, costs) if ep > 1 else 0)
         params = (r.params - whole) // tp + whole
         share = params / max(1, r.params)
         out.append(dataclasses.replace(
@@ -217,13 +217,14 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
 
 
 def describe(tp: int, sp: bool, dp: int, reshard: bool, tp_bytes, fsdp_once, fsdp_now, size,
-             ep: int = 1) -> list[str]:
+             ep: int = 1, mla: bool = False) -> list[str]:
     """The lines ``hfpipe plan`` prints about tensor parallelism and FSDP's resharding."""
     lines = []
     if tp > 1:
         how = ("sequence parallel: activations / tp" if sp else
                "no sequence parallelism: norms' and residuals' activations whole")
-        whole = "norms, routers, MLA's down-projections" + (" and the ep-sharded experts" if ep > 1 else "")
+        whole = "norms, routers" + (", MLA's down-projections" if mla else "") + (
+            ", the ep-sharded experts" if ep > 1 else "")
         lines.append(f"tensor parallel: tp {tp}, every matrix, the embedding and the head split {tp} ways "
                      f"({whole} whole; rank params count the share); {how}; all-reduce "
                      f"{'(all-gather + reduce-scatter) ' if sp else ''}{size(max(tp_bytes))} per GPU per "
