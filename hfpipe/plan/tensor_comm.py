@@ -28,7 +28,15 @@ LoRA on a rowwise base     ``lora_A``'s output summed (r;   under SP that scatte
                            under SP reduce-scattered, r/2)
 =========================  ===============================  ===============================================
 
-LoRA's r-wide tensors are fp32 (the adapters' dtype; PEFT casts their input to it).
+LoRA's r-wide tensors are fp32 (the adapters' dtype; PEFT casts their input to it). A LoRA run's
+embedding is frozen: no gradient flows into it or into the first layer's projections that read its
+output, so those sums never run (:func:`frozen_input_sums`).
+
+Under ``--ep`` (a pure count of the design: the experts whole on each tp rank, the tokens sliced over
+tp and the outputs gathered back) nothing here depends on that runtime.
+
+Every count above was measured at torch's dispatcher against this module, byte for byte
+(``tests/test_plan_tp_measured.py``, ``bench/tp.py --family``), except the ``--ep`` row.
 
 Once per step (per microbatch when FSDP2 reshards every microbatch), a parameter whose gradient is a
 pending partial sum over tp is all-reduced (:mod:`hfpipe.parallel.grads` reduces it first): the layer
