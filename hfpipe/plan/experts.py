@@ -28,7 +28,7 @@ import dataclasses
 from hfpipe.models.moe import routed_experts
 from hfpipe.plan.memory import ACT_BYTES, param_bytes
 
-__all__ = ["all_to_all_bytes", "describe_ep", "price_ranks", "replicas", "whole_over_tp"]
+__all__ = ["all_to_all_bytes", "describe_ep", "price_ranks", "replicas"]
 
 def price_ranks(ranks, plan, costs, dtype: str, dp: int, ep: int, reshard: bool = False, tp: int = 1) -> tuple:
     """``ranks`` (full-run :class:`~hfpipe.plan.report.RankReport`) with each rank's experts cut to
@@ -50,18 +50,6 @@ def price_ranks(ranks, plan, costs, dtype: str, dp: int, ep: int, reshard: bool 
 def replicas(dp: int, ep: int, tp: int = 1) -> int:
     """The ranks holding one routed expert, which FSDP2 shards it over: ``dp / ep``, times ``tp``."""
     return dp // ep * tp
-
-
-def whole_over_tp(plan, rank: int, costs, dtype: str, dp: int, ep: int, tp: int, reshard: bool,
-                  frozen: bool) -> tuple[int, float, float, float]:
-    """(params, weight, grad, optimizer bytes) of a rank's routed experts that tensor parallelism does not
-    split (under ep they are whole on each tp rank): what :func:`hfpipe.plan.tensor.price_ranks` leaves
-    as :func:`price_ranks` (or, ``frozen``, a LoRA run's frozen base) priced them."""
-    if ep == 1 or tp == 1:
-        return 0, 0.0, 0.0, 0.0
-    held = _routed_on(plan, rank, costs) // ep
-    w, g, o = param_bytes(dtype, replicas(dp, ep, tp), reshard)
-    return (held, held * w, 0.0, 0.0) if frozen else (held, held * w, held * g, held * o)
 
 
 def expert_params_held(plan, rank: int, costs, ep: int) -> tuple[int, int]:
