@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _dist import tiny_checkpoint
-from test_hf_trainer import assert_same_run, losses, run_pair
+from test_hf_trainer import assert_same_run, history, losses, run_pair
 
 IGNORE = -100
 
@@ -90,12 +90,29 @@ def test_dp2_x_cp2_with_accumulation_equals_the_plain_trainer_and_its_eval_loss(
     assert len(losses(want, "eval_loss")) >= 2
     assert_same_run(got, want)
     _assert_one_process_logs(got, want)
+    for h in history(got):  # evaluate() counted the 8 eval rows once, not once per cp rank
+        if "eval_runtime" in h:
+            assert round(h["eval_samples_per_second"] * h["eval_runtime"]) == 8, h
 
 
 @pytest.mark.slow
-def test_pp2_x_cp2_equals_the_plain_trainer(tmp_path):
-    """cp beside pp: the loss rank's cp group holds the loss, the broadcast along each pipeline shares it."""
-    got, want = run_pair(tmp_path, dict(eval=True), dict(pp=2, cp=2, eval=True), nprocs=4)
+def test_pp2_x_cp2_with_checkpointing_equals_the_plain_trainer(tmp_path):
+    """cp beside pp: the loss rank's cp group holds the loss, the broadcast along each pipeline shares it;
+    gradient checkpointing recomputes the cp attention alike, and the input tokens seen are the whole rows'."""
+    got, want = run_pair(tmp_path, dict(eval=True, checkpointing=True),
+                         dict(pp=2, cp=2, eval=True, checkpointing=True), nprocs=4)
+    assert_same_run(got, want)
+    assert losses(got, "num_input_tokens_seen") == losses(want, "num_input_tokens_seen") != []
+
+
+@pytest.mark.slow
+def test_sft_under_cp2_with_completion_only_loss_equals_trl(tmp_path):
+    """TRL's collator pads the chat rows to a multiple of 4 (pad_to_multiple_of), the prompt masked out; each
+    of the 2 cp ranks trains its tokens, the loss divided by the completion tokens of the whole rows."""
+    pytest.importorskip("trl", reason="PipelineSFTTrainer needs the optional extra trl")
+    got, want = run_pair(tmp_path, dict(script="train_sft.py", pad_to=4),
+                         dict(pp=1, cp=2, script="train_sft.py", pad_to=4))
+    assert len(losses(want)) == 3 and len(losses(want, "eval_loss")) >= 2
     assert_same_run(got, want)
 
 
