@@ -144,3 +144,13 @@ def test_dp2_x_ep2_x_tp2_on_qwen3_moe_equals_the_plain_trainer(tmp_path):
                          dict(model=_moe(), dp=2, ep=2, tp=2, batch=4, eval_batch=4, eval=True), nprocs=4)
     assert_same_run(got, want)
     _assert_one_process_logs(got, want)
+
+
+@pytest.mark.slow
+def test_a_router_aux_loss_is_summed_over_accumulation_batches_as_the_plain_trainer_does(tmp_path):
+    """Qwen3-MoE with output_router_logits: transformers adds coef * aux of each forward's batch to its loss and
+    the Trainer sums the 2 accumulation batches' losses; one microbatch per batch makes it exact (pp=1, the
+    PipelineTrainer in one process). evaluate() is left out: its loss is the language-model loss only."""
+    model = str(tiny_checkpoint("qwen3_moe", num_hidden_layers=2, output_router_logits=True, router_aux_loss_coef=0.5))
+    got, want = run_pair(tmp_path, dict(model=model, ga=2), dict(model=model, pp=1, ga=2), nprocs=1)
+    assert_same_run(got, want)

@@ -132,7 +132,11 @@ class PipelineLoop:
         check_batches([inputs], self.pipeline.vocab_size, "PipelineTrainer.train")
         inputs = self._local(inputs)
         tokens = self._steps.global_tokens([inputs]) if num_items_in_batch is None else int(num_items_in_batch)
-        part = self._steps.backward(inputs, tokens, self.current_gradient_accumulation_steps)
+        # A MoE router aux loss: transformers' model adds ``coef * aux`` of its whole batch to each forward's
+        # loss and the Trainer sums those over the accumulation batches (it divides by num_items_in_batch
+        # only). So one batch here counts as a step of its own for the router term (the mean over its
+        # microbatches and dp shards, hfpipe.models.router_loss), summed over accumulation like the plain one.
+        part = self._steps.backward(inputs, tokens, 1)
         return torch.tensor(self._steps.share_loss(part), dtype=torch.float32, device=self.args.device)
 
     def _track_num_input_tokens(self, inputs):
