@@ -125,16 +125,25 @@ def test_pp2_x_tp2_equals_the_plain_trainer_and_saves_whole_tensors(tmp_path):
     _assert_one_process_logs(got, want)
 
 
-def _moe() -> str:
-    return str(tiny_checkpoint("qwen3_moe", num_hidden_layers=2))
+@pytest.mark.slow
+def test_tp2_with_lora_equals_peft_under_the_plain_trainer(tmp_path):
+    """PEFT's adapters on tp-split layers: trained alike, and save_model() writes the adapter folder whole."""
+    got, want = run_pair(tmp_path, dict(lora=True, eval=True), dict(pp=1, tp=2, lora=True, eval=True))
+    assert_same_run(got, want)
+    assert (got / "final" / "adapter_config.json").is_file()
+
+
+def _moe(kind: str = "qwen3_moe") -> str:
+    return str(tiny_checkpoint(kind, num_hidden_layers=2))
 
 
 @pytest.mark.slow
-def test_dp2_x_ep2_on_qwen3_moe_equals_the_plain_trainer(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_dp2_x_ep2_on_a_moe_equals_the_plain_trainer(tmp_path, kind):
     """The routed experts sharded over 2 ep ranks of the 2 dp replicas; the export writes them per expert,
     under the keys the plain Trainer's save_model() writes."""
-    got, want = run_pair(tmp_path, dict(model=_moe(), batch=8, eval_batch=8, eval=True),
-                         dict(model=_moe(), dp=2, ep=2, batch=4, eval_batch=4, eval=True), nprocs=2)
+    got, want = run_pair(tmp_path, dict(model=_moe(kind), batch=8, eval_batch=8, eval=True),
+                         dict(model=_moe(kind), dp=2, ep=2, batch=4, eval_batch=4, eval=True), nprocs=2)
     assert_same_run(got, want)
 
 
