@@ -16,7 +16,7 @@ class PipelineOptions:
     """How the model is split; each is :func:`hfpipe.load_pipeline`'s argument of the same name.
 
     Attributes:
-        pp: Pipeline ranks (default: WORLD_SIZE / (dp * tp)).
+        pp: Pipeline ranks (default: WORLD_SIZE / (dp * cp * tp)).
         dp: Data-parallel replicas (FSDP2); each sees its own shard of the data.
         ep: Expert-parallel degree (MoE models).
         tp: Tensor-parallel degree.
