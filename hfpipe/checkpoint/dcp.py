@@ -42,6 +42,7 @@ from hfpipe.checkpoint.meta import read_record
 from hfpipe.parallel.agree import agree
 from hfpipe.parallel.lock import write_new
 from hfpipe.checkpoint.safe_metadata import UnsafeMetadataError, check_byte_items, read_metadata, safe_load
+from hfpipe.checkpoint.strided import plain_split, restore
 
 __all__ = ["CheckpointError", "PendingSave", "rank_view", "save_checkpoint", "load_checkpoint",
            "latest_checkpoint", "check_stored_data", "record_checksums", "resolve_resume"]
@@ -80,13 +81,15 @@ def rank_view(modules, tied: bool) -> nn.Module:
     return view
 
 
-def _states(view: nn.Module, optimizer) -> dict:
+def _states(view: nn.Module, optimizer) -> tuple[dict, list]:
+    """The model (and optimizer) state DCP reads or writes, and the strided tensors handed to it plain-split
+    (:mod:`hfpipe.checkpoint.strided`: :func:`~hfpipe.checkpoint.strided.restore` puts them back after a load)."""
     if _is_empty(view):
-        return {"model": {}, "optim": {}} if optimizer is not None else {"model": {}}
+        return ({"model": {}, "optim": {}} if optimizer is not None else {"model": {}}), []
     state = {"model": get_model_state_dict(view)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(view, optimizer, options=_OPTS)
-    return state
+    return state, plain_split(state)
 
 
 def _is_empty(view: nn.Module) -> bool:
@@ -119,7 +122,7 @@ def save_checkpoint(root: str | Path, step: int, view: nn.Module, optimizer, met
         _remove(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = _states(view, optimizer)
+    state, _ = _states(view, optimizer)
     state["rng"] = {f"rank{rank}": torch.get_rng_state()}
     text = json.dumps({**meta, "step": step}, indent=2)  # now: meta may change while the save runs
     if not async_save:
@@ -323,10 +326,11 @@ def read_meta(path: str | Path) -> dict:
     return read_record(path / "hfpipe.json", CheckpointError, "resume from an earlier checkpoint")
 
 
-def _load_plan(path: Path, view: nn.Module, optimizer) -> tuple[dict, dict, str]:
-    """The record, the state to load into and this rank's RNG key, once the checkpoint fits the view."""
+def _load_plan(path: Path, view: nn.Module, optimizer) -> tuple[dict, dict, list, str]:
+    """The record, the state to load into (and its plain-split strided tensors) and this rank's RNG key, once
+    the checkpoint fits the view."""
     meta = read_meta(path)
-    state = _states(view, optimizer)
+    state, strided = _states(view, optimizer)
     rank_key = f"rank{dist.get_rank()}"
     saved = read_metadata(path).state_dict_metadata
     if f"rng.{rank_key}" in saved:  # same world size: restore this rank's RNG exactly
@@ -335,7 +339,7 @@ def _load_plan(path: Path, view: nn.Module, optimizer) -> tuple[dict, dict, str]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {missing[0]} ({len(missing)} tensors missing); "
                               "it was written for another model")
-    return meta, state, rank_key
+    return meta, state, strided, rank_key
 
 
 def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
@@ -346,7 +350,7 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
             rank alike: none is left waiting in DCP's load).
     """
     path = Path(path)
-    meta, state, rank_key = agree(lambda: _load_plan(path, view, optimizer))  # DCP's load is collective
+    meta, state, strided, rank_key = agree(lambda: _load_plan(path, view, optimizer))  # DCP's load is collective
     try:
         safe_load(state, path)  # byte items as data only, every item checked against its checksum
     except ValueError as e:
@@ -357,6 +361,7 @@ def load_checkpoint(path: str | Path, view: nn.Module, optimizer) -> dict:
     except (Exception, DcpCheckpointException) as e:  # DCP's wrapper is a BaseException naming the rank
         raise CheckpointError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0][:200]}); "
                               "it may be incomplete: resume from an earlier checkpoint") from None
+    restore(strided)
     if not _is_empty(view):  # torch's setters refuse a rank without state
         set_model_state_dict(view, state["model"])
     if optimizer is not None and not _is_empty(view):
