@@ -151,9 +151,9 @@ def _check_tp_with(dims: ParallelDims, schedule: str, quantize_base: str | None)
     if dims.ep > 1:
         raise ParallelError(f"--tp {dims.tp} with --ep {dims.ep}: tensor and expert parallelism together are "
                             "not checked exact yet; use one of them")
-    if quantize_base:
-        raise ParallelError(f"--tp {dims.tp} with --quantize-base {quantize_base}: a quantized base is not split "
-                            "over tp ranks yet; use --tp 1")
+    if quantize_base == "nf4":  # an NF4Tensor is neither a DTensor's local part nor sliceable by columns
+        raise ParallelError(f"--tp {dims.tp} with --quantize-base nf4: NF4 weights are not split over tp ranks; "
+                            "use --quantize-base fp8 (split on its tiles) or --tp 1")
 
 
 def _check_cp_with(dims: ParallelDims, seq_len: int | None) -> None:

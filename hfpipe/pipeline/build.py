@@ -8,10 +8,11 @@ shape or storage comes before one that wraps it):
  when    step            what it does
 ======  ==============  =========================================================================
  meta    build           the stage's transformers modules under the full model's names (models/stage.py)
- meta    ``apply_tp``    every matrix split over tp (transformers' plan, hfpipe.parallel.tensor_plan), so
-                         the loader then reads only a rank's slice
  meta    ``apply_ep``    routed experts sharded over ep (transformers' expert-parallel plan)
  meta    ``apply_quant`` a LoRA base's linears and expert stacks swapped for quantized storage
+ meta    ``apply_tp``    every matrix split over tp (transformers' plan, hfpipe.parallel.tensor_plan), so
+                         the loader then reads only a rank's slice; an FP8 linear's codes and tile scales
+                         split together (hfpipe.quant.tensor_parallel), so it is swapped in first
  meta    ``apply_ac``    activation checkpointing of each decoder layer
  load    ``load``        this rank's bytes only, into what the steps above left (pipeline/load.py)
  loaded  ``apply_cp``    attention through the gathered-K/V function (hfpipe.parallel.context); the stage
@@ -235,11 +236,11 @@ def _loaded_stages(source, plan, pp_rank: int, device, options: StageOptions, lo
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), options.param_dtype,
                                   adapter=adapter_for(config))
+    if expert_mesh is not None:  # (tp and ep are not combined: hfpipe.parallel.rules)
+        apply_ep(modules, expert_mesh)
+    quantizer = apply_quant(modules, source.config, options, tp_mesh.size() if tp_mesh is not None else 1)
     if tp_mesh is not None:
         apply_tp(modules, tp_mesh, options)
-    if expert_mesh is not None:
-        apply_ep(modules, expert_mesh)
-    quantizer = apply_quant(modules, source.config, options)
     apply_ac(modules, options)
     return modules, load_stage_weights(modules, source, device, load_dtype, quantizer)
 
@@ -248,10 +249,12 @@ def apply_tp(modules: list, tp_mesh, options: StageOptions) -> None:
     """Every matrix of the meta stage split over ``tp_mesh`` (a stage still takes and returns whole tensors)."""
     from hfpipe.parallel.tensor import apply_tp as split
     from hfpipe.parallel.tensor_plan import stage_tp_plan
+    from hfpipe.quant.tensor_parallel import fp8_tp_plan
 
     for m in modules:
         names = [n for n, _ in m.named_modules()]
-        split(m, tp_mesh, stage_tp_plan(m.config, names, options.sequence_parallel, tp_mesh.size()))
+        plan = stage_tp_plan(m.config, names, options.sequence_parallel, tp_mesh.size())
+        split(m, tp_mesh, fp8_tp_plan(m, plan))  # an FP8 linear's own split (a no-op without one)
 
 
 def apply_cp(modules: list, context: ContextParallel) -> None:
@@ -268,11 +271,12 @@ def apply_ep(modules: list, expert_mesh) -> None:
     shard_experts(modules, expert_mesh)
 
 
-def apply_quant(modules: list, config, options: StageOptions):
-    """A quantized base's storage on the meta stage; the returned quantizer fills it while loading."""
+def apply_quant(modules: list, config, options: StageOptions, tp: int = 1):
+    """A quantized base's storage on the meta stage; the returned quantizer fills it while loading
+    (under ``tp``, this rank's tiles of each FP8 linear)."""
     if options.quantize is None:
         return None
-    quantizer = Quantizer(options.quantize, config)
+    quantizer = Quantizer(options.quantize, config, tp=tp)
     quantizer.prepare(modules, options.param_dtype)
     return quantizer
 
