@@ -14,6 +14,7 @@ tiles of 32 (``test_qbase.py``'s) would be cut.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from _dist import tiny_checkpoint
 from test_lora_equivalence import run_and_check
@@ -88,3 +89,58 @@ def test_routed_experts_under_tp_with_fp8_are_refused_in_one_line():
     with pytest.raises(QuantError, match=r"^--tp 2 with --quantize-base fp8: the routed experts of "
                                          r"model\.layers\.0\.mlp\.experts are quantized stacks"):
         check_quantize(config, "fp8", TILE, backend=False, tp=2)
+
+
+@pytest.mark.slow
+def test_fp8_lora_dp2_x_tp2_matches_peft():
+    """FSDP2 over dp shards the tp-split adapters; the FP8 codes stay whole on each dp rank."""
+    run_and_check("llama", 1, ("1f1b",), dp=2, options=FP8_TP, build=quantized_hf_model("fp8", TILE),
+                  path=str(tiny_checkpoint("llama", num_hidden_layers=4)))
+
+
+def _layer0_local_weights(path: str, options: dict) -> dict:
+    """This tp rank's dequantized layer-0 weights (FP8 codes kept or plain), and the bytes it read."""
+    from hfpipe.api import load_pipeline
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.mesh import init_distributed
+    from test_lora_equivalence import LORA, lora_config
+
+    dist = init_distributed(ParallelDims(pp=1, tp=2))
+    lora = lora_config(LORA) if "quantize_base" in options else None
+    pm = load_pipeline(path, pp=1, tp=2, dist=dist, lora=lora, **options)
+    out = {}
+    for name, m in pm.modules[0].named_modules():
+        if "layers.0." in name and hasattr(m, "dequantized"):  # an FP8 linear (under PEFT: its base_layer)
+            out[name.replace(".base_layer", "") + ".weight"] = m.dequantized(torch.float32)
+        elif "layers.0." in name and type(m) is torch.nn.Linear and "lora_" not in name:
+            out[name + ".weight"] = m.weight.to_local().detach().clone()
+    return {"weights": out, "bytes": pm.load_stats.bytes_read, "rank": dist.mesh["tp"].get_local_rank()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block, options", [(2 * TILE, {}), (TILE, {"quantize_base": "fp8"})],
+                         ids=["dequantized-at-load", "kept-fp8"])
+def test_a_tp_rank_reads_its_rows_of_an_fp8_checkpoint_with_the_tiles_over_them(block, options):
+    """Colwise weights are read as the rank's rows and the scale rows of the tiles over them (a split off the
+    tile edges, k/v's 16 rows of 32-tiles, reads the weight whole and slices it once dequantized); each rank's
+    part equals its slice of transformers' own dequantization."""
+    from _dist import folder_tensors, run_ranks
+
+    path = _fp8_checkpoint(block)
+    ref = dict(transformers_fp8(path, torch.float32).named_parameters())
+    stored = {k: t.numel() * t.element_size() for k, t in folder_tensors(path).items()}
+    by_rows = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+               "embed_tokens.weight", "lm_head.weight")
+    halves = sum(n for k, n in stored.items() if k.removesuffix("_scale_inv").endswith(by_rows)) // 2
+    ranks = run_ranks(_layer0_local_weights, 2, path, options)
+    read = {got["rank"]: got["bytes"] for got in ranks.values()}
+    if block == TILE:  # every row split on a tile edge, k/v's 2 tile rows too: each rank reads half of those
+        assert read == {0: sum(stored.values()) - halves, 1: sum(stored.values()) - halves}
+    else:  # k/v (one tile row of 32): rank 0's rows start on its edge, rank 1's do not (read whole)
+        assert sum(stored.values()) - halves <= read[0] < read[1] < sum(stored.values()), read
+    for got in ranks.values():
+        assert len(got["weights"]) == 7, sorted(got["weights"])
+        for name, w in got["weights"].items():
+            dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+            want = ref[name].chunk(2, dim)[got["rank"]]
+            assert torch.equal(w, want), f"{name}: max diff {float((w - want).abs().max())}"
