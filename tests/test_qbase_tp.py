@@ -144,3 +144,34 @@ def test_a_tp_rank_reads_its_rows_of_an_fp8_checkpoint_with_the_tiles_over_them(
             dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
             want = ref[name].chunk(2, dim)[got["rank"]]
             assert torch.equal(w, want), f"{name}: max diff {float((w - want).abs().max())}"
+
+
+def _logits_worker(path: str, ids: torch.Tensor):
+    from hfpipe.api import load_pipeline
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.mesh import init_distributed
+    from test_lora_equivalence import LORA, lora_config
+
+    dist = init_distributed(ParallelDims(pp=1, tp=2))
+    pm = load_pipeline(path, pp=1, tp=2, dist=dist, lora=lora_config(LORA), **{k: v for k, v in FP8_TP.items()
+                                                                              if k != "tp"})
+    logits = pm.forward({"input_ids": ids})
+    return None if logits is None else logits.detach().clone()
+
+
+@pytest.mark.slow
+def test_fp8_tp2_forward_without_gradients_gives_the_one_process_logits():
+    """Inference takes transformers' no-grad paths of its styles (a rowwise output all-reduced by hand)."""
+    from _dist import run_ranks
+    from peft import get_peft_model
+    from test_lora_equivalence import LORA, lora_config
+
+    path = str(tiny_checkpoint("llama", num_hidden_layers=4))
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    got = [t for t in run_ranks(_logits_worker, 2, path, ids).values() if t is not None]
+    model = get_peft_model(quantized_hf_model("fp8", TILE)(path, torch.float32), lora_config(LORA))
+    with torch.no_grad():  # lora_B starts at zero in both: the quantized base's logits
+        want = model(input_ids=ids).logits
+    assert got and all(t.shape == want.shape for t in got)
+    for t in got:
+        torch.testing.assert_close(t, want, atol=1e-5, rtol=0)
