@@ -175,3 +175,11 @@ def test_fp8_tp2_forward_without_gradients_gives_the_one_process_logits():
     assert got and all(t.shape == want.shape for t in got)
     for t in got:
         torch.testing.assert_close(t, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_fp8_lora_pp2_x_tp2_qwen3_with_biases_matches_peft():
+    """Qwen3 with attention biases: a colwise bias split with its rows, a rowwise one added once after the
+    reduce-scatter; per-head q/k norms after the colwise FP8 projections."""
+    run_and_check("qwen3", 2, ("1f1b",), options=FP8_TP, build=quantized_hf_model("fp8", TILE),
+                  path=str(tiny_checkpoint("qwen3", num_hidden_layers=4, attention_bias=True)))
