@@ -81,14 +81,26 @@ def test_nf4_under_tp_is_refused_in_one_line():
 
 
 @pytest.mark.slow
-def test_routed_experts_under_tp_with_fp8_are_refused_in_one_line():
+def test_routed_experts_whose_tp_split_cuts_fp8_tiles_are_refused_in_one_line():
     from hfpipe.quant.linear import QuantError, check_quantize
     from hfpipe.source.folder import ModelSource
 
     config = ModelSource.open(str(tiny_checkpoint("qwen3_moe", num_hidden_layers=2))).config
-    with pytest.raises(QuantError, match=r"^--tp 2 with --quantize-base fp8: the routed experts of "
-                                         r"model\.layers\.0\.mlp\.experts are quantized stacks"):
-        check_quantize(config, "fp8", TILE, backend=False, tp=2)
+    check_quantize(config, "fp8", TILE, backend=False, tp=2)  # intermediate 32: 16 per rank, whole 16-tiles
+    with pytest.raises(QuantError, match=r"^--tp 2 with --quantize-base fp8: the routed experts' intermediate size "
+                                         r"32 of model\.layers\.0\.mlp\.experts splits into 16 per tp rank, which "
+                                         r"cuts its 32x32 FP8 tiles .*[^\n]$"):
+        check_quantize(config, "fp8", 2 * TILE, backend=False, tp=2)
+
+
+@pytest.mark.slow
+def test_fp8_lora_pp2_x_tp2_deepseek_v3_mla_dense_shared_and_routed_experts_matches_peft():
+    """Every FP8 linear split on its tiles (MLA's q_b/kv_b colwise, o_proj rowwise, q_a/kv_a whole; dense and
+    shared-expert MLPs), and the routed experts' FP8 stacks split as transformers' moe_tp_experts splits them
+    (gate and up rows, down columns, per-expert scale grids alike); LoRA on the attention."""
+    from test_qbase_experts import DSV3_ATTENTION, quantized_moe_model
+
+    run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_ATTENTION, options=FP8_TP, build=quantized_moe_model(TILE))
 
 
 @pytest.mark.slow
@@ -183,3 +195,21 @@ def test_fp8_lora_pp2_x_tp2_qwen3_with_biases_matches_peft():
     reduce-scatter; per-head q/k norms after the colwise FP8 projections."""
     run_and_check("qwen3", 2, ("1f1b",), options=FP8_TP, build=quantized_hf_model("fp8", TILE),
                   path=str(tiny_checkpoint("qwen3", num_hidden_layers=4, attention_bias=True)))
+
+
+@pytest.mark.slow
+def test_deepseek_v3_own_fp8_kept_as_stored_pp2_x_tp2_matches_transformers_dequantized():
+    """DeepSeek-V3's format (every expert's 2-D codes with their scales): stacked as stored, then each rank's
+    rows and columns of codes and scale grids; no sequence parallelism. Tiles of 8 divide every weight:
+    transformers' dequantization (the oracle) of a partial edge tile (kv_a_proj_with_mqa's 24 rows in tiles
+    of 16) was 4x further from the unquantized weight than the tile's own rounding (measured, 5.23)."""
+    import tempfile
+
+    from hfpipe.tiny import make_fp8_checkpoint
+    from test_lora_equivalence import LAYERS
+    from test_qbase_experts import DSV3_ATTENTION
+
+    base = tiny_checkpoint("deepseek_v3", num_hidden_layers=LAYERS)
+    path = str(make_fp8_checkpoint(base, tempfile.mkdtemp(prefix="hfpipe-fp8-dsv3-"), TILE // 2, dtype=None))
+    run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_ATTENTION, build=transformers_fp8, path=path,
+                  options={"quantize_base": "fp8", "tp": 2, "sequence_parallel": False})

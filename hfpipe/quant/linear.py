@@ -135,16 +135,14 @@ class Quantizer:
 
     def _check_tp(self, stage: nn.Module, linears: dict) -> None:
         """What a tp split of this quantized stage cannot keep exact, refused before anything loads."""
-        from hfpipe.quant.tensor_parallel import check_tp_tiles
+        from hfpipe.quant.tensor_parallel import check_tp_experts, check_tp_tiles
 
         if self.spec.kind != "fp8":
             return  # nf4 under tp: hfpipe.parallel.rules refuses it for every layout
-        experts = next(iter(fused_experts(stage)), None)
-        if experts is not None:
-            raise QuantError(f"--tp {self.tp} with --quantize-base fp8: the routed experts of {experts} "
-                             "are quantized stacks that tp does not split yet; use --tp 1 (--ep shards them)")
-        check_tp_tiles(stage, linears, self.tp, self.block, "the checkpoint's weight_block_size" if self.source_block
-                       else None)
+        stored = "the checkpoint's weight_block_size" if self.source_block else None
+        for name, experts in fused_experts(stage).items():
+            check_tp_experts(name, experts, self.tp, self.block, stored)
+        check_tp_tiles(stage, linears, self.tp, self.block, stored)
 
     def _prepare_experts(self, name: str, experts: nn.Module) -> None:
         # Gate and up are one stack here but two matrices in the checkpoint (and in a merged export):

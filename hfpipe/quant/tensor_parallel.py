@@ -21,13 +21,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from hfpipe.parallel.tensor_plan import _MlaKvA, stage_tp_plan
+from hfpipe.parallel.tensor_plan import _Experts, _MlaKvA, stage_tp_plan
 from hfpipe.parallel.tensor_slices import shard_ranges
 from hfpipe.quant.fp8 import FP8Linear
 from hfpipe.quant.nf4 import QuantError
 
-__all__ = ["FP8Split", "check_tp_tiles", "fp8_tp_plan", "tp_part"]
+__all__ = ["FP8ExpertsSplit", "FP8Split", "check_tp_experts", "check_tp_tiles", "fp8_tp_plan", "take_ranges", "tile_ranges",
+           "tp_part"]
+
+#: A fused experts stack -> how transformers' moe_tp_experts splits it: gate and up halves by their rows
+#: (packed), down by its columns.
+_STACK_SPLITS = {"gate_up_proj": _StridedShard(dim=1, split_factor=2), "down_proj": Shard(2)}
 
 
 def _split_dim(style) -> int | None:
@@ -65,13 +71,43 @@ def check_tp_tiles(stage: nn.Module, linears: dict[str, nn.Linear], tp: int, blo
                              f"({stored or f'--quantize-block-size {block}'}); use {fix}, or --tp 1")
 
 
+def check_tp_experts(name: str, experts: nn.Module, tp: int, block: int, stored: str | None = None) -> None:
+    """Refuse fused experts whose FP8 stacks a tp split would cut off their tiles (or cannot split)."""
+    gate_up = experts._parameters.get("gate_up_proj")
+    if gate_up is None or getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
+        raise QuantError(f"--tp {tp} with --quantize-base fp8: the routed experts of {name} are not a [gate; up] "
+                         "stack that tp splits on FP8 tiles; use --tp 1 (--ep shards them)")
+    inter = gate_up.shape[1] // 2
+    if inter % tp or (inter // tp) % block:
+        fix = f"a --quantize-block-size that divides {inter // tp}" if stored is None and inter % tp == 0 else \
+            "a --tp that keeps whole tiles on each rank"
+        raise QuantError(f"--tp {tp} with --quantize-base fp8: the routed experts' intermediate size {inter} of {name} "
+                         f"splits into {inter / tp:g} per tp rank, which cuts its {block}x{block} FP8 tiles "
+                         f"({stored or f'--quantize-block-size {block}'}); use {fix}, or --tp 1")
+
+
 def fp8_tp_plan(stage: nn.Module, plan: dict) -> dict:
-    """``plan`` with every FP8 linear's colwise/rowwise style replaced by its :class:`FP8Split`."""
+    """``plan`` with every FP8 linear's colwise/rowwise style replaced by its :class:`FP8Split`, and the
+    FP8 routed experts' by :class:`FP8ExpertsSplit`."""
     out = dict(plan)
     for name, style in plan.items():
-        if _split_dim(style) is not None and isinstance(stage.get_submodule(name), FP8Linear):
+        module = stage.get_submodule(name)
+        if _split_dim(style) is not None and isinstance(module, FP8Linear):
             out[name] = FP8Split(style)
+        elif isinstance(style, _Experts) and "gate_up_proj_scale_inv" in module._buffers:
+            out[name] = FP8ExpertsSplit()
     return out
+
+
+def take_ranges(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    """The ranges ``[(lo, hi), ...]`` of ``t`` along ``dim``, concatenated (a packed stack's halves)."""
+    parts = [t.narrow(dim, lo, hi - lo) for lo, hi in ranges]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
+
+
+def tile_ranges(ranges, block: int) -> list[tuple[int, int]]:
+    """The scale-grid ranges of the tiles over the value ranges (each starting on a tile edge)."""
+    return [(lo // block, -(-hi // block)) for lo, hi in ranges]
 
 
 def tp_part(module: nn.Module, tensor: torch.Tensor, scale: torch.Tensor | None):
@@ -120,3 +156,30 @@ class FP8Split(ParallelStyle):
         module._hf_quantized_needs_local_tp = True  # transformers' styles then run it on local tensors
         self.hf.install_forward(module, mesh)
         return module
+
+
+class FP8ExpertsSplit(ParallelStyle):
+    """FP8 routed-expert stacks split as transformers' ``moe_tp_experts`` splits full-precision ones.
+
+    Each rank keeps its rows of the gate and of the up half of ``gate_up_proj`` and its columns of
+    ``down_proj``, codes and per-expert scale grids together (on tile edges: :func:`check_tp_experts`),
+    in ``tp_parts`` for :class:`hfpipe.quant.experts.ExpertStacks` to fill; hfpipe's experts forward runs
+    on them and transformers' ``MoeExpertsParallel`` sums the ranks' partial outputs (:class:`_Experts`,
+    whose parameter splits find no parameters here: the stacks are buffers).
+    """
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        from hfpipe.models.experts import experts_state
+
+        block, parts = experts_state(module).block, {}
+        for attr, placement in _STACK_SPLITS.items():
+            q = module._buffers.get(attr)
+            if q is None:
+                continue
+            dim, ranges = shard_ranges(q.shape, placement, mesh.get_local_rank(), mesh.size())
+            parts[attr] = (dim, ranges)
+            module._buffers[attr] = take_ranges(q, dim, ranges)
+            scale = module._buffers[attr + "_scale_inv"]
+            module._buffers[attr + "_scale_inv"] = take_ranges(scale, dim, tile_ranges(ranges, block))
+        module.tp_parts = parts
+        return _Experts()._apply(module, mesh)
