@@ -25,11 +25,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hfpipe.parallel.tensor_plan import _Experts, _MlaKvA, stage_tp_plan
 from hfpipe.parallel.tensor_slices import shard_ranges
-from hfpipe.quant.fp8 import FP8Linear
+from hfpipe.quant.fp8 import FP8Linear, take_ranges, tile_ranges
 from hfpipe.quant.nf4 import QuantError
 
-__all__ = ["FP8ExpertsSplit", "FP8Split", "check_tp_experts", "check_tp_tiles", "fp8_tp_plan", "take_ranges", "tile_ranges",
-           "tp_part"]
+__all__ = ["FP8ExpertsSplit", "FP8Split", "check_tp_experts", "check_tp_tiles", "fp8_tp_plan", "tp_part"]
 
 #: A fused experts stack -> how transformers' moe_tp_experts splits it: gate and up halves by their rows
 #: (packed), down by its columns.
@@ -99,17 +98,6 @@ def fp8_tp_plan(stage: nn.Module, plan: dict) -> dict:
     return out
 
 
-def take_ranges(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
-    """The ranges ``[(lo, hi), ...]`` of ``t`` along ``dim``, concatenated (a packed stack's halves)."""
-    parts = [t.narrow(dim, lo, hi - lo) for lo, hi in ranges]
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
-
-
-def tile_ranges(ranges, block: int) -> list[tuple[int, int]]:
-    """The scale-grid ranges of the tiles over the value ranges (each starting on a tile edge)."""
-    return [(lo // block, -(-hi // block)) for lo, hi in ranges]
-
-
 def tp_part(module: nn.Module, tensor: torch.Tensor, scale: torch.Tensor | None):
     """This rank's part of an FP8 linear's whole weight (full precision, or codes with their ``scale``
     grid), as :class:`FP8Split` cut the module; the tensors as they are for a whole linear."""
@@ -117,10 +105,9 @@ def tp_part(module: nn.Module, tensor: torch.Tensor, scale: torch.Tensor | None)
     if part is None or tuple(tensor.shape) != (module.out_features, module.in_features):
         return tensor, scale
     dim, lo, hi = part
-    tensor = tensor.narrow(dim, lo, hi - lo).contiguous()
+    tensor = take_ranges(tensor, dim, [(lo, hi)])
     if scale is not None:  # lo is a tile boundary; hi one too, or the weight's edge (a partial last tile)
-        first, stop = lo // module.block, -(-hi // module.block)
-        scale = scale.narrow(dim, first, stop - first).contiguous()
+        scale = take_ranges(scale, dim, tile_ranges([(lo, hi)], module.block))
     return tensor, scale
 
 
