@@ -11,9 +11,9 @@ norms, head and the LoRA adapters stay in the run's dtype.
   fused routed experts become FP8 stacks (:mod:`hfpipe.quant.experts`), on their ranks under ``--ep``;
   with ``nf4`` one ``NF4Tensor`` per expert's matrix.
 
-Under ``--tp`` (fp8 only) each FP8 linear is then split on its tile edges (:mod:`hfpipe.quant.tensor_parallel`)
-and :meth:`Quantizer.place` keeps this rank's codes and scales; a split that would cut a tile, and routed
-experts, are refused by :meth:`Quantizer.prepare` (what ``plan`` and ``finetune`` call).
+Under ``--tp`` (fp8 only) each FP8 linear and routed-expert stack is then split on its tile edges
+(:mod:`hfpipe.quant.tensor_parallel`) and the loader keeps this rank's codes and scales; a split that would
+cut a tile is refused by :meth:`Quantizer.prepare` (what ``plan`` and ``finetune`` call).
 
 The loader (:mod:`hfpipe.pipeline.load`) hands each weight to :meth:`Quantizer.place` as soon as
 its shard is read, so only one full-precision weight exists at a time: a stage is never
