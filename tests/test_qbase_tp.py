@@ -213,3 +213,32 @@ def test_deepseek_v3_own_fp8_kept_as_stored_pp2_x_tp2_matches_transformers_dequa
     path = str(make_fp8_checkpoint(base, tempfile.mkdtemp(prefix="hfpipe-fp8-dsv3-"), TILE // 2, dtype=None))
     run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_ATTENTION, build=transformers_fp8, path=path,
                   options={"quantize_base": "fp8", "tp": 2, "sequence_parallel": False})
+
+
+@pytest.mark.slow
+def test_cli_finetune_tp2_on_an_fp8_base_equals_tp1_and_refuses_a_tile_cut(tmp_path):
+    """As a user runs it: a 128-tile default cuts k_proj's 128 rows at tp 2 (exit 2, one line); tiles of 64
+    train at --tp 2 as at --tp 1 (losses and grad norms within 1e-5), and the checkpoint exports."""
+    import json
+
+    from test_e2e import hfpipe
+    from test_qbase_cli import WIDE
+
+    model = tiny_checkpoint("llama", **WIDE)
+    flags = ("--max-steps", 3, "--seq-len", 32, "--batch-size", 4, "--microbatches", 2, "--lr", 3e-3,
+             "--lora-rank", 8, "--quantize-base", "fp8", "--save-every", 3)
+    run = hfpipe("finetune", model, "--tp", 2, *flags, "--output-dir", "cut", cwd=tmp_path, timeout=600)
+    assert run.returncode == 2 and "self_attn.k_proj.weight's 128 rows split into 64 per tp rank" in run.stderr
+    assert not (tmp_path / "cut").exists()
+    rows = {}
+    for tp in (1, 2):
+        run = hfpipe("finetune", model, "--tp", tp, *flags, "--quantize-block-size", 64, "--output-dir", f"tp{tp}",
+                     cwd=tmp_path, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows[tp] = [json.loads(line) for line in (tmp_path / f"tp{tp}" / "metrics.jsonl").read_text().splitlines()]
+    for what in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[what] for r in rows[2]]), torch.tensor([r[what] for r in rows[1]]),
+                                   atol=1e-5, rtol=0, msg=lambda m: f"{what} tp2 vs tp1: {m}")
+    (ckpt,) = sorted((tmp_path / "tp2" / "checkpoints").glob("step-*"))
+    run = hfpipe("export", ckpt, tmp_path / "adapter", cwd=tmp_path)
+    assert run.returncode == 0 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file(), run.stderr[-3000:]
