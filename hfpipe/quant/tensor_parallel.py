@@ -12,7 +12,12 @@ runs its own FP8 linears under TP on local tensors: its ``ColwiseParallel``/``Ro
 module flagged ``_hf_quantized_needs_local_tp``, sum the input gradient over the ranks (colwise) or the
 partial outputs (rowwise: all-reduce, or reduce-scatter by sequence), and split the bias. Those styles
 run the forward here (:class:`FP8Split`); what no library does, split the codes and the scale grid
-together, is written here.
+together, is written here. A MoE layer's FP8 expert stacks split alike (:class:`FP8ExpertsSplit`: gate and
+up rows, down columns, as transformers' ``moe_tp_experts`` splits full-precision stacks).
+
+The order (:mod:`hfpipe.pipeline.build`): the quantizer swaps in FP8 storage on the meta stage, these
+styles cut it, the loader fills this rank's part (a colwise weight is read as its rows and the scale rows
+of the tiles over them).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hfpipe.models.experts import experts_state
 from hfpipe.parallel.tensor_plan import _Experts, _MlaKvA, stage_tp_plan
 from hfpipe.parallel.tensor_slices import shard_ranges
 from hfpipe.quant.fp8 import FP8Linear, take_ranges, tile_ranges
@@ -136,8 +142,8 @@ class FP8Split(ParallelStyle):
             raise QuantError(f"--tp {mesh.size()}: an FP8 linear of {whole} splits at {lo}:{hi}, off its "
                              f"{block}x{block} tiles")  # check_tp_tiles refuses this before any load
         module.tp_part = (dim, lo, hi)
-        module._buffers["weight"] = q.narrow(dim, lo, hi - lo)
-        module._buffers["weight_scale_inv"] = s.narrow(dim, lo // block, -(-hi // block) - lo // block)
+        module._buffers["weight"] = take_ranges(q, dim, [(lo, hi)])
+        module._buffers["weight_scale_inv"] = take_ranges(s, dim, tile_ranges([(lo, hi)], block))
         if module.bias is not None:
             self.hf.shard_param(module, "bias", mesh)  # colwise: its rows; rowwise: whole, added once
         module._hf_quantized_needs_local_tp = True  # transformers' styles then run it on local tensors
@@ -156,8 +162,6 @@ class FP8ExpertsSplit(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
-        from hfpipe.models.experts import experts_state
-
         block, parts = experts_state(module).block, {}
         for attr, placement in _STACK_SPLITS.items():
             q = module._buffers.get(attr)
