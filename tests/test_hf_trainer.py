@@ -143,7 +143,7 @@ def test_an_optimizer_built_before_the_stages_is_refused(tmp_path):
         PipelineTrainer("unused", args=args, optimizers=(opt, None))
 
 
-def test_a_loaded_model_is_refused_for_its_folder_and_cp_until_it_lands(tmp_path):
+def test_a_loaded_model_is_refused_for_its_folder(tmp_path):
     from transformers import TrainingArguments
 
     from hfpipe.errors import ConfigError
@@ -152,9 +152,6 @@ def test_a_loaded_model_is_refused_for_its_folder_and_cp_until_it_lands(tmp_path
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
     with pytest.raises(ConfigError, match=r"^PipelineTrainer\(model=<Linear>\): give the model's folder"):
         PipelineTrainer(torch.nn.Linear(2, 2), args=args, pp=2)
-    with pytest.raises(ConfigError, match=r"^PipelineTrainer\(cp=2\): context parallelism is not wired into the "
-                                          r"Trainer's loop yet"):
-        PipelineTrainer("unused", args=args, cp=2)
 
 
 def test_a_batch_size_the_microbatches_do_not_divide_is_refused_by_name(tmp_path):

@@ -6,6 +6,7 @@ a test here is the only place rank arithmetic is spelled out by hand.
 """
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -121,3 +122,32 @@ def test_an_impossible_moe_config_is_refused_by_plan_and_the_layout_alike(change
         check_layout(ParallelDims(pp=2), model_config=config)
     with pytest.raises(ParallelError, match=says):
         plan_report(config, 2, seq_len=16)
+
+
+@pytest.mark.parametrize("degrees, dims", [
+    (dict(pp=2, dp=4, ep=2), ("edp",)),
+    (dict(pp=2, dp=2, ep=2, cp=2), ("edp", "cp")),
+    (dict(pp=2, dp=2, ep=2, tp=2), ("edp", "tp")),
+    (dict(pp=2, dp=4, ep=2, tp=2), ("edp", "tp")),
+])
+def test_an_expert_replica_group_holds_the_same_experts_and_sees_different_tokens(degrees, dims):
+    """The ranks FSDP2 shards a routed expert over, and sums its gradient over: every rank at one (pp, ep)
+    coordinate, each seeing other tokens. Under tp each tp rank dispatches its own slice of the tokens its
+    replica shares, so tp is one of them."""
+    layout = ParallelDims(**degrees)
+    assert layout.expert_replica_dims == dims
+    view = torch.arange(layout.world).view(layout.expert_shape)  # (pp, edp, ep, cp, tp)
+    for pp, ep in itertools.product(range(layout.pp), range(layout.ep)):
+        group = view[pp, :, ep].flatten().tolist()  # the experts this (pp, ep) coordinate holds
+        assert len(group) == math.prod(getattr(layout, d) for d in dims)  # every one of them, no other
+
+
+def test_tp_with_ep_is_accepted_and_tp_with_ep_and_cp_is_refused_in_one_line():
+    from hfpipe.tiny import tiny_config
+
+    config = tiny_config("deepseek_v3", num_hidden_layers=4)
+    layout = check_layout(ParallelDims(pp=2, dp=2, ep=2, tp=2), "1f1b", microbatches=2, model_config=config)
+    assert layout.dims.tp == layout.dims.ep == 2
+    with pytest.raises(ParallelError, match=r"^--cp 2 with --tp 2: ") as e:
+        check_layout(ParallelDims(pp=2, dp=2, ep=2, tp=2, cp=2), "1f1b", microbatches=2, model_config=config)
+    assert "\n" not in str(e.value)

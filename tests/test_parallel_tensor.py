@@ -274,3 +274,24 @@ def test_a_family_without_a_checked_plan_is_refused_in_one_line():
     with pytest.raises(HfpipeError, match=r"^--tp 2: tensor parallelism is not checked exact for 'deepseek_v2' "
                                           r"\(checked: .*\); run it with --tp 1$"):
         stage_tp_plan(tiny_config("deepseek_v2"), ["lm_head"], False, 2)
+
+
+def test_under_ep_the_routed_experts_are_left_out_of_the_tp_plan_and_the_rest_is_split_as_without():
+    """``--ep`` shards the routed experts whole over ep ranks (each tp rank dispatches its slice of the tokens):
+    the experts get no tp style; attention, the shared expert and the sequence-parallel MoE block keep theirs."""
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    from hfpipe.parallel.tensor_plan import stage_tp_plan
+    from hfpipe.tiny import tiny_config
+
+    config = tiny_config("deepseek_v3", num_hidden_layers=3)
+    layer = "model.layers.2"
+    names = [layer, f"{layer}.self_attn", f"{layer}.self_attn.q_b_proj", f"{layer}.self_attn.o_proj",
+             f"{layer}.mlp", f"{layer}.mlp.experts", f"{layer}.mlp.shared_experts.gate_proj",
+             f"{layer}.mlp.shared_experts.down_proj", f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
+    split = stage_tp_plan(config, names, True, 2)
+    whole = stage_tp_plan(config, names, True, 2, experts_whole=True)
+    assert f"{layer}.mlp.experts" in split and f"{layer}.mlp.experts" not in whole
+    assert set(split) - set(whole) == {f"{layer}.mlp.experts"}
+    assert all(type(whole[n]) is type(split[n]) for n in whole)
+    assert isinstance(whole[f"{layer}.mlp"], PrepareModuleInputOutput)  # the tokens gathered before the router

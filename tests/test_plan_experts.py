@@ -192,3 +192,31 @@ def test_a_lora_run_with_ep_holds_its_share_of_the_frozen_experts():
         assert e.weight_bytes == pytest.approx((p.params - routed) * w_dp + routed // 2 * w_edp + adapters, abs=2)
         assert (e.grad_bytes, e.optimizer_bytes) == (p.grad_bytes, p.optimizer_bytes)  # adapters only
         assert e.transient_bytes == 0
+
+
+def test_under_tp_the_experts_stay_whole_on_each_tp_rank_and_shard_over_dp_over_ep_times_tp():
+    """tp 2 x ep 4 at dp 4: each tp rank holds its E / ep experts whole (the runtime's AllToAllEP gives each tp
+    rank a slice of the tokens instead), FSDP2 shards them over dp / ep x tp = 2; the rest is cut by tp and
+    sharded over dp 4 as without ep; each tp rank dispatches half of its replica's tokens."""
+    from hfpipe.plan.cost import layer_costs
+
+    config = tiny_config("deepseek_v3")
+    kw = dict(pp=2, dp=4, ep=4, seq_len=32, batch_size=4, microbatches=4, dtype="bf16-mixed")
+    base, one, two = plan_report(config, **{**kw, "ep": 1}), plan_report(config, **kw), plan_report(config, tp=2, **kw)
+    costs, shapes = layer_costs(config, 32), meta_params(config)
+    for b, e1, e2 in zip(base.ranks, one.ranks, two.ranks):
+        layers = on_rank(two.plan, e2.rank)
+        routed = sum(math.prod(s) for n, s in shapes.items() if layer_of(n) in layers and ".mlp.experts." in n)
+        held, other = routed // 4, b.params - routed
+        whole = sum(costs.layer_replicated_params[i] for i in layers)
+        whole += costs.head_replicated_params * any(s.head for s in two.plan.stages_of_rank(e2.rank))
+        cut = (other - whole) // 2 + whole
+        assert e2.params == cut + held
+        dense, experts = param_bytes("bf16-mixed", 4), param_bytes("bf16-mixed", 2)  # dp 4; dp / ep x tp = 2
+        for i, field in enumerate(("weight_bytes", "grad_bytes", "optimizer_bytes")):
+            want = other * dense[i] * cut / other + held * experts[i]
+            assert getattr(e2, field) == pytest.approx(want, abs=2), field
+        assert e2.all_to_all_bytes == pytest.approx(e1.all_to_all_bytes / 2, abs=1)
+    assert "2 of 8 routed experts per rank per MoE layer (whole on each of the 2 tp ranks" in "\n".join(two.notes)
+    assert "FSDP2 over the 2 ranks holding the same experts" in "\n".join(two.notes)
+    assert "tp 2, every matrix but the routed experts', the embedding" in "\n".join(two.notes)

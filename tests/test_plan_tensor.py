@@ -7,6 +7,7 @@ microbatch; the fit search proposes tp and that option; and the issue's two bars
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -120,8 +121,9 @@ def test_activations_divide_by_tp_with_sequence_parallelism_and_24_of_34_parts_w
 def test_tp_collectives_are_priced_as_the_runtime_issues_them(ac, recomputed):
     """Per layer and microbatch, in all-reduces of the hidden states: 2 forward, 5 backward (q, k, v, gate
     and up each sum their input gradient) and 1 for sequence parallelism's gathers; a recomputed layer's
-    forward again; the embedding, each stage's boundary gathers, the head and the loss's 3 fp32 per token
-    (the count bench/tp.py measures at torch's dispatcher)."""
+    forward again; the embedding, each stage's boundary gathers, the head and the loss's 3 fp32 per token;
+    once per step the two norms' partial gradients of each layer and clipping's fp32 norm (the count
+    bench/tp.py and tests/test_plan_tp_measured.py measure at torch's dispatcher)."""
     config = tiny_config("llama", num_hidden_layers=4)  # hidden 64
     kw = dict(seq_len=16, batch_size=8, microbatches=4, dtype="bf16", activation_checkpointing=ac)
     report = plan_report(config, 2, tp=2, **kw)
@@ -132,7 +134,8 @@ def test_tp_collectives_are_priced_as_the_runtime_issues_them(ac, recomputed):
         n = len(stage.layers)
         edges = stage.embed + stage.head + 0.5 + 0.5 * (not stage.embed)
         loss = 3 * 2 * (2 - 1) / 2 * tokens * 4 * stage.head
-        assert r.tp_bytes == int(((8 * n + 2 * recomputed(n) + edges) * one + loss) * 4)
+        norms = 2 * (2 - 1) / 2 * (n * 2 * hidden * 2 + 4)  # once per step, bf16 gradients; the fp32 grad norm
+        assert r.tp_bytes == int(((8 * n + 2 * recomputed(n) + edges) * one + loss) * 4 + norms)
     assert [r.tp_bytes for r in plan_report(config, 2, **kw).ranks] == [0, 0]
 
 
@@ -217,4 +220,102 @@ def test_the_plan_prices_tp_traffic_for_the_sequence_parallel_setting_it_runs():
     costs = layer_costs(config, 16)
     for report, sp in ((with_sp, True), (without, False)):
         assert [r.tp_bytes for r in report.ranks] == list(tp_traffic(
-            report.plan, costs, config.hidden_size, 2, 2, 2 * 16, "fp32", "none", sequence_parallel=sp))
+            report.plan, costs, config, 2, 2, 2 * 16, "fp32", "none", sequence_parallel=sp))
+
+
+def _one_rank_traffic(config, sp: bool, dtype: str = "bf16", **kw) -> tuple[int, float, float]:
+    """(planned tp bytes of a pp 1 x tp 2 run, a ring all-reduce's factor x tokens x microbatches, the
+    same per step) for 2 microbatches of 2 x 16 tokens."""
+    report = plan_report(config, 1, tp=2, seq_len=16, batch_size=4, microbatches=2, dtype=dtype,
+                         sequence_parallel=sp, **kw)
+    return report.ranks[0].tp_bytes, 2 * (2 - 1) / 2 * 32 * 2, 2 * (2 - 1) / 2
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_a_qwen3_moe_layer_is_priced_by_its_experts_sum_and_head_norms(sp):
+    """Hand count per layer and token, bf16 (2 bytes), h = 64: attention as Llama's (o_proj sums h
+    forward; q, k, v sum 3 h backward); the experts, split along their intermediate size, sum their
+    partial outputs (h) forward, and backward their input's gradient (h) and the top-k weights' (2 in
+    bf16: Qwen3-MoE's router casts them back); under SP the MoE block gathers its input (h / 2) and
+    cuts its whole output to this rank's tokens (its gradient gathered: h / 2), o_proj's reduce-scatter
+    has its gradient gathered (h / 2). Per step: the partial gradients of q_norm and k_norm (head_dim 16
+    each) and, under SP, of the two layer norms (2 h); and clipping's fp32 gradient norm."""
+    config = tiny_config("qwen3_moe", num_hidden_layers=2)
+    h = 64
+    per_layer = (2 * h + (h / 2 if sp else 0)) + (4 * h + 2 + (h if sp else 0))
+    edges = 2 * h + 12 / 2 + (h / 2 if sp else 0)  # embedding + head (bf16), the loss's 3 fp32, the gather
+    partial = 2 * (2 * 16 + (2 * h if sp else 0)) * 2 + 4  # 2 layers, bf16 gradients; the fp32 grad norm
+    got, mb, step = _one_rank_traffic(config, sp)
+    assert got == int(mb * 2 * (2 * per_layer + edges) + step * partial)
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_deepseek_v3_layers_are_priced_by_mla_latents_shared_experts_and_dense_first_layers(sp):
+    """Hand count per token, bf16, h = 64. MLA's column-split projections read latents, not the hidden
+    states: q_b_proj (q_lora_rank 32), kv_b_proj (kv_lora_rank 16) and the rope key's gradient summed by
+    _MlaKvA (qk_rope_head_dim 8): 56 backward; o_proj sums h forward. The first_k_dense_replace = 2 dense
+    layers: an MLP as Llama's (h forward, 2 h backward). A MoE layer: routed experts (h forward; h and
+    2 fp32 top-k weights = 4 bf16 elements backward: DeepSeek-V3's router runs in fp32) and shared experts
+    (down_proj h forward; gate, up 2 h backward)."""
+    config = tiny_config("deepseek_v3", num_hidden_layers=4)
+    assert config.first_k_dense_replace == 2
+    h, mla = 64, 32 + 16 + 8
+    dense = 2 * h + mla + 2 * h + (h if sp else 0)
+    moe = 3 * h + (h / 2 if sp else 0) + mla + 3 * h + 4 + (h if sp else 0)
+    edges = 2 * h + 12 / 2 + (h / 2 if sp else 0)
+    partial = 4 * (2 * h if sp else 0) * 2 + 4  # the layer norms' partial gradients under SP, bf16; the norm
+    got, mb, step = _one_rank_traffic(config, sp)
+    assert got == int(mb * 2 * (2 * dense + 2 * moe + edges) + step * partial)
+
+
+def test_with_ep_the_experts_stay_whole_over_tp_and_gather_their_outputs():
+    """tp x ep (experts not split over tp, tokens sliced over tp and the
+    experts' outputs all-gathered back): per MoE layer an all-gather of h / 2 forward, and backward the
+    gathers of the token slice's gradients (h / 2 and the top-k weights' top_k / 2), instead of the
+    experts' two all-reduces and the top-k weights'; a rank's routed experts are its 1 / ep, whole over tp
+    (the counts are measured in tests/test_plan_tp_measured.py)."""
+    import hfpipe.plan.tensor as tensor
+
+    config = tiny_config("qwen3_moe", num_hidden_layers=2)
+    costs = layer_costs(config, 16)
+    plan = plan_report(config, 1, seq_len=16).plan
+    kw = dict(sequence_parallel=False)
+    split, whole = (tensor.tp_traffic(plan, costs, config, 2, 1, 32, "bf16", "none", ep=e, **kw)[0] for e in (1, 2))
+    h = 64  # a ring all-reduce over 2 ranks moves its size once; 32 tokens, bf16, 2 layers
+    assert split - whole == 32 * 2 * 2 * ((h + h + 2) - (h / 2 + h / 2 + 2 / 2))
+    (rank,) = plan_report(config, 1, seq_len=16, dp=2).ranks
+    routed, whole = sum(costs.layer_routed_params), sum(costs.layer_replicated_params) + costs.head_replicated_params
+    (cut,) = plan_report(config, 1, seq_len=16, dp=2, ep=2, tp=2).ranks
+    assert cut.params == (rank.params - routed - whole) // 2 + whole + routed // 2
+
+
+def test_the_fit_search_proposes_tp_for_a_deepseek_v3_moe_priced_by_its_own_collectives():
+    """DeepSeek-V3's layers (MLA, 1 shared + routed experts, 3 dense first layers) cut to 32 layers of 16
+    experts (~37B): at pp 4 it does not fit 80 GB; the search proposes tp, and the plan it prices counts
+    MLA's and the experts' collectives, not a dense layer's. (The whole 671B model needs ep, and under ep
+    tp leaves the experts whole, so there the search proposes dp x ep, and the runtime refuses tp x ep today.)"""
+    from hfpipe.plan.tensor import tp_traffic
+
+    config = copy.deepcopy(load_model_config("deepseek-ai/DeepSeek-V3"))
+    config.n_routed_experts, config.num_hidden_layers = 16, 32
+    cfg = FinetuneConfig(model="deepseek-ai/DeepSeek-V3", pp=4, microbatches=16, batch_size=16, seq_len=4096,
+                         dtype="bf16-mixed", activation_checkpointing="full")
+    limit = parse_memory("80GB")
+    assert peak(report_for(config, cfg)) > limit
+    proposed = [s for s in suggest(config, cfg, limit) if s.changes.get("tp", 1) > 1]
+    assert {"tp": 4} in [s.changes for s in proposed]
+    report = report_for(config, dataclasses.replace(cfg, tp=4))
+    assert peak(report) <= 0.9 * limit and report.tp == 4 and report.sequence_parallel
+    costs, tokens = layer_costs(config, 4096), 4096
+    planned = tp_traffic(report.plan, costs, config, 4, 16, tokens, "bf16-mixed", "full")
+    assert [r.tp_bytes for r in report.ranks] == list(planned)
+    # per MoE layer and token (bf16, h = 7168; SP): forward o_proj h, experts h, shared experts h, the MoE
+    # input's gather h / 2, once more recomputed; backward MLA's latents (1536 + 512 + 64), experts h +
+    # 8 fp32 top-k weights, shared gate/up 2 h, SP's two gathered gradients h
+    h = 7168
+    moe = 2 * 3.5 * h + (1536 + 512 + 64) + h + 16 + 2 * h + h
+    mid = report.plan.stages_of_rank(1)[0]
+    assert not mid.embed and not mid.head and all(costs.is_moe[i] for i in mid.layers)
+    per_step = len(mid.layers) * 2 * h * 4 + 4  # the layer norms' partial fp32 gradients under SP, the norm
+    edges = h / 2 + h / 2  # the scatter before its first layer, the gather after its last
+    assert planned[1] == int(2 * 3 / 4 * (tokens * 16 * 2 * (len(mid.layers) * moe + edges) + per_step))

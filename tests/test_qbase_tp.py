@@ -78,6 +78,9 @@ def test_nf4_under_tp_is_refused_in_one_line():
         check_layout(ParallelDims(pp=1, tp=2), "1f1b", lora=True, quantize_base="nf4")
     assert str(e.value) == ("--tp 2 with --quantize-base nf4: NF4 weights are not split over tp ranks; "
                             "use --quantize-base fp8 (split on its tiles) or --tp 1")
+    with pytest.raises(ParallelError, match=r"^--tp 2 with --ep 2 and --quantize-base fp8: a quantized base under "
+                                            r"tensor and expert parallelism together is not checked exact yet"):
+        check_layout(ParallelDims(pp=1, dp=2, tp=2, ep=2), "1f1b", lora=True, quantize_base="fp8")
 
 
 @pytest.mark.slow

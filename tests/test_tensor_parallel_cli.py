@@ -19,11 +19,13 @@ from _dist import tiny_checkpoint
 from test_e2e import hfpipe
 
 
-def _finetune(model: Path, cwd: Path, *mesh, steps: int = 3, out: str | None = None, resume: bool = False):
+def _finetune(model: Path, cwd: Path, *mesh, steps: int = 3, out: str | None = None, resume: bool = False,
+              batch: int = 4):
     """``hfpipe finetune`` for ``steps`` steps (constant lr, so a resume continues the same run);
-    (metrics rows, the last checkpoint). ``mesh`` holds any other flags too (``--lora-rank``)."""
+    (metrics rows, the last checkpoint). ``mesh`` holds any other flags too (``--lora-rank``); ``batch``
+    rows per replica."""
     out = out or "out-" + "-".join(map(str, mesh)).replace("--", "")
-    run = hfpipe("finetune", model, *mesh, "--max-steps", steps, "--seq-len", 32, "--batch-size", 4,
+    run = hfpipe("finetune", model, *mesh, "--max-steps", steps, "--seq-len", 32, "--batch-size", batch,
                  "--microbatches", 2, "--lr", 3e-3, "--lr-schedule", "constant", "--output-dir", out,
                  "--save-every", steps, *(["--resume", "auto"] if resume else []), cwd=cwd, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -110,3 +112,20 @@ def test_a_tp2_checkpoint_resumes_at_tp1_on_another_pp_and_dp_mesh_equal_to_the_
     resumed = [r for r in rows if "loss" in r and r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4]
     _same_rows(resumed, [r for r in whole if "loss" in r and r["step"] > 2], f"resumed at {later} vs uninterrupted")
+
+
+@pytest.mark.slow
+def test_dp2_x_ep2_x_tp2_moe_equals_pp1_and_exports_the_source_keys(tmp_path):
+    """``--tp`` with ``--ep`` through the command: Qwen3-MoE's experts whole on each tp rank, sharded over ep.
+    ``--batch-size`` is per replica: 2 rows on each of dp 2 against 4 at dp 1."""
+    model = tiny_checkpoint("qwen3_moe", num_hidden_layers=4)
+    rows1, _ = _finetune(model, tmp_path, "--pp", 1)
+    rows2, ckpt = _finetune(model, tmp_path, "--pp", 1, "--dp", 2, "--ep", 2, "--tp", 2, batch=2)
+    _same_rows(rows2, rows1, "dp2 x ep2 x tp2 vs pp1")
+    world = json.loads((ckpt / "hfpipe.json").read_text())["world"]
+    assert (world["tp"], world["ep"], world["dp"]) == (2, 2, 2)
+    run = hfpipe("export", ckpt, tmp_path / "hf", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    source = {k: v.shape for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
+    exported = {k: v.shape for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert exported == source  # per-expert keys, whole tensors

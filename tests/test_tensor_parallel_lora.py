@@ -56,3 +56,10 @@ def test_what_tp_stages_cannot_adapt_is_refused_in_one_line(kw, match):
     with pytest.raises(LoraError, match=match) as e:
         check_tp_lora(lora_config(kw), 2)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_lora_pp2_x_dp2_x_ep2_x_tp2_deepseek_v3_mla():
+    """The routed experts frozen and whole on each tp rank, sharded over ep (8 processes): the MLA adapters
+    see the experts' outputs gathered back over tp."""
+    run_and_check("deepseek_v3", 2, ("1f1b",), DSV3_MLA_LORA, dp=2, options={"tp": 2, "ep": 2})

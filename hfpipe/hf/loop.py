@@ -8,10 +8,13 @@ What differs under a pipeline is answered here, each where the Trainer asks:
   (accelerate's own sharding, over dp instead of over every process);
 - ``training_step``: the pipeline schedule's forward and backward, the loss divided by the step's
   token count over every accumulation batch and dp replica (``num_items_in_batch``, as transformers
-  does for a causal LM), and returned equal on every rank;
+  does for a causal LM), and returned equal on every rank. Under cp every rank of a replica is handed
+  the same whole rows and keeps its own tokens of them (``Pipeline.local``, labels shifted before the
+  split): the count is taken on those, so summed over dp x cp it is the plain Trainer's;
 - clipping: the global norm over all stages (:meth:`hfpipe.train.step.PipelineTrainer.clip_gradients`);
 - the model is never wrapped (no DDP) and the optimizer never handed to accelerate;
-- evaluation: the mean of each batch's token-mean loss weighted by its rows, as ``evaluation_loop`` does.
+- evaluation: the mean of each batch's token-mean loss weighted by its rows, as ``evaluation_loop`` does
+  (rows counted over dp: the cp ranks of a replica hold the same rows).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from hfpipe.errors import ConfigError
+from hfpipe.errors import ConfigError, ParallelError
 from hfpipe.hf.options import PipelineOptions, check_layout_args, load_kwargs, see_the_world
 from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_pipeline_checkpoint,
                                save_scheduler)
@@ -45,10 +48,10 @@ class PipelineLoop:
             raise ConfigError(f"{type(self).__name__}(model=<{type(model).__name__}>): give the model's folder or "
                               "hub id; each rank then loads only its own stages")
         if options.microbatches:  # known before loading: refuse before any process group starts
-            check_layout_args(args, options.microbatches, options.dp)
+            check_layout_args(args, options.microbatches, options.dp * options.cp)
         self.pipeline = load_pipeline(str(model), **load_kwargs(load_pipeline, options, args, peft_config,
                                                                 trust_remote_code))
-        check_layout_args(args, self.pipeline.pipe.microbatches, options.dp)  # the default: one per stage
+        check_layout_args(args, self.pipeline.pipe.microbatches, options.dp * options.cp)  # the default: one per stage
         self._steps = self.pipeline.trainer(None, max_grad_norm=args.max_grad_norm)  # the Trainer steps its optimizer
         see_the_world(args)
         return PipelineStages(self.pipeline)
@@ -103,18 +106,37 @@ class PipelineLoop:
 
     # ---- the step ---------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device):
-        """The step's loss tokens over every accumulation batch and dp replica (not over every process)."""
+        """The step's loss tokens over every accumulation batch and dp (x cp) shard (not over every process)."""
         if not batch_samples:
             return None
-        return torch.tensor(self._steps.global_tokens(batch_samples), device=device)
+        return torch.tensor(self._steps.global_tokens([self._local(b) for b in batch_samples]), device=device)
+
+    def _local(self, inputs: dict) -> dict:
+        """This rank's tokens of a batch of whole rows under cp (labels shifted first); else the batch."""
+        self._check_cp_length(inputs)
+        return self.pipeline.pipe.local(inputs)
+
+    def _check_cp_length(self, inputs: dict) -> None:
+        """Under cp the sequence is cut into 2 cp chunks; told in the Trainer's terms (the collator pads the
+        rows), where ``ContextParallel.split_batch`` speaks the CLI's (``--seq-len``)."""
+        chunks, seq = 2 * self.pipeline.dist.dims.cp, inputs["input_ids"].shape[1]
+        if chunks > 2 and seq % chunks:
+            raise ParallelError(f"PipelineTrainer(cp={chunks // 2}): a batch of sequence length {seq} does not "
+                                f"split into {chunks} equal chunks; pad rows to a multiple of {chunks} (e.g. "
+                                f"the collator's pad_to_multiple_of={chunks})")
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One accumulation batch through the schedule; the loss returned is the same on every rank."""
         model.train()
         inputs = self._prepare_inputs(inputs)
         check_batches([inputs], self.pipeline.vocab_size, "PipelineTrainer.train")
+        inputs = self._local(inputs)
         tokens = self._steps.global_tokens([inputs]) if num_items_in_batch is None else int(num_items_in_batch)
-        part = self._steps.backward(inputs, tokens, self.current_gradient_accumulation_steps)
+        # A MoE router aux loss: transformers' model adds ``coef * aux`` of its whole batch to each forward's
+        # loss and the Trainer sums those over the accumulation batches (it divides by num_items_in_batch
+        # only). So one batch here counts as a step of its own for the router term (the mean over its
+        # microbatches and dp shards, hfpipe.models.router_loss), summed over accumulation like the plain one.
+        part = self._steps.backward(inputs, tokens, 1)
         return torch.tensor(self._steps.share_loss(part), dtype=torch.float32, device=self.args.device)
 
     def _track_num_input_tokens(self, inputs):
@@ -188,19 +210,21 @@ class PipelineLoop:
         for inputs in dataloader:
             inputs = self._prepare_inputs(inputs)
             n = self._global_rows(inputs["input_ids"].shape[0])
-            total += self._steps.eval_loss(inputs) * n
+            self._check_cp_length(inputs)
+            total += self._steps.eval_loss(inputs) * n  # whole rows: it takes this rank's tokens itself
             rows += n
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         metrics = {f"{metric_key_prefix}_loss": total / rows} if rows else {}
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=rows)
 
     def _global_rows(self, rows: int) -> int:
-        group = self.pipeline.dist.batch_group
-        if group is None:
+        """Rows of a batch over the dp replicas (the batch group also holds the cp ranks, which share rows)."""
+        d = self.pipeline.dist
+        if d.batch_group is None:
             return rows
-        t = torch.tensor(rows, device=self.pipeline.dist.device)
-        dist.all_reduce(t, group=group)
-        return int(t)
+        t = torch.tensor(rows, device=d.device)
+        dist.all_reduce(t, group=d.batch_group)
+        return int(t) // d.dims.cp
 
     def predict(self, *args, **kwargs):
         raise ConfigError("PipelineTrainer.predict(): the logits live on the last stage only; use evaluate() for "

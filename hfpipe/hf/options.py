@@ -16,11 +16,12 @@ class PipelineOptions:
     """How the model is split; each is :func:`hfpipe.load_pipeline`'s argument of the same name.
 
     Attributes:
-        pp: Pipeline ranks (default: WORLD_SIZE / (dp * tp)).
+        pp: Pipeline ranks (default: WORLD_SIZE / (dp * cp * tp)).
         dp: Data-parallel replicas (FSDP2); each sees its own shard of the data.
         ep: Expert-parallel degree (MoE models).
         tp: Tensor-parallel degree.
-        cp: Context-parallel degree: only 1 for now (refused otherwise, in one line).
+        cp: Context-parallel degree: each sequence split over cp ranks (head-tail balanced); the
+            collator's rows must pad to a multiple of ``2 * cp``.
         schedule: A torch schedule name (``1f1b``, ``gpipe``, ``interleaved1f1b``, ...).
         microbatches: Microbatches per batch (default: the number of stages); must divide
             ``per_device_train_batch_size``.
@@ -91,12 +92,12 @@ def check_optimizers(optimizers) -> None:
                           "(its optimizer is built on this rank's stages)")
 
 
-def check_layout_args(args, microbatches: int, dp: int = 1) -> None:
+def check_layout_args(args, microbatches: int, shards: int = 1) -> None:
     """Each batch is cut into ``microbatches`` rows-wise: the Trainer's batch sizes must be multiples of it.
-    Over dp replicas the loss is divided by the tokens of all of them, as ``average_tokens_across_devices``."""
-    if dp > 1 and not getattr(args, "average_tokens_across_devices", True):
+    Over ``shards`` (dp x cp) the loss is divided by the tokens of all of them, as ``average_tokens_across_devices``."""
+    if shards > 1 and not getattr(args, "average_tokens_across_devices", True):
         raise ConfigError("TrainingArguments(average_tokens_across_devices=False): the pipeline divides the loss by "
-                          "the tokens of every dp replica; drop it (True is the default)")
+                          "the tokens of every dp (and cp) shard; drop it (True is the default)")
     names = ["per_device_train_batch_size"]
     if str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
         names.append("per_device_eval_batch_size")
@@ -110,16 +111,11 @@ def check_layout_args(args, microbatches: int, dp: int = 1) -> None:
 def load_kwargs(load_pipeline, options: PipelineOptions, args, peft_config, trust_remote_code: bool) -> dict:
     """``load_pipeline``'s keywords for these options and TrainingArguments."""
     checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
-    kwargs = dict(pp=options.pp, dp=options.dp, ep=options.ep, tp=options.tp, schedule=options.schedule,
+    kwargs = dict(pp=options.pp, dp=options.dp, ep=options.ep, tp=options.tp, cp=options.cp, schedule=options.schedule,
                   microbatches=options.microbatches, layout=options.layout,
                   dtype="bf16-mixed" if args.bf16 else "fp32",
                   activation_checkpointing="full" if checkpointing else "none",
                   lora=peft_config, seed=args.seed, trust_remote_code=trust_remote_code)
-    if options.cp != 1:
-        # The Trainer's loop counts a step's tokens on whole rows (hfpipe.hf.loop), while under cp each rank
-        # holds a part of every row: the token count would be cp times too large. Not wired yet.
-        raise ConfigError(f"PipelineTrainer(cp={options.cp!r}): context parallelism is not wired into the "
-                          "Trainer's loop yet; drop cp, or use hfpipe finetune --cp / load_pipeline(cp=...)")
     return kwargs
 
 

@@ -46,7 +46,8 @@ class PipelineSFTTrainer(PipelineLoop, SFTTrainer):
     """TRL's ``SFTTrainer`` whose model is split into pipeline stages over the launched processes.
 
     Takes ``SFTTrainer``'s arguments, with ``model`` a folder or hub id and the pipeline's keywords of
-    :class:`hfpipe.hf.trainer.PipelineTrainer` (``pp``, ``dp``, ``schedule``, ``microbatches``, ...).
+    :class:`hfpipe.hf.trainer.PipelineTrainer` (``pp``, ``dp``, ``tp``, ``ep``, ``cp``, ``schedule``, ...);
+    under ``cp`` set ``SFTConfig(pad_to_multiple_of=2 * cp)``.
     ``peft_config`` gives PEFT's LoRA on the stages (through ``load_pipeline``, not ``get_peft_model``).
     """
 

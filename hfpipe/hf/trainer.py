@@ -32,7 +32,8 @@ class PipelineTrainer(PipelineLoop, Trainer):
             ``gradient_accumulation_steps``, the optimizer, scheduler, ``max_grad_norm``, ``bf16``,
             ``gradient_checkpointing``, logging, evaluation and saving keep their meaning.
         pp, dp, ep, tp, cp, schedule, microbatches, layout: The pipeline's layout
-            (:class:`hfpipe.hf.options.PipelineOptions`).
+            (:class:`hfpipe.hf.options.PipelineOptions`); the world is pp x dp x cp x tp processes.
+            Under ``cp`` the collator must pad rows to a multiple of ``2 * cp`` (``pad_to_multiple_of``).
         peft_config: A ``peft.LoraConfig``: PEFT's LoRA adapters on the stages (base frozen).
         trust_remote_code: Allow a config that needs remote code.
         optimizers: ``(params -> optimizer, optimizer -> scheduler)`` callables, either may be ``None``.

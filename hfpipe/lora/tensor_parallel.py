@@ -49,7 +49,7 @@ def check_tp_lora(config, tp: int, dropout: float | None = None) -> None:
         return
     if config.target_parameters:
         raise LoraError(f"--tp {tp} with LoRA on the routed experts ({', '.join(config.target_parameters)}): "
-                        "adapters on tp-split expert stacks are not built; name the attention and dense "
+                        "adapters on the experts of tensor-parallel stages are not built; name the attention and dense "
                         "MLP layers in --lora-targets (e.g. q_proj,k_proj,v_proj,o_proj) or use --tp 1")
     targets = config.target_modules
     named = [targets] if isinstance(targets, str) else sorted(targets or ())

@@ -76,6 +76,13 @@ class ParallelDims:
         return self.batch_dims
 
     @property
+    def expert_replica_dims(self) -> tuple[str, ...]:
+        """Ranks of the expert view holding the same routed experts, which see different tokens: FSDP2 shards
+        the experts over them and sums their gradients. edp; cp (other tokens of the same rows); tp (each tp
+        rank dispatches its own slice of the replica's tokens, transformers' ``AllToAllEP``)."""
+        return ("edp",) + tuple(d for d in ("cp", "tp") if getattr(self, d) > 1)
+
+    @property
     def grad_divide_factor(self) -> int:
         """What FSDP divides a summed gradient by (it averages over :attr:`fsdp_dims`): each rank's loss is
         scaled up by it, so that the step's gradient is the sum over every token / the global count."""

@@ -16,8 +16,17 @@ Where hfpipe differs from ``transformers.distributed``, and why:
   ``ep`` consecutive dp ranks at one pipeline rank, and the ``dp / ep`` ranks holding the same experts
   form the "edp" group.
 - FSDP2 (:func:`shard_moe_layer`) wraps attention and the MoE block as separate units and the experts as a
-  unit of their own over edp (edp x cp under --cp). Their gradients are summed over it and divided by
-  dp (x cp), as the dense parameters' are averaged over dp (x cp).
+  unit of their own over the ranks that hold them and see other tokens: edp, x cp under --cp, x tp under
+  --tp. Their gradients are summed over it and divided by dp (x cp), as the dense parameters' are averaged
+  over dp (x cp).
+
+With ``--tp`` the routed experts are *not* split over tp (Megatron's expert tensor parallelism 1): each tp rank
+holds its ep shard of whole experts (the tp plan leaves them out, :func:`hfpipe.parallel.tensor_plan.stage_tp_plan`).
+``AllToAllEP`` is given the tp mesh: the ranks of a tp group share one batch, each dispatches a disjoint slice
+of its tokens over ep, and the outputs are all-gathered back over tp, so no token is computed twice. Hence the
+experts' gradient sum over tp above. The router runs whole on every tp rank, and the all-gather's backward
+hands each the whole routing-weight gradient: its gradient is whole and equal on every tp rank, as
+one-process transformers has it (tests/test_tensor_expert_parallel.py checks both against it).
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ def shard_experts(modules, expert_mesh) -> int:
         for regex, style in patterns:  # plan order: the parameters before their module
             plan.update({n: style for n in names if regex.match(n)})
         count += sum(1 for s in plan.values() if s == "ep_dispatch_experts")
-        # tp: which ranks share a batch, for transformers' all-to-all (size 1 until tensor parallelism lands)
+        # tp: the ranks that share a batch; each dispatches its slice of the tokens (size 1 without --tp)
         apply_expert_parallelism(stage, expert_mesh["ep"], expert_mesh["tp"], plan, ep_implementation="all_to_all")
     return count
 
@@ -73,17 +82,17 @@ def shard_moe_layer(layer: nn.Module, fsdp_mesh, replica_mesh, mp, divide_factor
     """FSDP2 for one decoder layer with sharded experts (called before the layer's own ``fully_shard``).
 
     The experts are a unit over ``replica_mesh`` (edp, x cp under --cp: the cp ranks route other tokens of
-    the same rows through the same experts). Attention and the MoE block are units of their own over dp: then the
-    layer's reduce-scatters never fire between the MoE block's two backward all-to-alls, which
-    deadlocks when ranks of one ep group wait in different collectives. The experts shard on dim 1 (or
-    the first later dim edp divides): dim 0 is already split over ep, and a second split of it would need
-    a strided placement. ``divide_factor`` is what the dense gradients are averaged over
-    (:attr:`hfpipe.parallel.dims.ParallelDims.grad_divide_factor`).
+    the same rows through the same experts; x tp under --tp: each tp rank routes its slice of the tokens).
+    Attention and the MoE block are units of their own over dp: then the layer's reduce-scatters never fire
+    between the MoE block's two backward all-to-alls, which deadlocks when ranks of one ep group wait in
+    different collectives. The experts shard on dim 1 (or the first later dim the replicas divide): dim 0
+    is already split over ep, and a second split of it would need a strided placement. ``divide_factor`` is
+    what the dense gradients are averaged over (:attr:`hfpipe.parallel.dims.ParallelDims.grad_divide_factor`).
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    edp_mesh = replica_mesh  # Dist.expert_replica_mesh: edp, or edp x cp flattened
+    edp_mesh = replica_mesh  # Dist.expert_replica_mesh: edp, or edp x cp or edp x tp flattened
     edp = edp_mesh.size()
     for experts in experts_of(layer):
         if not _has_params(experts):

@@ -182,13 +182,14 @@ class Dist:
 
     def expert_replica_mesh(self):
         """The ranks holding the same routed experts, which FSDP2 shards them over and sums their gradients
-        over: edp, and with --cp the cp ranks beside them (they route other tokens of the same rows)."""
-        experts = self.expert_mesh()
-        if self.dims.cp == 1:
-            return experts["edp"]
-        if "edp_cp" not in self._cache:
-            self._cache["edp_cp"] = experts[("edp", "cp")]._flatten("edp_cp")
-        return self._cache["edp_cp"]
+        over (:attr:`~hfpipe.parallel.dims.ParallelDims.expert_replica_dims`: edp, x cp, x tp), one dimension."""
+        experts, names = self.expert_mesh(), self.dims.expert_replica_dims
+        if len(names) == 1:
+            return experts[names[0]]
+        key = "_".join(names)
+        if key not in self._cache:
+            self._cache[key] = experts[names]._flatten(key)
+        return self._cache[key]
 
     def tied_group(self, first: int, last: int):
         """This rank's {first, last} pipeline-rank pair for a tied embedding's two copies, or ``None``

@@ -150,7 +150,8 @@ class _VocabEmbedding(ParallelStyle):
 
 
 class _Experts(ParallelStyle):
-    """Fused MoE expert stacks split along the intermediate size: transformers' own styles.
+    """Fused MoE expert stacks split along the intermediate size: transformers' own styles (without ``--ep``;
+    with it the experts stay whole on each tp rank, :mod:`hfpipe.parallel.expert`).
 
     ``gate_up_proj`` [E, 2I, H] is packed (gate then up), so each rank takes its rows of both halves
     (``packed_colwise``); ``down_proj`` [E, H, I] by its last dim; the forward runs on the local
@@ -188,7 +189,8 @@ def check_tp_config(config, tp_size: int) -> None:
                                       f"cannot split evenly; choose a --tp that divides it")
 
 
-def stage_tp_plan(config, stage_module_names, sequence_parallel: bool, tp_size: int) -> dict[str, ParallelStyle]:
+def stage_tp_plan(config, stage_module_names, sequence_parallel: bool, tp_size: int,
+                  experts_whole: bool = False) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan of one stage, keyed by the stage's own module names.
 
     Args:
@@ -198,6 +200,9 @@ def stage_tp_plan(config, stage_module_names, sequence_parallel: bool, tp_size: 
         sequence_parallel: Shard the residual stream by sequence inside the stage's layers (norms
             run on 1/tp of the tokens; the all-reduces become reduce-scatter + all-gather).
         tp_size: Ranks of the tp mesh.
+        experts_whole: The routed experts are sharded over ep (``--ep``): leave them out, each tp rank
+            holds whole experts and dispatches its own slice of the tokens (Megatron's expert tensor
+            parallelism 1; transformers' ``AllToAllEP`` with a tp mesh, :mod:`hfpipe.parallel.expert`).
 
     Raises:
         TensorParallelError: see :func:`check_tp_config`.
@@ -211,7 +216,7 @@ def stage_tp_plan(config, stage_module_names, sequence_parallel: bool, tp_size: 
         plan["model.embed_tokens"] = _VocabEmbedding(Shard(1) if sequence_parallel else Replicate())
     shipped = {**config.base_model_tp_plan, **_EXTRA_PLANS.get(config.model_type, {})}
     for layer in layers:
-        plan.update(_layer_plan(config, shipped, layer, names, sequence_parallel))
+        plan.update(_layer_plan(config, shipped, layer, names, sequence_parallel, experts_whole))
     if sequence_parallel and layers:
         plan.update(_boundaries(layers[0], layers[-1], first_stage="model.embed_tokens" in names))
     if "lm_head" in names:  # the logits stay split over the vocabulary: the loss never gathers them
@@ -220,7 +225,8 @@ def stage_tp_plan(config, stage_module_names, sequence_parallel: bool, tp_size: 
     return plan
 
 
-def _layer_plan(config, shipped: dict, layer: str, names: set, sp: bool) -> dict[str, ParallelStyle]:
+def _layer_plan(config, shipped: dict, layer: str, names: set, sp: bool,
+                experts_whole: bool) -> dict[str, ParallelStyle]:
     """One decoder layer's entries: the shipped styles, and sequence parallelism around them."""
     moe = f"{layer}.mlp.experts" in names
     plan: dict[str, ParallelStyle] = {}
@@ -231,6 +237,8 @@ def _layer_plan(config, shipped: dict, layer: str, names: set, sp: bool) -> dict
             continue  # a parameter of the experts' stacks: _Experts on their module splits it
         if name not in names:
             continue  # a part this layer lacks (a dense layer's experts, a MoE layer's dense MLP)
+        if experts_whole and style == "moe_tp_experts":
+            continue  # sharded over ep instead, whole on each tp rank
         plan[name] = _style(config, style, sp and _feeds_residual(layer, name, moe))
     if not sp:
         return plan
@@ -241,7 +249,7 @@ def _layer_plan(config, shipped: dict, layer: str, names: set, sp: bool) -> dict
     plan[f"{layer}.self_attn"] = PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
         use_local_output=True)
-    if moe:  # experts and shared experts return whole, summed outputs: keep this rank's tokens
+    if moe:  # experts and shared experts return whole outputs (summed, or under ep gathered): keep this rank's tokens
         plan[f"{layer}.mlp"] = PrepareModuleInputOutput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
             output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)

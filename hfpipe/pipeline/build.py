@@ -8,11 +8,11 @@ shape or storage comes before one that wraps it):
  when    step            what it does
 ======  ==============  =========================================================================
  meta    build           the stage's transformers modules under the full model's names (models/stage.py)
+ meta    ``apply_tp``    every matrix split over tp (transformers' plan, hfpipe.parallel.tensor_plan), so
+                         the loader then reads only a rank's slice; an FP8 base's codes and tile scales are
+                         split together (hfpipe.quant.tensor_parallel), so under tp ``apply_quant`` runs first
  meta    ``apply_ep``    routed experts sharded over ep (transformers' expert-parallel plan)
  meta    ``apply_quant`` a LoRA base's linears and expert stacks swapped for quantized storage
- meta    ``apply_tp``    every matrix split over tp (transformers' plan, hfpipe.parallel.tensor_plan), so
-                         the loader then reads only a rank's slice; an FP8 linear's codes and tile scales
-                         split together (hfpipe.quant.tensor_parallel), so it is swapped in first
  meta    ``apply_ac``    activation checkpointing of each decoder layer
  load    ``load``        this rank's bytes only, into what the steps above left (pipeline/load.py)
  loaded  ``apply_cp``    attention through the gathered-K/V function (hfpipe.parallel.context); the stage
@@ -217,7 +217,7 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
                                     dist.expert_mesh() if dist.dims.ep > 1 else None)
     if dist.dims.cp > 1:
         apply_cp(modules, ContextParallel(dist.cp_group, dist.dims.cp, dist.cp_rank))
-    lora = apply_lora(modules, options, dist.mesh["tp"] if dist.dims.tp > 1 else None)
+    lora = apply_lora(modules, options, dist.mesh["tp"] if dist.dims.tp > 1 else None, dist.dims.ep > 1)
     apply_fsdp(modules, dist, options)
     return modules, stats, lora
 
@@ -236,24 +236,29 @@ def _loaded_stages(source, plan, pp_rank: int, device, options: StageOptions, lo
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), options.param_dtype,
                                   adapter=adapter_for(config))
-    if expert_mesh is not None:  # (tp and ep are not combined: hfpipe.parallel.rules)
-        apply_ep(modules, expert_mesh)
-    quantizer = apply_quant(modules, source.config, options, tp_mesh.size() if tp_mesh is not None else 1)
+    quantizer = None
+    if tp_mesh is not None and options.quantize is not None:  # FP8 storage first: tp splits it on its tiles
+        quantizer = apply_quant(modules, source.config, options, tp_mesh.size())  # (no --ep: rules refuse it)
     if tp_mesh is not None:
-        apply_tp(modules, tp_mesh, options)
+        apply_tp(modules, tp_mesh, options, experts_whole=expert_mesh is not None)
+    if expert_mesh is not None:
+        apply_ep(modules, expert_mesh)
+    if quantizer is None:
+        quantizer = apply_quant(modules, source.config, options)
     apply_ac(modules, options)
     return modules, load_stage_weights(modules, source, device, load_dtype, quantizer)
 
 
-def apply_tp(modules: list, tp_mesh, options: StageOptions) -> None:
-    """Every matrix of the meta stage split over ``tp_mesh`` (a stage still takes and returns whole tensors)."""
+def apply_tp(modules: list, tp_mesh, options: StageOptions, experts_whole: bool = False) -> None:
+    """Every matrix of the meta stage split over ``tp_mesh`` (a stage still takes and returns whole tensors);
+    but the routed experts when ``experts_whole`` (``--ep`` shards them next, whole on each tp rank)."""
     from hfpipe.parallel.tensor import apply_tp as split
     from hfpipe.parallel.tensor_plan import stage_tp_plan
     from hfpipe.quant.tensor_parallel import fp8_tp_plan
 
     for m in modules:
         names = [n for n, _ in m.named_modules()]
-        plan = stage_tp_plan(m.config, names, options.sequence_parallel, tp_mesh.size())
+        plan = stage_tp_plan(m.config, names, options.sequence_parallel, tp_mesh.size(), experts_whole)
         split(m, tp_mesh, fp8_tp_plan(m, plan))  # an FP8 linear's own split (a no-op without one)
 
 
@@ -288,7 +293,7 @@ def apply_ac(modules: list, options: StageOptions) -> None:
         m.hidden_dtype = options.compute_dtype
 
 
-def apply_lora(modules: list, options: StageOptions, tp_mesh=None):
+def apply_lora(modules: list, options: StageOptions, tp_mesh=None, experts_whole: bool = False):
     """PEFT's LoRA adapters on the loaded stage (base frozen); returns the resolved ``LoraConfig``.
 
     Under ``--tp`` each adapter is then split as its base layer is (:mod:`hfpipe.lora.tensor_parallel`).
@@ -299,7 +304,7 @@ def apply_lora(modules: list, options: StageOptions, tp_mesh=None):
     from hfpipe.lora.experts import attach_expert_adapters, stacks_as_parameters
 
     lora = resolve_config(options.lora, modules[0]._hf_model)
-    plans = _tp_plans(modules, options, tp_mesh, lora)  # keyed by the names PEFT is about to wrap
+    plans = _tp_plans(modules, options, tp_mesh, lora, experts_whole)  # keyed by the names PEFT is about to wrap
     with stacks_as_parameters(modules, options.param_dtype):  # quantized expert stacks: PEFT adapts parameters
         add_adapters(modules, lora, seed=options.seed)
     attach_expert_adapters(modules)  # quantized or ep-split experts: hfpipe's experts forward adapts them
@@ -310,15 +315,15 @@ def apply_lora(modules: list, options: StageOptions, tp_mesh=None):
     return lora
 
 
-def _tp_plans(modules: list, options: StageOptions, tp_mesh, lora) -> list | None:
+def _tp_plans(modules: list, options: StageOptions, tp_mesh, lora, experts_whole: bool) -> list | None:
     if tp_mesh is None:
         return None
     from hfpipe.lora.tensor_parallel import check_tp_lora
     from hfpipe.parallel.tensor_plan import stage_tp_plan
 
     check_tp_lora(lora, tp_mesh.size())
-    return [stage_tp_plan(m.config, [n for n, _ in m.named_modules()], options.sequence_parallel, tp_mesh.size())
-            for m in modules]
+    return [stage_tp_plan(m.config, [n for n, _ in m.named_modules()], options.sequence_parallel, tp_mesh.size(),
+                          experts_whole) for m in modules]
 
 
 def apply_fsdp(modules: list, dist, options: StageOptions) -> None:

@@ -157,11 +157,16 @@ def _layer_params(layer: torch.nn.Module, expert_fraction: float) -> tuple[int, 
     return total, total - routed + routed * expert_fraction, routed > 0, routed, replicated
 
 
+#: MLA's down-projections, which hfpipe's tp plan leaves whole (hfpipe.parallel.tensor_plan's _MLA_PLAN: q_a_proj
+#: is not in it, kv_a_proj_with_mqa only sums its rope key's gradient): every rank runs them on the whole input.
+_WHOLE_MATRICES = ("q_a_proj", "kv_a_proj_with_mqa")
+
+
 def _replicated(name: str) -> bool:
     """Whether tensor parallelism keeps a parameter whole on every rank: the norms (layer, q/k and
-    MLA's low-rank ones) and a MoE router (``mlp.gate``); every matrix else is split."""
+    MLA's low-rank ones), a MoE router (``mlp.gate``) and MLA's down-projections; every matrix else is split."""
     parts = name.split(".")
-    return "gate" in parts or any("norm" in part for part in parts)
+    return "gate" in parts or any("norm" in part for part in parts) or any(p in _WHOLE_MATRICES for p in parts)
 
 
 def _attention_flops(config, seq_len: int) -> list[float]:

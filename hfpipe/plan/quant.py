@@ -131,9 +131,10 @@ def _quantized_bytes(kind: str, params: float, tiles: float) -> float:
     return params * QUANT_BYTES["fp8"] + 4 * tiles
 
 
-def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int, ep: int) -> tuple:
+def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int, ep: int, tp: int = 1) -> tuple:
     """LoRA ranks (:func:`hfpipe.lora.memory.describe_plan`'s) with the frozen base re-priced: its
-    routed experts sharded over ``dp / ep`` and, with ``kind``, its linear weights quantized.
+    routed experts sharded over ``dp / ep`` (x ``tp``: whole on each tp rank) and, with ``kind``, its linear
+    weights quantized.
 
     ``describe_plan`` priced every base parameter a rank holds at a frozen full-precision weight's
     bytes over ``dp``; that part is replaced here, the adapters' bytes are kept.
@@ -147,15 +148,15 @@ def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int,
         layers = [i for s in plan.stages_of_rank(r.rank) for i in s.layers]
         routed = sum(costs.layer_routed_params[i] for i in layers) // ep
         adapters = r.weight_bytes - int(r.params * param_bytes(dtype, dp)[0])
-        base, transient = _base_bytes(r.params, routed, layers, per_layer, kind, dtype, dp, ep)
+        base, transient = _base_bytes(r.params, routed, layers, per_layer, kind, dtype, dp, ep, tp)
         out.append(dataclasses.replace(r, weight_bytes=int(base) + adapters, transient_bytes=int(transient)))
     return tuple(out)
 
 
-def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, dp: int, ep: int):
+def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, dp: int, ep: int, tp: int):
     """(frozen base bytes, transient dequantized bytes) of a rank holding ``params`` base
     parameters, ``routed`` of them routed experts (already cut to ``1 / ep``)."""
-    edp = dp // ep
+    edp = dp // ep * tp  # the ranks holding the same experts (whole on each tp rank)
     full, full_e = param_bytes(dtype, dp)[0], param_bytes(dtype, edp)[0]
     if not kind:
         return (params - routed) * full + routed * full_e, 0

@@ -52,7 +52,8 @@ dp too and counts FSDP2's traffic (both: :mod:`hfpipe.plan.tensor`).
 keeps, shards weights, gradients and AdamW state over dp x cp and counts the K/V gathers
 (:mod:`hfpipe.plan.context`).
 ``ep > 1`` re-prices each rank's routed experts (:mod:`hfpipe.plan.experts`: ``1/ep`` of them,
-FSDP2 over ``dp/ep``) and counts the all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
+FSDP2 over ``dp/ep``; with tp, whole on each tp rank and FSDP2 over ``dp/ep x tp``) and counts the
+all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
 its frozen base (:mod:`hfpipe.plan.quant`) and adds the transient dequantized weight.
 """
 
@@ -235,26 +236,29 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r]) for r in range(pp))
-    ranks = price_ep(ranks, plan, costs, dtype, shards, ep, reshard)
+    # tp first: under ep the routed experts stay whole over tp, and price_ep then prices each rank's 1 / ep of
+    # them as FSDP2 shards over the dp / ep x tp ranks that hold them (hfpipe.plan.experts)
+    ranks = price_ep(tensor.price_ranks(ranks, plan, costs, tp, ep), plan, costs, dtype, shards, ep, reshard, tp)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total = costs.embed_params + sum(costs.layer_params) + costs.head_params
-    lora, notes = None, []
+    lora, notes, adapters = None, [], None
     if lora_rank is not None:
-        from hfpipe.plan.lora import describe_plan
+        from hfpipe.plan.lora import describe_plan, tp_adapters
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
-                                    total - costs.embed_params * tied, shards)
+                                    total - costs.embed_params * tied, shards, tp)
+        adapters = tp_adapters(config, lora_rank, lora_targets, tp) if tp > 1 else None
         if ep > 1 or quantize_base:
-            ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep)
+            ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep, tp)
     ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, shards, ep, tp, sp, reshard, m, tokens,
-                                    activation_checkpointing)
+                                    activation_checkpointing, adapters)
     cp_bytes = context.cp_traffic(plan, config, cp, tp, m, batch // m, seq_len, dtype, activation_checkpointing)
     ranks = tuple(dataclasses.replace(r, cp_bytes=c) for r, c in zip(ranks, cp_bytes))
     notes += lines + context.describe(cp, dp, cp_bytes, [r.fsdp_bytes for r in ranks], _size)
     if ep > 1:
-        a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing)
+        a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing, tp)
         ranks = tuple(dataclasses.replace(r, all_to_all_bytes=a) for r, a in zip(ranks, a2a))
-        notes.append(describe_ep(config, ep, dp, a2a, _size, dtype, frozen=lora_rank is not None))
+        notes.append(describe_ep(config, ep, dp, a2a, _size, dtype, frozen=lora_rank is not None, tp=tp))
     if quantize_base:
         notes.append(describe_quant(quantize_base, ranks, _size))
     notes += idle_ranks(plan)
@@ -269,18 +273,18 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         reshard_per_microbatch=reshard, cp=cp)
 
 
-def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens, ac):
-    """``ranks`` cut to one tensor-parallel rank's share, with FSDP2's gathered unit when it reshards
+def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens, ac, adapters):
+    """``ranks`` (already one tensor-parallel rank's share) with FSDP2's gathered unit when it reshards
     per microbatch, and the traffic of both (:mod:`hfpipe.plan.tensor`); and the lines that say so."""
-    ranks = tensor.price_ranks(ranks, plan, costs, tp)
     if reshard:
         ranks = tensor.gathered_unit(ranks, plan, costs, dtype, tp, ep)
-    tp_bytes = tensor.tp_traffic(plan, costs, _hidden_elements(config), tp, m, tokens, dtype, ac,
-                                  sequence_parallel=sp)
+    tp_bytes = tensor.tp_traffic(plan, costs, config, tp, m, tokens, dtype, ac, sequence_parallel=sp, ep=ep,
+                                 adapters=adapters, reshard=reshard)
     traffic = [tensor.fsdp_traffic(plan, costs, dtype, dp, ep, tp, m, r) for r in (False, reshard)]
     ranks = tuple(dataclasses.replace(r, tp_bytes=t, fsdp_bytes=f)
                   for r, t, f in zip(ranks, tp_bytes, traffic[1]))
-    return ranks, tensor.describe(tp, sp, dp, reshard, tp_bytes, *traffic, _size)
+    return ranks, tensor.describe(tp, sp, dp, reshard, tp_bytes, *traffic, _size, ep=ep,
+                                  mla=bool(getattr(config, "kv_lora_rank", None)))
 
 
 def _hidden_elements(config) -> int:

@@ -1,10 +1,12 @@
 """What tensor parallelism (``--tp N``) and FSDP resharding per microbatch cost each rank, for ``hfpipe plan``.
 
 **Tensor parallelism** splits every matrix of a decoder layer (q/k/v/o, gate/up/down, each
-expert's matrices) over ``tp`` ranks, and the embedding and head by vocabulary rows; the norms and
-a MoE router stay whole on every rank (:func:`hfpipe.plan.cost._replicated` counts them). A rank's
-weights, gradients and optimizer state then scale by the share of parameters it keeps:
-``(params - whole) / tp + whole``.
+expert's matrices) over ``tp`` ranks, and the embedding and head by vocabulary rows; the norms, a
+MoE router and MLA's down-projections stay whole on every rank (:func:`hfpipe.plan.cost._replicated`
+counts them). A rank's weights, gradients and optimizer state then scale by the share of parameters
+it keeps: ``(params - whole) / tp + whole``. Under ``--ep`` the routed experts are not split: each tp
+rank holds its ep shard whole (:mod:`hfpipe.plan.experts` prices them; :func:`price_ranks` leaves them
+as priced).
 
 Activations follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
 Models"): of a GPT block's ``34 * h`` bytes per token, tensor parallelism alone divides ``24 * h``
@@ -16,24 +18,29 @@ activation checkpointing is a residual: whole without sequence parallelism, ``1 
 head's logits are vocabulary-parallel (``1 / tp``).
 
 Collectives per microbatch, as hfpipe's plan runs them (counted at torch's dispatcher by
-``bench/tp.py``, measured / planned 1.00 on a dense Llama). In units of one all-reduce of the
-microbatch's hidden states (a ring moves ``2 * (tp - 1) / tp * size`` per rank; an all-gather or a
-reduce-scatter half of it):
+``bench/tp.py``: measured / planned 1.00 on Llama, Qwen3-MoE and DeepSeek-V3). In units of one
+all-reduce of the microbatch's hidden states (a ring moves ``2 * (tp - 1) / tp * size`` per rank; an
+all-gather or a reduce-scatter half of it):
 
-- a decoder layer: 2 in forward (after attention and after the MLP: all-reduces, or under sequence
-  parallelism an all-gather before and a reduce-scatter after each); in backward, one all-reduce for
-  *each* column-split projection that reads the layer's hidden states (q, k, v, gate, up: 5 on a
-  dense Llama-type layer), because every ``ColwiseParallel`` sums its own input gradient, and under
-  sequence parallelism 1 more (the all-gathers of the two reduce-scatters' gradients). Megatron sums
-  one gradient per block instead (2 in all): hfpipe's backward moves more, and this prices what it moves.
-  A recomputed layer runs its forward pair once more.
+- a decoder layer: its family's count (:mod:`hfpipe.plan.tensor_comm`: attention, MLA, a dense MLP,
+  routed and shared experts, sequence parallelism, LoRA's adapters). A dense Llama-type layer: 2 in
+  forward (after attention and after the MLP: all-reduces, or under sequence parallelism an
+  all-gather before and a reduce-scatter after each); in backward one all-reduce for *each*
+  column-split projection that reads the layer's hidden states (q, k, v, gate, up: 5), because every
+  ``ColwiseParallel`` sums its own input gradient, and under sequence parallelism 1 more (the
+  all-gathers of the two reduce-scatters' gradients). Megatron sums one gradient per block instead
+  (2 in all): hfpipe's backward moves more, and this prices what it moves. A recomputed layer runs its
+  forward once more.
 - the first stage's vocabulary-parallel embedding: 1 (an all-reduce, or a reduce-scatter and its
   backward all-gather); under sequence parallelism each stage gathers its last layer's output (1/2)
   and a later stage's first layer takes its gradient gathered (1/2); the head's column split sums its
   input gradient (1); the vocabulary-parallel loss all-reduces 3 fp32 values per token.
+- once per step, the gradients left as partial sums over tp (norms under sequence parallelism,
+  Qwen3's head norms, a rowwise base's ``lora_B``) are all-reduced, and so is the gradient norm's
+  squared sum (one fp32; clipping is on by default).
 
-MoE and MLA layers run other collectives (the experts' summed outputs, MLA's narrower latents): they are
-priced as a dense layer, approximately.
+Under ``--ep`` the routed experts are not split over tp: each tp rank keeps its ep share of them
+whole (weights, gradients and optimizer state not divided by tp) and runs 1/tp of the tokens.
 
 **FSDP resharded per microbatch** (``--reshard-per-microbatch``): instead of holding its stage's
 compute-dtype weights gathered and its gradients unsharded for the whole step, a rank reshards
@@ -53,7 +60,8 @@ from __future__ import annotations
 import dataclasses
 
 from hfpipe.errors import PlanError
-from hfpipe.plan.memory import ACT_BYTES, fsdp_bytes
+from hfpipe.plan.memory import ACT_BYTES, BYTES_PER_PARAM, fsdp_bytes
+from hfpipe.plan.tensor_comm import LORA_BYTES, Adapters, adapter_comm, layer_comm, step_partials
 
 __all__ = ["check_tp", "describe", "fsdp_traffic", "gathered_unit", "layer_bytes", "price_ranks",
            "tp_traffic"]
@@ -78,14 +86,15 @@ def layer_bytes(per_layer: tuple[int, ...], tp: int, sp: bool) -> tuple[int, ...
     return tuple(int(b * share) for b in per_layer)
 
 
-def price_ranks(ranks, plan, costs, tp: int) -> tuple:
+def price_ranks(ranks, plan, costs, tp: int, ep: int = 1) -> tuple:
     """``ranks`` with weights, gradients, optimizer state and dequantized weights cut to the share
-    of parameters one tensor-parallel rank keeps (the norms and routers stay whole)."""
+    of parameters one tensor-parallel rank keeps (the norms and routers stay whole; under ``ep`` the
+    routed experts too, which :func:`hfpipe.plan.experts.price_ranks` then cuts to ``1 / ep``)."""
     if tp == 1:
         return tuple(ranks)
     out = []
     for r in ranks:
-        whole = _replicated_on(plan, r.rank, costs)
+        whole = _replicated_on(plan, r.rank, costs) + (_routed_on(plan, r.rank, costs) if ep > 1 else 0)
         params = (r.params - whole) // tp + whole
         share = params / max(1, r.params)
         out.append(dataclasses.replace(
@@ -100,12 +109,18 @@ def _replicated_on(plan, rank: int, costs) -> int:
         costs.head_replicated_params for s in plan.stages_of_rank(rank) if s.head)
 
 
+def _routed_on(plan, rank: int, costs) -> int:
+    routed = costs.layer_routed_params
+    return sum(routed[i] for s in plan.stages_of_rank(rank) for i in s.layers) if routed else 0
+
+
 def _held(costs, layer: int, tp: int, ep: int) -> tuple[float, float]:
-    """(params FSDP shards over dp, routed-expert params it shards over dp / ep) of one layer on a rank."""
+    """(params FSDP shards over dp, routed-expert params it shards over dp / ep, x tp) of one layer on a
+    rank. Under ep the experts are whole on each tp rank; without it tp splits them."""
     routed = costs.layer_routed_params[layer] if costs.layer_routed_params else 0
     whole = costs.layer_replicated_params[layer] if costs.layer_replicated_params else 0
     other = costs.layer_params[layer] - routed
-    return (other - whole) / tp + whole, routed / ep / tp
+    return (other - whole) / tp + whole, routed / ep / (1 if ep > 1 else tp)  # under ep, experts whole over tp
 
 
 def _root(costs, stage, tp: int) -> float:
@@ -127,32 +142,56 @@ def gathered_unit(ranks, plan, costs, dtype: str, tp: int, ep: int) -> tuple:
     return tuple(out)
 
 
-def tp_traffic(plan, costs, hidden: int, tp: int, microbatches: int, tokens: int, dtype: str,
-               ac: str, *, sequence_parallel: bool = True, readers: int = 5) -> tuple[int, ...]:
+def tp_traffic(plan, costs, config, tp: int, microbatches: int, tokens: int, dtype: str, ac: str, *,
+               sequence_parallel: bool = True, ep: int = 1, adapters: Adapters | None = None,
+               reshard: bool = False) -> tuple[int, ...]:
     """Per pipeline rank, the bytes one GPU moves in tensor-parallel collectives per schedule step.
 
     Args:
-        hidden: Elements per token of the hidden states between layers (``h``; ``hc * h`` for streams).
+        config: The model's config: each layer's collectives are its family's
+            (:func:`hfpipe.plan.tensor_comm.layer_comm`).
         sequence_parallel: Whether the run splits activations by sequence (the runtime's default).
-        readers: Column-split projections per layer that read its hidden states (module docstring).
+        ep: Expert-parallel degree (the routed experts then stay whole over tp).
+        adapters: A LoRA run's :class:`~hfpipe.plan.tensor_comm.Adapters`
+            (:func:`hfpipe.plan.lora.tp_adapters`); ``None`` for full fine-tuning.
+        reshard: FSDP2 reshards every microbatch (the partial gradients are then reduced each one).
     """
     if tp == 1:
         return (0,) * plan.pp
-    one = 2 * (tp - 1) / tp * tokens * hidden * ACT_BYTES[dtype]  # one all-reduce (or AG + RS)
-    loss = 3 * 2 * (tp - 1) / tp * tokens * 4  # max, sum of exp and the target logit, fp32 per token
+    sp, act = sequence_parallel, ACT_BYTES[dtype]
+    ring, h = 2 * (tp - 1) / tp, config.hidden_size * act
+    lora = adapters.layers if adapters is not None else {}
+    comm = [_layer(config, costs.is_moe[i], sp, act, ep, lora.get(i)) for i in range(len(costs.layers))]
+    # partial gradients: a full run's norms, or a LoRA run's rowwise lora_B under SP (its norms are frozen)
+    partial = ({i: a[2] * sp * LORA_BYTES for i, a in lora.items()} if adapters is not None else
+               dict.fromkeys(range(len(comm)), step_partials(config, sp) * BYTES_PER_PARAM[dtype][1]))
+    # a LoRA run's frozen embedding: no gradient into it or into the first layer's projections reading it
+    spared = adapters.frozen_first * act + h / 2 * sp if adapters is not None else 0
     step = {"none": 0, "full": 1, "selective": 2}[ac]
-    layer = 2 + readers + (1 if sequence_parallel else 0)
     out = []
     for rank in range(plan.pp):
-        calls, extra = 0.0, 0.0
+        per_mb = per_step = 0.0
         for stage in plan.stages_of_rank(rank):
-            recomputed = sum(1 for j, _ in enumerate(stage.layers) if j % step == 0) if step else 0
-            calls += layer * len(stage.layers) + 2 * recomputed + stage.embed + stage.head
-            if sequence_parallel and stage.layers:  # the gather after the last layer, the scatter before the first
-                calls += 0.5 + (0 if stage.embed else 0.5)
-            extra += loss if stage.head else 0
-        out.append(int((calls * one + extra) * microbatches))
+            for j, i in enumerate(stage.layers):
+                f, b = comm[i]
+                per_mb += f + b + (f if step and j % step == 0 else 0)  # a recomputed layer's forward again
+                per_step += partial.get(i, 0)
+            per_mb += h * (stage.embed + stage.head) + 3 * 4 * stage.head  # + the loss's 3 fp32 per token
+            if sp and stage.layers:  # the gather after the last layer, the scatter before the first
+                per_mb += h / 2 * (1 + (not stage.embed))
+            per_mb -= spared if stage.embed and stage.layers else 0
+        per_step *= microbatches if reshard else 1
+        per_step += 4  # clipping's squared gradient norm, summed over tp in fp32 once a step (parallel/grads.py)
+        out.append(int(ring * (per_mb * tokens * microbatches + per_step)))
     return tuple(out)
+
+
+def _layer(config, moe: bool, sp: bool, act: int, ep: int, adapters) -> tuple[float, float]:
+    f, b = layer_comm(config, moe, sp, act, ep)
+    if adapters:
+        lf, lb = adapter_comm(adapters[0], adapters[1], sp)
+        f, b = f + lf, b + lb
+    return f, b
 
 
 def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatches: int,
@@ -162,7 +201,7 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
         return (0,) * plan.pp
     _, compute, grad, _ = fsdp_bytes(dtype)
     rounds, gathers = (microbatches, 2) if reshard else (1, 1)
-    edp = dp // ep
+    edp = dp // ep * (tp if ep > 1 else 1)  # the ranks holding one expert (hfpipe.plan.experts.replicas)
     out = []
     for rank in range(plan.pp):
         other = expert = 0.0
@@ -179,14 +218,18 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
     return tuple(out)
 
 
-def describe(tp: int, sp: bool, dp: int, reshard: bool, tp_bytes, fsdp_once, fsdp_now, size) -> list[str]:
+def describe(tp: int, sp: bool, dp: int, reshard: bool, tp_bytes, fsdp_once, fsdp_now, size,
+             ep: int = 1, mla: bool = False) -> list[str]:
     """The lines ``hfpipe plan`` prints about tensor parallelism and FSDP's resharding."""
     lines = []
     if tp > 1:
         how = ("sequence parallel: activations / tp" if sp else
                "no sequence parallelism: norms' and residuals' activations whole")
-        lines.append(f"tensor parallel: tp {tp}, every matrix, the embedding and the head split {tp} ways "
-                     f"(norms and routers whole; rank params count the share); {how}; all-reduce "
+        whole = "norms, routers" + (", MLA's down-projections" if mla else "") + (
+            ", the ep-sharded experts" if ep > 1 else "")
+        which = "every matrix but the routed experts'" if ep > 1 else "every matrix"
+        lines.append(f"tensor parallel: tp {tp}, {which}, the embedding and the head split {tp} ways "
+                     f"({whole} whole; rank params count the share); {how}; all-reduce "
                      f"{'(all-gather + reduce-scatter) ' if sp else ''}{size(max(tp_bytes))} per GPU per "
                      f"step on the busiest rank")
     if reshard:

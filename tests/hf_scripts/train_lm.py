@@ -4,9 +4,8 @@ hfpipe's PipelineTrainer; ``tests/test_hf_trainer.py`` compares the two.
     python train_lm.py SPEC.json            # {"trainer": "plain", ...}
     torchrun --nproc-per-node 2 train_lm.py SPEC.json   # {"trainer": "pipeline", "pp": 2, ...}
 
-SPEC keys: model, out, trainer, pp, dp, microbatches, batch, eval_batch, ga, max_steps, clip, lora, eval,
-save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted),
-bf16.
+SPEC keys: model, out, trainer, pp, dp, tp, ep, cp, microbatches, batch, eval_batch, ga, max_steps, clip, lora,
+eval, save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted), bf16.
 It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``out/final``.
 """
 
@@ -60,8 +59,9 @@ def main(spec: dict) -> None:
     else:
         from hfpipe.hf import PipelineTrainer
 
-        trainer = PipelineTrainer(spec["model"], args=args, pp=spec.get("pp"), dp=spec.get("dp", 1),
-                                  microbatches=spec.get("microbatches"), peft_config=peft, **data)
+        axes = {k: spec[k] for k in ("dp", "tp", "ep", "cp") if k in spec}
+        trainer = PipelineTrainer(spec["model"], args=args, pp=spec.get("pp"), microbatches=spec.get("microbatches"),
+                                  peft_config=peft, **axes, **data)
     if spec.get("stop_at"):
         from transformers import TrainerCallback
 

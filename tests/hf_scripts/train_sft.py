@@ -1,7 +1,7 @@
 """One TRL SFT script on a chat dataset (the tokenizer's own chat template, completion_only_loss), run in
 one process with ``SFTTrainer`` (the oracle) or under torchrun with hfpipe's ``PipelineSFTTrainer``.
 
-    python train_sft.py SPEC.json        # SPEC keys: model, out, trainer ("plain"/"pipeline"), pp, lora
+    python train_sft.py SPEC.json   # SPEC keys: model, out, trainer ("plain"/"pipeline"), pp, cp, pad_to, lora
 """
 
 import json
@@ -22,7 +22,7 @@ def main(spec: dict) -> None:
     args = SFTConfig(output_dir=spec["out"], max_steps=3, logging_steps=1, per_device_train_batch_size=4,
                      per_device_eval_batch_size=4, learning_rate=1e-3, max_length=64, completion_only_loss=True,
                      eval_strategy="steps", eval_steps=2, report_to=[], disable_tqdm=True, seed=7,
-                     dataloader_drop_last=True, bf16=False)
+                     dataloader_drop_last=True, bf16=False, pad_to_multiple_of=spec.get("pad_to"))
     data = {"train_dataset": chat_dataset(32), "eval_dataset": chat_dataset(8)}
     if spec["trainer"] == "plain":
         from trl import SFTTrainer
@@ -31,7 +31,7 @@ def main(spec: dict) -> None:
     else:
         from hfpipe.hf import PipelineSFTTrainer
 
-        trainer = PipelineSFTTrainer(spec["model"], args=args, pp=spec.get("pp"), **data)
+        trainer = PipelineSFTTrainer(spec["model"], args=args, pp=spec.get("pp"), cp=spec.get("cp", 1), **data)
     trainer.train()
     history = trainer.state.log_history + [trainer.evaluate()]
     trainer.save_model(f"{spec['out']}/final")
