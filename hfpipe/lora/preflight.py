@@ -33,7 +33,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
         if getattr(cfg, "quantize_base", None) is not None:  # block sizes and torchao, before any process starts
             from hfpipe.quant.linear import check_quantize
 
-            check_quantize(model_config, cfg.quantize_base, cfg.quantize_block_size)  # plan calls it too
+            check_quantize(model_config, cfg.quantize_base, cfg.quantize_block_size, tp=cfg.tp)  # plan calls it too
     if resume is None:
         return
     meta = read_side_json(resume / "hfpipe.json")  # checked whole by the resume preflight before this

@@ -150,9 +150,12 @@ def _check_tp_with(dims: ParallelDims, schedule: str, quantize_base: str | None)
                             "interleaved-1f1b or looped-bfs")
     # With --ep the routed experts stay whole on each tp rank, which dispatches its slice of the tokens
     # (hfpipe.parallel.expert); with --cp too, _check_cp_with refuses tp x cp.
-    if quantize_base:
-        raise ParallelError(f"--tp {dims.tp} with --quantize-base {quantize_base}: a quantized base is not split "
-                            "over tp ranks yet; use --tp 1")
+    if quantize_base == "nf4":  # an NF4Tensor is neither a DTensor's local part nor sliceable by columns
+        raise ParallelError(f"--tp {dims.tp} with --quantize-base nf4: NF4 weights are not split over tp ranks; "
+                            "use --quantize-base fp8 (split on its tiles) or --tp 1")
+    if quantize_base and dims.ep > 1:
+        raise ParallelError(f"--tp {dims.tp} with --ep {dims.ep} and --quantize-base {quantize_base}: a quantized base "
+                            "under tensor and expert parallelism together is not checked exact yet; use --ep 1 or --tp 1")
 
 
 def _check_cp_with(dims: ParallelDims, seq_len: int | None) -> None:

@@ -9,7 +9,8 @@ shape or storage comes before one that wraps it):
 ======  ==============  =========================================================================
  meta    build           the stage's transformers modules under the full model's names (models/stage.py)
  meta    ``apply_tp``    every matrix split over tp (transformers' plan, hfpipe.parallel.tensor_plan), so
-                         the loader then reads only a rank's slice
+                         the loader then reads only a rank's slice; an FP8 base's codes and tile scales are
+                         split together (hfpipe.quant.tensor_parallel), so under tp ``apply_quant`` runs first
  meta    ``apply_ep``    routed experts sharded over ep (transformers' expert-parallel plan)
  meta    ``apply_quant`` a LoRA base's linears and expert stacks swapped for quantized storage
  meta    ``apply_ac``    activation checkpointing of each decoder layer
@@ -235,11 +236,15 @@ def _loaded_stages(source, plan, pp_rank: int, device, options: StageOptions, lo
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), options.param_dtype,
                                   adapter=adapter_for(config))
+    quantizer = None
+    if tp_mesh is not None and options.quantize is not None:  # FP8 storage first: tp splits it on its tiles
+        quantizer = apply_quant(modules, source.config, options, tp_mesh.size())  # (no --ep: rules refuse it)
     if tp_mesh is not None:
         apply_tp(modules, tp_mesh, options, experts_whole=expert_mesh is not None)
     if expert_mesh is not None:
         apply_ep(modules, expert_mesh)
-    quantizer = apply_quant(modules, source.config, options)
+    if quantizer is None:
+        quantizer = apply_quant(modules, source.config, options)
     apply_ac(modules, options)
     return modules, load_stage_weights(modules, source, device, load_dtype, quantizer)
 
@@ -249,10 +254,12 @@ def apply_tp(modules: list, tp_mesh, options: StageOptions, experts_whole: bool 
     but the routed experts when ``experts_whole`` (``--ep`` shards them next, whole on each tp rank)."""
     from hfpipe.parallel.tensor import apply_tp as split
     from hfpipe.parallel.tensor_plan import stage_tp_plan
+    from hfpipe.quant.tensor_parallel import fp8_tp_plan
 
     for m in modules:
         names = [n for n, _ in m.named_modules()]
-        split(m, tp_mesh, stage_tp_plan(m.config, names, options.sequence_parallel, tp_mesh.size(), experts_whole))
+        plan = stage_tp_plan(m.config, names, options.sequence_parallel, tp_mesh.size(), experts_whole)
+        split(m, tp_mesh, fp8_tp_plan(m, plan))  # an FP8 linear's own split (a no-op without one)
 
 
 def apply_cp(modules: list, context: ContextParallel) -> None:
@@ -269,11 +276,12 @@ def apply_ep(modules: list, expert_mesh) -> None:
     shard_experts(modules, expert_mesh)
 
 
-def apply_quant(modules: list, config, options: StageOptions):
-    """A quantized base's storage on the meta stage; the returned quantizer fills it while loading."""
+def apply_quant(modules: list, config, options: StageOptions, tp: int = 1):
+    """A quantized base's storage on the meta stage; the returned quantizer fills it while loading
+    (under ``tp``, this rank's tiles of each FP8 linear)."""
     if options.quantize is None:
         return None
-    quantizer = Quantizer(options.quantize, config)
+    quantizer = Quantizer(options.quantize, config, tp=tp)
     quantizer.prepare(modules, options.param_dtype)
     return quantizer
 

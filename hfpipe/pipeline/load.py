@@ -162,13 +162,17 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
 
 
 def _expert_rows(targets) -> dict[str, tuple[int, int]]:
-    """Targets sharded over ep (DTensor parameters) -> the rows of dim 0 this rank holds."""
+    """Targets sharded by rows over ep or tp (DTensor parameters; the codes of an FP8 linear split colwise,
+    buffers that say their part in ``tp_part``: hfpipe.quant.tensor_parallel) -> the rows of dim 0 this rank holds."""
     from hfpipe.parallel.expert import local_rows
 
     out = {}
     for key, holders in targets.items():
         owner, attr = holders[0]
         span = local_rows(owner._parameters.get(attr))
+        part = getattr(owner, "tp_part", None)
+        if attr == "weight" and part is not None and part[0] == 0:
+            span = part[1:]
         if span is not None:
             out[key] = span
     return out
@@ -183,9 +187,11 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats, qua
         for key in _with_scales(source, unit.sources):
             needed_by_file[source.weight_map[key]].append(key)
             waiting[key].append(unit)
-        slices.update({k: unit.rows for key in unit.sliced for k in (key, key + _SCALE_SUFFIX)})
     have: dict[str, torch.Tensor] = {}
     block = fp8_block(source.config) or (128, 128)  # DeepSeek's tiles where the config names none
+    for unit in units:
+        for key in unit.sliced:
+            slices.update(_row_slices(source, key, unit.rows, block[0]))
     for fname in sorted(needed_by_file):
         keys = sorted(set(needed_by_file[fname]))
         try:
@@ -207,6 +213,19 @@ def _read_and_place(units, source, targets, device, dtype, stats: LoadStats, qua
                 for k in wanted:
                     if all(u is unit for u in waiting[k]):
                         have.pop(k, None)
+
+
+def _row_slices(source: ModelSource, key: str, rows: tuple[int, int], tile: int) -> dict:
+    """The rows to read of ``key`` and of its FP8 scales: the same experts of a 3-D stack; of a 2-D FP8
+    weight, the tiles over its rows, or nothing (read whole, sliced once dequantized) when its rows do not
+    start on a tile edge. A weight without scales: its rows."""
+    scale = key + _SCALE_SUFFIX
+    if scale not in source.weight_map:
+        return {key: rows}
+    if len(source.header(source.weight_map[key])[key]["shape"]) != 2:
+        return {key: rows, scale: rows}
+    lo, hi = rows
+    return {key: rows, scale: (lo // tile, -(-hi // tile))} if lo % tile == 0 else {}
 
 
 def _finish_unit(unit: _Unit, have: dict, source: ModelSource, block, keep_fp8: bool = False):

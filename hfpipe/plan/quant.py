@@ -53,7 +53,8 @@ class LayerQuant:
     largest_expert: int = 0  # parameters of the largest one expert's matrix in those stacks
 
 
-def check_quant(kind: str | None, lora_rank: int | None, config=None, block: int | None = None) -> None:
+def check_quant(kind: str | None, lora_rank: int | None, config=None, block: int | None = None,
+                tp: int = 1) -> None:
     """Raise PlanError unless ``--quantize-base kind`` can be priced (FinetuneConfig repeats it); with
     the model's ``config``, also QuantError for what finetune refuses of that model
     (:func:`hfpipe.quant.linear.check_quantize`, the one set of checks both call)."""
@@ -68,9 +69,9 @@ def check_quant(kind: str | None, lora_rank: int | None, config=None, block: int
         from hfpipe.plan.cost import config_key
         from hfpipe.quant.linear import check_quantize
 
-        key = (config_key(config), type(config), kind, block)
+        key = (config_key(config), type(config), kind, block, tp)
         if key not in _CHECKED:  # the fit search prices many layouts of one model: build its meta model once
-            check_quantize(config, kind, block, backend=False)  # a plan prices without torchao
+            check_quantize(config, kind, block, backend=False, tp=tp)  # a plan prices without torchao
             _CHECKED.add(key)
 
 

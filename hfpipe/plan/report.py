@@ -203,7 +203,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         raise PlanError(f"--activation-checkpointing must be one of {', '.join(_AC_MODES)}; "
                         f"got {activation_checkpointing!r}")
     dims = ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
-    check_quant(quantize_base, lora_rank, config, quantize_block_size)
+    check_quant(quantize_base, lora_rank, config, quantize_block_size, tp)
     get_adapter(config)
     sp, reshard = sequence_parallel and tp > 1, reshard_per_microbatch
     tensor.check_tp(config, tp, dp=dp, reshard=reshard, lora=lora_rank is not None)

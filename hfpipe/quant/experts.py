@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hfpipe.models.experts import STACKS, experts_state
-from hfpipe.quant.fp8 import FP8, dequantize_blocks, quantize_blocks
+from hfpipe.quant.fp8 import FP8, dequantize_blocks, quantize_blocks, take_ranges, tile_ranges
 from hfpipe.quant.nf4 import QuantError, check_nf4, quantize_nf4
 
 __all__ = ["STACKS", "ExpertStacks", "fused_experts", "routed_expert_key", "split_seam"]
@@ -92,6 +92,10 @@ class ExpertStacks:
     def place(self, target: str, tensor: torch.Tensor, scale: torch.Tensor | None, device) -> None:
         """Set stack ``target`` from the checkpoint's codes and ``scale`` (FP8), or quantize it here."""
         attr = target.rpartition(".")[2]
+        part = getattr(self.module, "tp_parts", {}).get(attr)  # split over tp: hfpipe.quant.tensor_parallel
+        if part is not None and tensor.shape[part[0]] == experts_state(self.module).shapes[attr][part[0]]:
+            tensor = take_ranges(tensor, *part)
+            scale = None if scale is None else take_ranges(scale, part[0], tile_ranges(part[1], self.block))
         want = tuple(self.module._buffers[attr].shape)
         if tuple(tensor.shape) != want:
             raise QuantError(f"{target}: the checkpoint gives shape {tuple(tensor.shape)}, this rank holds {want}; "

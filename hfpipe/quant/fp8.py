@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FP8", "FP8_DEFAULT_BLOCK", "FP8Linear", "quantize_blocks", "dequantize_blocks", "is_fp8"]
+__all__ = ["FP8", "FP8_DEFAULT_BLOCK", "FP8Linear", "quantize_blocks", "dequantize_blocks", "is_fp8", "take_ranges",
+           "tile_ranges"]
 
 FP8_DEFAULT_BLOCK = 128  # DeepSeek-V3's weight_block_size
 
@@ -55,6 +56,18 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int,
     rows, cols = q.shape
     s = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]  # (rows, cols)
     return (q.float() * s).to(dtype)
+
+
+def take_ranges(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    """The ranges ``[(lo, hi), ...]`` of ``t`` along ``dim``, concatenated: a tensor-parallel rank's part
+    (one range; one per half of a packed gate/up stack)."""
+    parts = [t.narrow(dim, lo, hi - lo) for lo, hi in ranges]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
+
+
+def tile_ranges(ranges, block: int) -> list[tuple[int, int]]:
+    """The scale-grid ranges of the tiles over the value ranges (each starting on a tile edge)."""
+    return [(lo // block, -(-hi // block)) for lo, hi in ranges]
 
 
 class _DequantLinear(torch.autograd.Function):

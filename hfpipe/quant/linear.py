@@ -11,6 +11,10 @@ norms, head and the LoRA adapters stay in the run's dtype.
   fused routed experts become FP8 stacks (:mod:`hfpipe.quant.experts`), on their ranks under ``--ep``;
   with ``nf4`` one ``NF4Tensor`` per expert's matrix.
 
+Under ``--tp`` (fp8 only) each FP8 linear and routed-expert stack is then split on its tile edges
+(:mod:`hfpipe.quant.tensor_parallel`) and the loader keeps this rank's codes and scales; a split that would
+cut a tile is refused by :meth:`Quantizer.prepare` (what ``plan`` and ``finetune`` call).
+
 The loader (:mod:`hfpipe.pipeline.load`) hands each weight to :meth:`Quantizer.place` as soon as
 its shard is read, so only one full-precision weight exists at a time: a stage is never
 materialised in full precision.
@@ -65,13 +69,13 @@ def source_fp8_block(config) -> int | None:
     return block[0]
 
 
-def check_quantize(model_config, kind: str, block: int | None = None, *, backend: bool = True) -> None:
+def check_quantize(model_config, kind: str, block: int | None = None, *, backend: bool = True, tp: int = 1) -> None:
     """Every check ``--quantize-base kind`` (with ``--quantize-block-size block``) makes of a model, on
     its meta model: what ``plan`` and ``finetune`` both call, so they cannot disagree.
 
     NF4 blocks that do not divide a weight's rows, an FP8 tile that straddles the routed experts'
-    gate/up seam, a checkpoint's FP8 tiles that another block size would re-cut. ``backend``: also
-    require torchao for nf4 (a run needs it; a plan prices without it).
+    gate/up seam, a checkpoint's FP8 tiles that another block size would re-cut, a ``tp`` split that
+    would cut FP8 tiles. ``backend``: also require torchao for nf4 (a run needs it; a plan prices without it).
 
     Raises:
         QuantError: naming the option, the weight and a block size that fits.
@@ -79,7 +83,7 @@ def check_quantize(model_config, kind: str, block: int | None = None, *, backend
     from hfpipe.models.meta import build_meta_model, model_config as hf_config
 
     full = build_meta_model(hf_config(model_config))
-    Quantizer(QuantSpec(kind, block), model_config, backend=backend).prepare([full], full.dtype)
+    Quantizer(QuantSpec(kind, block), model_config, backend=backend, tp=tp).prepare([full], full.dtype)
 
 
 class Quantizer:
@@ -88,10 +92,11 @@ class Quantizer:
     Args:
         spec: The ``--quantize-base`` request.
         source_config: The checkpoint's transformers config (its FP8 block, if any).
+        tp: The tensor-parallel degree the stages are then split over (FP8 only: whole tiles per rank).
     """
 
-    def __init__(self, spec: QuantSpec, source_config, *, backend: bool = True) -> None:
-        self.spec = spec
+    def __init__(self, spec: QuantSpec, source_config, *, backend: bool = True, tp: int = 1) -> None:
+        self.spec, self.tp = spec, tp
         self.source_block = source_fp8_block(source_config)
         if spec.kind == "fp8":
             if self.source_block is not None and spec.block not in (None, self.source_block):
@@ -112,7 +117,10 @@ class Quantizer:
         stages on meta."""
         self.dtype = dtype
         for stage in stages:
-            for name, linear in quantized_linears(stage).items():
+            linears = quantized_linears(stage)
+            if self.tp > 1:
+                self._check_tp(stage, linears)
+            for name, linear in linears.items():
                 if self.spec.kind == "nf4":
                     check_nf4(name + ".weight", linear.weight.shape, self.block)
                 else:
@@ -124,6 +132,17 @@ class Quantizer:
                 self.weights.add(name + ".weight")
             for name, experts in fused_experts(stage).items():
                 self._prepare_experts(name, experts)
+
+    def _check_tp(self, stage: nn.Module, linears: dict) -> None:
+        """What a tp split of this quantized stage cannot keep exact, refused before anything loads."""
+        from hfpipe.quant.tensor_parallel import check_tp_experts, check_tp_tiles
+
+        if self.spec.kind != "fp8":
+            return  # nf4 under tp: hfpipe.parallel.rules refuses it for every layout
+        stored = "the checkpoint's weight_block_size" if self.source_block else None
+        for name, experts in fused_experts(stage).items():
+            check_tp_experts(name, experts, self.tp, self.block, stored)
+        check_tp_tiles(stage, linears, self.tp, self.block, stored)
 
     def _prepare_experts(self, name: str, experts: nn.Module) -> None:
         # Gate and up are one stack here but two matrices in the checkpoint (and in a merged export):
@@ -164,6 +183,10 @@ class Quantizer:
             self.stacks[target].place(target, tensor, scale, device)
             return True
         module, attr = holders[0]
+        if hasattr(module, "tp_part"):  # split over tp (hfpipe.quant.tensor_parallel): keep this rank's tiles
+            from hfpipe.quant.tensor_parallel import tp_part
+
+            tensor, scale = tp_part(module, tensor, scale)
         old = module._parameters.get(attr) if attr in module._parameters else module._buffers[attr]
         if tuple(tensor.shape) != tuple(old.shape):
             return False  # the loader's own check names the file and the shapes
