@@ -48,8 +48,9 @@ def price_ranks(ranks, plan, costs, dtype: str, dp: int, ep: int, reshard: bool 
 
 
 def replicas(dp: int, ep: int, tp: int = 1) -> int:
-    """The ranks holding one routed expert, which FSDP2 shards it over: ``dp / ep``, times ``tp``."""
-    return dp // ep * tp
+    """The ranks holding one routed expert (or, without ep, one tp rank's split of it), which FSDP2 shards it
+    over: ``dp / ep``, times ``tp`` under ep, where the experts stay whole on each tp rank."""
+    return dp // ep * (tp if ep > 1 else 1)
 
 
 def expert_params_held(plan, rank: int, costs, ep: int) -> tuple[int, int]:

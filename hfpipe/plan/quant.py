@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hfpipe.plan.experts import replicas
 from hfpipe.plan.memory import ACT_BYTES, param_bytes
 from hfpipe.quant.targets import ROUTERS as _SKIP  # routers stay in the run's dtype, as loading keeps them
 from hfpipe.quant.targets import plain_linear  # ... and linear subclasses with a forward of their own
@@ -156,7 +157,7 @@ def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int,
 def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, dp: int, ep: int, tp: int):
     """(frozen base bytes, transient dequantized bytes) of a rank holding ``params`` base
     parameters, ``routed`` of them routed experts (already cut to ``1 / ep``)."""
-    edp = dp // ep * tp  # the ranks holding the same experts (whole on each tp rank)
+    edp = replicas(dp, ep, tp)  # the ranks holding the same experts (under ep whole on each tp rank)
     full, full_e = param_bytes(dtype, dp)[0], param_bytes(dtype, edp)[0]
     if not kind:
         return (params - routed) * full + routed * full_e, 0

@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 
 from hfpipe.errors import PlanError
+from hfpipe.plan.experts import replicas
 from hfpipe.plan.memory import ACT_BYTES, BYTES_PER_PARAM, fsdp_bytes
 from hfpipe.plan.tensor_comm import LORA_BYTES, Adapters, adapter_comm, layer_comm, step_partials
 
@@ -201,7 +202,7 @@ def fsdp_traffic(plan, costs, dtype: str, dp: int, ep: int, tp: int, microbatche
         return (0,) * plan.pp
     _, compute, grad, _ = fsdp_bytes(dtype)
     rounds, gathers = (microbatches, 2) if reshard else (1, 1)
-    edp = dp // ep * (tp if ep > 1 else 1)  # the ranks holding one expert (hfpipe.plan.experts.replicas)
+    edp = replicas(dp, ep, tp)  # the ranks holding one expert
     out = []
     for rank in range(plan.pp):
         other = expert = 0.0
