@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from _dist import tiny_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -18,6 +20,7 @@ def hfpipe(*args, cwd: Path, timeout: int = 400) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd)
 
 
+@pytest.mark.slow  # the default run drives finetune --pp 2 end to end in test_quickstart and test_first_run
 def test_finetune_pp2_runs_writes_metrics_and_the_loss_falls(tmp_path):
     model = tiny_checkpoint("llama_tied", num_hidden_layers=4)
     run = hfpipe("finetune", model, "--pp", 2, "--max-steps", 10, "--seq-len", 64, "--batch-size", 4,
