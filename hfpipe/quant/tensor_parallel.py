@@ -68,12 +68,7 @@ def check_tp_tiles(stage: nn.Module, linears: dict[str, nn.Linear], tp: int, blo
         if dim is None:
             continue  # whole on every rank (MLA's q_a_proj, kv_a_proj_with_mqa): its tiles stay whole
         size = (linear.out_features, linear.in_features)[dim]
-        if size % tp or (size // tp) % block:
-            fix = f"a --quantize-block-size that divides {size // tp}" if stored is None and size % tp == 0 else \
-                "a --tp that keeps whole tiles on each rank"
-            raise QuantError(f"--tp {tp} with --quantize-base fp8: {name}.weight's {size} {('rows', 'columns')[dim]} "
-                             f"split into {size / tp:g} per tp rank, which cuts its {block}x{block} FP8 tiles "
-                             f"({stored or f'--quantize-block-size {block}'}); use {fix}, or --tp 1")
+        _check_whole_tiles(f"{name}.weight's {size} {('rows', 'columns')[dim]} split into", size, tp, block, stored)
 
 
 def check_tp_experts(name: str, experts: nn.Module, tp: int, block: int, stored: str | None = None) -> None:
@@ -83,12 +78,17 @@ def check_tp_experts(name: str, experts: nn.Module, tp: int, block: int, stored:
         raise QuantError(f"--tp {tp} with --quantize-base fp8: the routed experts of {name} are not a [gate; up] "
                          "stack that tp splits on FP8 tiles; use --tp 1 (--ep shards them)")
     inter = gate_up.shape[1] // 2
-    if inter % tp or (inter // tp) % block:
-        fix = f"a --quantize-block-size that divides {inter // tp}" if stored is None and inter % tp == 0 else \
-            "a --tp that keeps whole tiles on each rank"
-        raise QuantError(f"--tp {tp} with --quantize-base fp8: the routed experts' intermediate size {inter} of {name} "
-                         f"splits into {inter / tp:g} per tp rank, which cuts its {block}x{block} FP8 tiles "
-                         f"({stored or f'--quantize-block-size {block}'}); use {fix}, or --tp 1")
+    _check_whole_tiles(f"the routed experts' intermediate size {inter} of {name} splits into", inter, tp, block, stored)
+
+
+def _check_whole_tiles(what: str, size: int, tp: int, block: int, stored: str | None) -> None:
+    """Refuse a dim of ``size`` that ``tp`` ranks would split off its ``block``-wide FP8 tiles (``what`` names it)."""
+    if size % tp == 0 and (size // tp) % block == 0:
+        return
+    fix = f"a --quantize-block-size that divides {size // tp}" if stored is None and size % tp == 0 else \
+        "a --tp that keeps whole tiles on each rank"
+    raise QuantError(f"--tp {tp} with --quantize-base fp8: {what} {size / tp:g} per tp rank, which cuts its "
+                     f"{block}x{block} FP8 tiles ({stored or f'--quantize-block-size {block}'}); use {fix}, or --tp 1")
 
 
 def fp8_tp_plan(stage: nn.Module, plan: dict) -> dict:
