@@ -87,12 +87,13 @@ def _hfpipe(path: str, batch: int, seq: int, steps: int, dtype: str) -> dict:
     return {"wall": statistics.median(walls), "loss": losses, "peak": peak, "device": str(pm.named_parameters()[0][1].device)}
 
 
-def _build(folder: Path, a: argparse.Namespace) -> None:
+def _build(folder: Path, a: argparse.Namespace, min_kv_heads: int = 1) -> None:
+    """A random Llama of ``a.hidden`` x ``a.layers`` (``min_kv_heads``: at least as many kv heads, for tp)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=a.hidden, intermediate_size=int(2.75 * a.hidden),
                       num_hidden_layers=a.layers, num_attention_heads=a.hidden // 128,
-                      num_key_value_heads=max(1, a.hidden // 512), tie_word_embeddings=False)
+                      num_key_value_heads=max(min_kv_heads, a.hidden // 512), tie_word_embeddings=False)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder, max_shard_size="1GB")
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from cuda import _build
+
 
 def _worker(path: str, tp: int, a: argparse.Namespace) -> dict:
     import torch.distributed as dist
@@ -89,16 +91,6 @@ def _on_one_device(path: str, a: argparse.Namespace) -> dict[int, dict]:
         return {r: json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)}
 
 
-def _build(folder: Path, a: argparse.Namespace) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=a.hidden, intermediate_size=int(2.75 * a.hidden),
-                      num_hidden_layers=a.layers, num_attention_heads=a.hidden // 128,
-                      num_key_value_heads=max(2, a.hidden // 512), tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder, max_shard_size="1GB")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 1024), ("layers", 4), ("seq", 512), ("batch", 4), ("steps", 4)):
@@ -110,7 +102,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="hfpipe-bench-tpcuda-"))
     try:
-        _build(work / "model", a)
+        _build(work / "model", a, min_kv_heads=2)  # bench/cuda.py's model; tp 2 splits its kv heads
         one = launch(_worker, 1, str(work / "model"), 1, a)[0]
         two = _on_one_device(str(work / "model"), a)
     finally:
