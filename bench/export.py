@@ -21,7 +21,7 @@ the verified export over the unverified one, round by round (goal <= 1.10).
 Reading the numbers: with the checkpoint in the page cache, ``cp`` is one in-kernel
 ``copy_file_range`` on one core. Export makes the same call for every tensor DCP stored as is
 (hfpipe.checkpoint.dcp_raw), in 64 MiB pieces on every core, and writes the rest (converted or
-cast tensors) from memory into shards whose headers it wrote first (hfpipe.checkpoint.hf_writer);
+cast tensors) from memory into shards whose headers it wrote first (hfpipe.export.hf_writer);
 what remains is fixed cost: DCP metadata, planning on a meta model, transformers' conversion
 tables. Each round syncs before timing ``cp``, the bare kernel copy (cp's syscall in this
 process, one thread) and export: dirty-page writeback otherwise moves any of them by several x.
@@ -134,7 +134,7 @@ def _export(work: Path, max_shard_size: str, ckpt: str = "ckpt") -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hfpipe.checkpoint.export import export_checkpoint
+    from hfpipe.export.hf_folder import export_checkpoint
 
     from transformers.conversion_mapping import get_model_conversion_mapping
 

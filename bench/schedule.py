@@ -7,8 +7,8 @@ processes, each figure the median of ``--repeats`` runs after ``--warmup``:
 1. pp=2, 1F1B, one thread per rank: the schedule step (``Pipeline.train_step``) / the analytic
    bound ``(m+p-1)/m * C``, where ``C`` is the slowest stage's forward+backward of its own module
    alone over the same ``m`` microbatches (no communication), timed on both ranks at once in the
-   same processes. Goal <= 1.10. ``PipelineTrainer.step`` (clipping + AdamW included) is shown too.
-2. pp=1, two threads: ``PipelineTrainer.step`` / a plain transformers step (``loss.backward()``,
+   same processes. Goal <= 1.10. ``StepEngine.step`` (clipping + AdamW included) is shown too.
+2. pp=1, two threads: ``StepEngine.step`` / a plain transformers step (``loss.backward()``,
    ``clip_grad_norm_``, AdamW, ``zero_grad``) on the same model, batch and optimizer. Goal <= 1.05.
 3. pp=2, one thread per rank: hfpipe's microbatched forward (``PipelineModel.forward``) throughput /
    transformers' own pipeline parallelism (``from_pretrained(..., distributed_config=

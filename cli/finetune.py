@@ -105,10 +105,10 @@ def finetune(
     check_exists(config.dataset)
     if config.eval_dataset:
         check_exists(config.eval_dataset, "--eval-dataset")
-    from hfpipe.train.progress import Ticker
+    from hfpipe.progress.ticker import Ticker
 
     with Ticker("loading torch and transformers"):
-        from hfpipe.train.runner import finetune as run
+        from hfpipe.train.runner import run_finetune as run
 
     result = run(config, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     if result:  # under torchrun/srun only the rank that reports the loss has a summary to print
@@ -129,7 +129,7 @@ def _summary(result: dict) -> str:
 
 def _next(result: dict, config: FinetuneConfig) -> str:
     """The commands that usually follow a run (export, generate, resume)."""
-    from hfpipe.train.logs import next_commands
+    from hfpipe.cli.next_steps import next_commands  # here: it reads torch, which the CLI loads only after its checks
 
     lines = next_commands(config.output_dir, result.get("checkpoint", ""),
                           exported=config.save_hf_at_end, best=result.get("best"))

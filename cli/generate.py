@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from hfpipe.train.progress import Ticker
+from hfpipe.progress.ticker import Ticker
 
 __all__ = ["chat", "generate"]
 

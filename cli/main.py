@@ -149,7 +149,7 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def _setup_logging(level: str) -> None:
-    from hfpipe.train.logs import log_formatter, quiet_import_noise
+    from hfpipe.progress.logs import log_formatter, quiet_import_noise
 
     quiet_import_noise(level)
     # The workers (hfpipe's launcher's, or each torchrun process) log at it too (hfpipe.train.runner).
@@ -211,19 +211,19 @@ def export(
     from hfpipe.checkpoint.find import find_checkpoint
 
     ckpt = find_checkpoint(ckpt, "checkpoint")  # torch-free: a wrong path is named at once
-    from hfpipe.train.progress import Ticker
+    from hfpipe.progress.ticker import Ticker
 
     bar = progress and sys.stderr.isatty()  # the bar shows progress; a log file gets the ticker's lines
     with contextlib.nullcontext() if bar else Ticker(f"exporting {ckpt} to {out}"):
-        from hfpipe.checkpoint.export import export_checkpoint
+        from hfpipe.export.hf_folder import export_checkpoint
 
         written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
                                     source=source, progress=progress, merge=merge)
     typer.echo(f"exported {ckpt} -> {written}")
 
 
-@app.command(no_args_is_help=True)
-def verify(
+@app.command("verify", no_args_is_help=True)
+def verify_command(
     hf_dir: Annotated[Path, typer.Argument(
         help="Hugging Face model folder (config.json + safetensors), or a PEFT LoRA adapter folder.",
         show_default=False)],
@@ -246,7 +246,7 @@ def verify(
 
     if not hf_dir.expanduser().exists():  # before torch loads: a wrong path is named at once
         raise NoSuchPathError(f"HF_DIR {hf_dir}: no such folder{did_you_mean(hf_dir)}")
-    from hfpipe.train.progress import Ticker
+    from hfpipe.progress.ticker import Ticker
 
     with Ticker("loading torch and transformers"):
         import hfpipe.verify
@@ -259,8 +259,8 @@ def verify(
         raise typer.Exit(FAILURE_EXIT)
 
 
-@app.command()
-def quickstart(
+@app.command("quickstart")
+def quickstart_command(
     out: Annotated[Path, typer.Option(help="Working folder for the model, the run and the export.")]
     = Path("hfpipe-quickstart"),
     steps: Annotated[int, typer.Option(help="Optimizer steps of the fine-tune.")] = 120,

@@ -29,16 +29,16 @@ from hfpipe.errors import HfpipeError
 from hfpipe.parallel.agree import agree, raise_together
 from hfpipe.pipeline import build as _build
 from hfpipe.pipeline import model as _model
-from hfpipe.pipeline.model import DTYPES
+from hfpipe.pipeline.model import PRECISIONS
 
-__all__ = ["PipelineModel", "load_pipeline", "DTYPES"]
+__all__ = ["PipelineModel", "load_pipeline", "PRECISIONS"]
 
 
-class PipelineModel(_model.PipelineModel):
+class PipelineModel(_model.RankPipeline):
     """This rank's part of a pipelined model (see :class:`hfpipe.pipeline.model.PipelineModel`)."""
 
     def trainer(self, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0):
-        """A :class:`hfpipe.train.step.PipelineTrainer` whose ``step(batch)`` returns loss and grad norm on
+        """A :class:`hfpipe.train.step.StepEngine` whose ``step(batch)`` returns loss and grad norm on
         every rank."""
         from hfpipe.train.step import trainer_for
 
@@ -103,8 +103,8 @@ class PipelineModel(_model.PipelineModel):
 
         import torch.distributed as dist
 
-        from hfpipe.checkpoint.export import export_checkpoint
-        from hfpipe.checkpoint.out_folder import check_out
+        from hfpipe.export.hf_folder import export_checkpoint
+        from hfpipe.export.out_folder import check_out
 
         overwrite = bool(overwrite or force)
         rank0 = self.dist.rank == 0
@@ -128,18 +128,18 @@ class PipelineModel(_model.PipelineModel):
         return Path(out)
 
 
-@functools.wraps(_build.load_pipeline)
+@functools.wraps(_build.build_pipeline)
 def load_pipeline(model: str, **options) -> PipelineModel:
     import os
 
-    from hfpipe.train.logs import default_handler
-    from hfpipe.train.progress import Ticker
+    from hfpipe.progress.logs import default_handler
+    from hfpipe.progress.ticker import Ticker
 
     default_handler(int(os.environ.get("RANK", "0") or 0))
     error = None
     with Ticker("load_pipeline: loading this rank's stages"):
         try:
-            pm = _in_python_words(lambda: _build.load_pipeline(model, model_class=PipelineModel, **options),
+            pm = _in_python_words(lambda: _build.build_pipeline(model, model_class=PipelineModel, **options),
                                   "load_pipeline", model=model)
         except Exception as e:  # noqa: BLE001 - raised below, on every rank alike
             error, pm = e, None

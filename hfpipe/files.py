@@ -20,8 +20,12 @@ from typing import BinaryIO
 
 from hfpipe.errors import HfpipeError, NoSuchPathError
 
-__all__ = ["MAX_SIDE_FILE", "NotRegularFileError", "SideFileError", "open_regular", "check_regular", "check_folder",
+__all__ = ["INDEX", "SINGLE", "MAX_SIDE_FILE", "NotRegularFileError", "SideFileError", "open_regular", "check_regular", "check_folder",
            "check_model_name", "did_you_mean", "meant_as_folder", "read_side_file", "read_side_json"]
+
+#: A Hugging Face model folder's weights: the index of a sharded checkpoint, or its one file.
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 
 #: The most hfpipe reads of any side file it keeps beside data (``hfpipe.json``, ``checksums.json``,
 #: ``hfpipe_export.json``, DCP's ``.metadata``, a source's ``config.json`` and index): far above

@@ -47,7 +47,7 @@ def load_generator(model: str | Path, *, dtype: str = "auto", source: str | Path
     """
     from hfpipe.checkpoint.find import find_checkpoint, is_checkpoint_like
     from hfpipe.source.folder import load_tokenizer
-    from hfpipe.train.progress import Ticker
+    from hfpipe.progress.ticker import Ticker
 
     if dtype not in _DTYPES:
         raise GenerateError(f"--dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")

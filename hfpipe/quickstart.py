@@ -109,7 +109,7 @@ def _clear_previous_run(run: Path, echo) -> None:
 
 def _finetune(base: Path, run: Path, steps: int, pp: int, echo, lora: bool) -> tuple[float, float]:
     from hfpipe.config.run import FinetuneConfig
-    from hfpipe.train.runner import finetune
+    from hfpipe.train.runner import run_finetune
 
     # LoRA trains far fewer weights: a higher learning rate reaches the same answers in as many steps.
     extra = dict(lora_rank=16, lora_alpha=32, lr=1e-2) if lora else dict(lr=3e-3)
@@ -121,7 +121,7 @@ def _finetune(base: Path, run: Path, steps: int, pp: int, echo, lora: bool) -> t
         return "stopping workers" if (run / "hf" / "config.json").is_file() else None
 
     with _ticker(echo, status):
-        summary = finetune(cfg)
+        summary = run_finetune(cfg)
     losses = [row["loss"] for row in summary.get("history", []) if "loss" in row]
     if not losses:
         raise RuntimeError(f"the fine-tune in {run} reported no loss; see the log above")
@@ -133,7 +133,7 @@ def _verify(hf: Path, pp: int) -> dict:
 
     # The quickstart's own "verifying..." line ticks; verify's logged ticker would say it again in
     # another format (seen on an H200).
-    ticks = logging.getLogger("hfpipe.train.progress")
+    ticks = logging.getLogger("hfpipe.progress.ticker")
     level = ticks.level
     ticks.setLevel(logging.WARNING)
     try:
@@ -152,8 +152,8 @@ def _answers(folder: Path, max_new_tokens: int = 24) -> list[str]:
 
 
 def _ticker(echo, what):
-    """The shared ticker (:class:`hfpipe.train.progress.Ticker`), its lines indented under a step's."""
-    from hfpipe.train.progress import Ticker
+    """The shared ticker (:class:`hfpipe.progress.ticker.Ticker`), its lines indented under a step's."""
+    from hfpipe.progress.ticker import Ticker
 
     return Ticker(what, echo=lambda text: echo(f"    {text}"), first=False)  # its step line said what
 

@@ -75,7 +75,7 @@ def verify(hf_dir: str | Path, pp: int = 2, schedule: str = "1f1b", tolerance: f
         SourceError, LoadError, PlanError, PipelineError, UnsupportedModelError: the folder or
             the options cannot be used (one line saying what to fix).
     """
-    from hfpipe.train.progress import Ticker
+    from hfpipe.progress.ticker import Ticker
 
     with Ticker("checking the folder, the plan and the shards"):
         from hfpipe.parallel.launch import launch
@@ -208,10 +208,10 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
     """
     import torch.distributed as dist
 
-    from hfpipe.train.logs import quiet_import_noise, rank_level
+    from hfpipe.progress.logs import quiet_import_noise, rank_level
 
     quiet_import_noise(rank_level(int(os.environ.get("RANK", "0"))))  # before PEFT imports torchao
-    from hfpipe.pipeline.build import load_pipeline
+    from hfpipe.pipeline.build import build_pipeline
     from hfpipe.parallel.mesh import init_distributed
 
     mesh = init_distributed(plan.pp)
@@ -221,7 +221,7 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
             from hfpipe.lora.folder import load_adapter_weights, read_adapter_folder
 
             lora = read_adapter_folder(adapter_dir)[1] if adapter_dir else None
-            pm = load_pipeline(hf_dir, pp=plan.pp, vpp=plan.vpp, schedule=schedule, microbatches=microbatches,
+            pm = build_pipeline(hf_dir, pp=plan.pp, vpp=plan.vpp, schedule=schedule, microbatches=microbatches,
                                trust_remote_code=trust_remote_code, dist=mesh, lora=lora)
             if adapter_dir:
                 load_adapter_weights(pm.modules, adapter_dir)

@@ -175,7 +175,7 @@ def test_load_pipeline_refuses_in_argument_names():
 
 
 def test_each_rank_level_says_each_thing_once(monkeypatch):
-    from hfpipe.train.logs import rank_level
+    from hfpipe.progress.logs import rank_level
 
     monkeypatch.setenv("HFPIPE_LOG_LEVEL", "info")
     assert (rank_level(0), rank_level(1)) == ("INFO", "WARNING")

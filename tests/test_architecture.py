@@ -1,5 +1,9 @@
-"""Spec of the house (ARCHITECTURE.md): imports run downwards (between modules and between packages),
-few floors, few top modules, short files.
+"""Spec of the house (ARCHITECTURE.md): imports run downwards (between modules and between rooms),
+few floors (counted between modules and between rooms), few top modules, short files, one definition per
+public name.
+
+A room is a folder (``pipeline/``, ``cli/``) or a module at the top of ``hfpipe/`` (``hfpipe/api.py``); a
+floor is a step of the longest import chain, so a room's floor is one above the highest room it imports.
 
 Every ``import`` statement counts, also one inside a function: a lazy import still makes the two
 modules depend on each other. ``cli/`` is installed as ``hfpipe.cli`` and counted with the package.
@@ -142,6 +146,87 @@ def test_imports_run_down_between_packages_too():
 def test_a_known_back_arrow_is_caught():
     graph = {**GRAPH, "hfpipe.models.stage": GRAPH["hfpipe.models.stage"] | {"hfpipe.pipeline.schedule"}}
     assert any(a.startswith("models -> pipeline") for a in _back_arrows(graph))
+
+
+def _room_graph(graph) -> dict[str, set[str]]:
+    """Room -> the rooms it imports (its own modules left out)."""
+    rooms: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        rooms.setdefault(_package(a), set()).update(_package(b) for b in targets if _package(b) != _package(a))
+    for targets in list(rooms.values()):
+        for b in targets:
+            rooms.setdefault(b, set())
+    return rooms
+
+
+def _longest_chain(rooms: dict[str, set[str]]) -> list[str]:
+    """The longest import chain between rooms, top first (its length is the number of floors)."""
+
+    @lru_cache(None)
+    def chain(room: str) -> tuple[str, ...]:
+        return (room, *max((chain(b) for b in rooms[room]), key=len, default=()))
+
+    return list(max((chain(r) for r in rooms), key=len))
+
+
+def _room_cycle(rooms: dict[str, set[str]]) -> list[str] | None:
+    for start in sorted(rooms):
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(rooms[node]):
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    return None
+
+
+def test_the_rooms_have_no_circle_and_at_most_nine_floors():
+    """Folders count as well as modules: lora -> quant adds a floor even when no module circle does."""
+    rooms = _room_graph(GRAPH)
+    assert _room_cycle(rooms) is None, " -> ".join(_room_cycle(rooms))
+    chain = _longest_chain(rooms)
+    assert len(chain) <= MAX_FLOORS, f"{len(chain)} floors: " + " -> ".join(chain)
+
+
+def test_a_tenth_floor_of_rooms_is_caught():
+    """The checker itself: a tower of ten rooms each importing the one below counts ten floors, and one
+    arrow from the floor of the house up to its top is a circle between rooms."""
+    tower = {f"hfpipe.room{i}.m": {f"hfpipe.room{i - 1}.m"} if i else set() for i in range(MAX_FLOORS + 1)}
+    assert len(_longest_chain(_room_graph(tower))) == MAX_FLOORS + 1
+    looped = _room_graph({**GRAPH, "hfpipe.errors": {"hfpipe.cli.main"}})
+    assert _room_cycle(looped) is not None
+
+
+#: Names several modules define on purpose, each the same plug-in interface: a family file's ``ADAPTERS``
+#: (gathered by ``models/registry.py``) and an axis's pricing module (``plan/tensor.py``, ``plan/context.py``,
+#: ``plan/experts.py``, ``plan/quant.py``: what ``plan/report.py`` asks each of them).
+PLUGIN_NAMES = {"ADAPTERS", "describe", "layer_bytes", "price_ranks"}
+
+
+def _public_definitions() -> dict[str, list[str]]:
+    defined: dict[str, list[str]] = {}
+    for name, path in MODS.items():
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()]
+            for n in names:
+                if not n.startswith("_"):
+                    defined.setdefault(n, []).append(name)
+    return defined
+
+
+def test_every_public_name_is_defined_once():
+    """One name, one thing: a second ``PipelineTrainer`` or ``load_pipeline`` is a rename, not a layer."""
+    twice = {n: where for n, where in _public_definitions().items() if len(where) > 1 and n not in PLUGIN_NAMES}
+    assert not twice, twice
 
 
 def test_a_known_circle_is_caught():

@@ -210,7 +210,7 @@ def test_the_python_api_raises_an_hfpipe_error_naming_the_argument(tiny, tmp_pat
 def test_an_export_whose_checkpoint_is_deleted_midway_says_so_in_one_line(ckpt, tmp_path, monkeypatch):
     import shutil
 
-    from hfpipe.checkpoint import export
+    from hfpipe.export import hf_folder as export
 
     victim = shutil.copytree(ckpt.parents[1], tmp_path / "run") / "checkpoints" / ckpt.name
     plan = export.plan_groups

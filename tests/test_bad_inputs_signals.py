@@ -31,10 +31,10 @@ from pathlib import Path
 
 import hfpipe.api
 import hfpipe.train.runner
-from hfpipe.train.step import PipelineTrainer
+from hfpipe.train.step import StepEngine
 
 _hold, _marks = os.environ.get("HFPIPE_TEST_HOLD", ""), Path(os.environ.get("HFPIPE_TEST_MARKS", "."))
-_preflight, _load, _step = hfpipe.train.runner.preflight, hfpipe.api.load_pipeline, PipelineTrainer.step
+_preflight, _load, _step = hfpipe.train.runner.preflight, hfpipe.api.load_pipeline, StepEngine.step
 
 
 def preflight(*args, **kwargs):
@@ -57,7 +57,7 @@ def step(self, *args, **kwargs):
     return out
 
 
-hfpipe.train.runner.preflight, hfpipe.api.load_pipeline, PipelineTrainer.step = preflight, load_pipeline, step
+hfpipe.train.runner.preflight, hfpipe.api.load_pipeline, StepEngine.step = preflight, load_pipeline, step
 
 if __name__ == "__main__":
     from hfpipe.cli.main import app
@@ -180,7 +180,7 @@ def test_a_signal_during_an_export_removes_its_temporary_folder(model, tmp_path,
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.checkpoint import export
+    from hfpipe.export import hf_folder as export
     from hfpipe.checkpoint.dcp import record_checksums
     from hfpipe.parallel.signals import StartupInterrupted
 

@@ -25,9 +25,9 @@ import torch
 
 from _dist import run_ranks, tiny_checkpoint, folder_tensors as tensors
 from hfpipe.checkpoint.dcp import CheckpointError, latest_checkpoint, load_checkpoint, resolve_resume
-from hfpipe.checkpoint.export import export_checkpoint
+from hfpipe.export.hf_folder import export_checkpoint
 from hfpipe.config.run import FinetuneConfig
-from hfpipe.train.runner import finetune
+from hfpipe.train.runner import run_finetune
 
 LAYERS = 4
 STEPS, EVERY = 6, 2  # checkpoints at steps 2, 4 and 6
@@ -100,7 +100,7 @@ def llama() -> Path:
 def reference(llama, tmp_path_factory) -> dict:
     """The oracle: 6 uninterrupted steps at pp=2 with checkpoints at 2, 4, 6 and an HF export."""
     out = tmp_path_factory.mktemp("reference")
-    result = finetune(config(llama, out, save_hf_at_end=True))
+    result = run_finetune(config(llama, out, save_hf_at_end=True))
     return {"out": out, "losses": losses(result["history"]), "final": dcp_state(step_dir(out, STEPS))}
 
 
@@ -252,9 +252,9 @@ import json, os, signal, sys, time
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from hfpipe.train.step import PipelineTrainer
+from hfpipe.train.step import StepEngine
 
-_step, _save = PipelineTrainer.step, dcp.save
+_step, _save = StepEngine.step, dcp.save
 
 
 def step(self, *args, **kwargs):
@@ -274,18 +274,18 @@ def save(state, *, checkpoint_id, **kwargs):
     return out
 
 
-PipelineTrainer.step, dcp.save = step, save
+StepEngine.step, dcp.save = step, save
 
 if __name__ == "__main__":
     from hfpipe.config.run import FinetuneConfig
-    from hfpipe.train.runner import finetune
+    from hfpipe.train.runner import run_finetune
 
-    finetune(FinetuneConfig.from_dict(json.loads(sys.argv[1])))
+    run_finetune(FinetuneConfig.from_dict(json.loads(sys.argv[1])))
 '''
 
 
 def start_run(cfg: FinetuneConfig, tmp_path: Path, **faults: str) -> subprocess.Popen:
-    """``finetune(cfg)`` as a separate process (its launcher), with faults from :data:`RUN_SCRIPT`."""
+    """``run_finetune(cfg)`` as a separate process (its launcher), with faults from :data:`RUN_SCRIPT`."""
     script = tmp_path / "run.py"
     script.write_text(RUN_SCRIPT)
     env = {**os.environ, **{f"HFPIPE_TEST_{k.upper()}": str(v) for k, v in faults.items()}}
@@ -322,7 +322,7 @@ def test_kill_9_of_one_worker_fails_the_run_and_resume_auto_finishes_it_exactly(
     assert run["returncode"] != 0
     assert 3 <= run["steps_done"] < STEPS and f"step-{STEPS:08d}" not in run["checkpoints"]
     start = int(latest_checkpoint(run["out"] / "checkpoints").name.removeprefix("step-"))
-    resumed = finetune(config(llama, run["out"], resume="auto"))
+    resumed = run_finetune(config(llama, run["out"], resume="auto"))
     assert losses(resumed["history"]) == {s: v for s, v in reference["losses"].items() if s > start}
     assert_same_state(dcp_state(step_dir(run["out"], STEPS)), reference["final"])
     assert [row["step"] for row in metrics(run["out"])][-(STEPS - start):] == list(range(start + 1, STEPS + 1))
@@ -345,7 +345,7 @@ def killed_mid_save(llama, tmp_path_factory) -> dict:
 def resumed_after_crash(llama, killed_mid_save) -> dict:
     """``--resume auto`` of that run, saving asynchronously and keeping 2 checkpoints."""
     out = killed_mid_save["out"]
-    result = finetune(config(llama, out, resume="auto", async_save=True, keep=2))
+    result = run_finetune(config(llama, out, resume="auto", async_save=True, keep=2))
     return {"losses": losses(result["history"]), "left": sorted(p.name for p in (out / "checkpoints").iterdir())}
 
 
@@ -383,7 +383,7 @@ def pp4_interleaved(tmp_path_factory) -> dict:
     """4 steps at pp=4 with interleaved-1f1b (8 stages) of a tied Llama, saved at steps 2 and 4."""
     model = tiny_checkpoint("llama_tied", num_hidden_layers=8)
     out = tmp_path_factory.mktemp("pp4")
-    result = finetune(config(model, out, pp=4, schedule="interleaved-1f1b", **RESHARD))
+    result = run_finetune(config(model, out, pp=4, schedule="interleaved-1f1b", **RESHARD))
     return {"model": model, "out": out, "losses": losses(result["history"])}
 
 
@@ -392,7 +392,7 @@ def test_a_pp4_interleaved_checkpoint_resumes_at_pp2_with_1f1b(pp4_interleaved, 
     meta = json.loads((step_dir(run["out"], 2) / "hfpipe.json").read_text())
     assert meta["world"] == {"pp": 4, "dp": 1, "ep": 1, "cp": 1, "tp": 1} and meta["config"]["schedule"] == "interleaved-1f1b"
     out = copy_run(run["out"], tmp_path / "out", upto=2)
-    resumed = finetune(config(run["model"], out, pp=2, schedule="1f1b", resume="auto", **RESHARD))
+    resumed = run_finetune(config(run["model"], out, pp=2, schedule="1f1b", resume="auto", **RESHARD))
     got, want = losses(resumed["history"]), {s: v for s, v in run["losses"].items() if s > 2}
     assert sorted(got) == sorted(want) == [3, 4]
     assert max(abs(got[s] - want[s]) for s in want) <= 1e-6

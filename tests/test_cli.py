@@ -261,13 +261,13 @@ def fake_runner(monkeypatch):
     module.calls = []
     module.error = None
 
-    def finetune(config, **kwargs):
+    def run_finetune(config, **kwargs):
         module.calls.append((config, kwargs))
         if module.error is not None:
             raise module.error
         return {"history": [{"step": 1, "loss": 2.5}], "checkpoint": "out/checkpoints/step-00000001"}
 
-    module.finetune = finetune
+    module.run_finetune = run_finetune
     monkeypatch.setitem(sys.modules, "hfpipe.train.runner", module)
     return module
 
@@ -308,9 +308,9 @@ def test_finetune_runner_errors(fake_runner, tiny):
 def test_the_runner_takes_what_the_cli_passes():
     import inspect
 
-    from hfpipe.train.runner import finetune
+    from hfpipe.train.runner import run_finetune
 
-    params = inspect.signature(finetune).parameters
+    params = inspect.signature(run_finetune).parameters
     assert list(params)[0] == "cfg" and {"nnodes", "node_rank", "rdzv_endpoint"} <= set(params)
 
 

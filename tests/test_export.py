@@ -1,4 +1,4 @@
-"""Spec of ``hfpipe.checkpoint.export``: a DCP training checkpoint back to a Hugging Face folder.
+"""Spec of ``hfpipe.export.hf_folder``: a DCP training checkpoint back to a Hugging Face folder.
 
 Checkpoints are made here the way the trainer writes them: the full transformers model's in-memory
 state dict under ``model.<fqn>`` (fused MoE experts, no ``lm_head`` when tied) saved by ``dcp.save``
@@ -18,9 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from _dist import folder_tensors as tensors
-from hfpipe.checkpoint import export as export_mod
-from hfpipe.checkpoint.export import ExportError, export_checkpoint, read_checkpoint_meta
-from hfpipe.checkpoint.hf_writer import ShardWriter
+from hfpipe.export import hf_folder as export_mod
+from hfpipe.export.hf_folder import ExportError, export_checkpoint, read_checkpoint_meta
+from hfpipe.export.hf_writer import ShardWriter
 from hfpipe.tiny import make_fp8_checkpoint, make_tiny_checkpoint
 from hfpipe.checkpoint.dcp import record_checksums
 

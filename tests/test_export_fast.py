@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.checkpoint import dcp_raw
-from hfpipe.checkpoint import export as export_mod
-from hfpipe.checkpoint.export import ExportError, export_checkpoint
-from hfpipe.checkpoint.hf_writer import ShardWriter
+from hfpipe.export import hf_folder as export_mod
+from hfpipe.export.hf_folder import ExportError, export_checkpoint
+from hfpipe.export.hf_writer import ShardWriter
 from test_export import make_dcp_checkpoint
 from hfpipe.checkpoint.dcp import record_checksums
 

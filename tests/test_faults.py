@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from _dist import tiny_checkpoint
 from hfpipe.cli.main import app
 from hfpipe.config.run import FinetuneConfig
-from hfpipe.train.runner import finetune
+from hfpipe.train.runner import run_finetune
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -36,9 +36,9 @@ SLOW_STEPS = '''
 interrupt a run mid-way. Spawned workers import this file as __mp_main__ and get the patch too."""
 import os, time
 
-from hfpipe.train.step import PipelineTrainer
+from hfpipe.train.step import StepEngine
 
-_step = PipelineTrainer.step
+_step = StepEngine.step
 
 
 def step(self, *args, **kwargs):
@@ -49,7 +49,7 @@ def step(self, *args, **kwargs):
     return out
 
 
-PipelineTrainer.step = step
+StepEngine.step = step
 
 if __name__ == "__main__":
     from hfpipe.cli.main import app
@@ -99,7 +99,7 @@ def model() -> Path:
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("reference") / "out"
-    result = finetune(FinetuneConfig(model=str(model), output_dir=str(out), **RUN))
+    result = run_finetune(FinetuneConfig(model=str(model), output_dir=str(out), **RUN))
     return {"losses": {r["step"]: r["loss"] for r in result["history"]},
             "final": dcp_state(out / "checkpoints" / f"step-{STEPS:08d}")}
 
@@ -145,7 +145,7 @@ def check_interrupted_then_resumed(run: dict, model, reference, sig: int) -> Non
     assert line.endswith(f"--output-dir {run['out']} --resume auto") and line.split(": ")[-1].startswith("hfpipe finetune ")
     assert 1 <= step < STEPS and (ckpt / "hfpipe.json").is_file()
     assert [r["step"] for r in metrics(run["out"])] == list(range(1, step + 1))
-    resumed = finetune(FinetuneConfig(model=str(model), output_dir=str(run["out"]), resume="auto", **RUN))
+    resumed = run_finetune(FinetuneConfig(model=str(model), output_dir=str(run["out"]), resume="auto", **RUN))
     assert {r["step"]: r["loss"] for r in resumed["history"]} == {
         s: v for s, v in reference["losses"].items() if s > step}
     assert_same_state(dcp_state(run["out"] / "checkpoints" / f"step-{STEPS:08d}"), reference["final"])
@@ -199,13 +199,13 @@ def test_a_changed_lr_applies_from_the_resumed_step_and_says_so(model, reference
     from hfpipe.train.optim import lr_lambda
 
     out = tmp_path / "out"
-    first = finetune(FinetuneConfig(model=str(model), output_dir=str(out), **{**RUN, "max_steps": 2}))
+    first = run_finetune(FinetuneConfig(model=str(model), output_dir=str(out), **{**RUN, "max_steps": 2}))
     assert [r["step"] for r in first["history"]] == [1, 2]
     final = out / "checkpoints" / "step-00000002" / "hfpipe.json"
     written = final.stat().st_mtime_ns
-    again = finetune(FinetuneConfig(model=str(model), output_dir=str(out), resume="auto", **{**RUN, "max_steps": 2}))
+    again = run_finetune(FinetuneConfig(model=str(model), output_dir=str(out), resume="auto", **{**RUN, "max_steps": 2}))
     assert again["history"] == [] and final.stat().st_mtime_ns == written  # a finished run is not rewritten
-    resumed = finetune(FinetuneConfig(model=str(model), output_dir=str(out), resume="auto",
+    resumed = run_finetune(FinetuneConfig(model=str(model), output_dir=str(out), resume="auto",
                                       **{**RUN, "lr": 5e-4, "max_steps": 6}))
     lrs = {r["step"]: r["lr"] for r in resumed["history"]}
     want = {s: 5e-4 * lr_lambda(s - 1, warmup_steps=0, total_steps=6, schedule="cosine", min_ratio=0.0)

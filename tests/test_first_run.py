@@ -63,7 +63,7 @@ def test_no_stretch_of_5_s_passes_without_a_line(first_run):
     stamps = [datetime.strptime(m.group(), "%Y-%m-%d %H:%M:%S") for m in map(re.compile(STAMP).match, logs) if m]
     gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
     assert max(gaps) <= 5, list(zip(gaps, logs[1:]))  # stamps are whole seconds: a 4 s tick reads as 4 or 5
-    assert "INFO hfpipe.train.progress: starting 2 worker processes..." in " ".join(logs), logs  # seconds, always
+    assert "INFO hfpipe.progress.ticker: starting 2 worker processes..." in " ".join(logs), logs  # seconds, always
 
 
 def test_every_printed_next_command_works_as_printed_also_after_a_resume(first_run):

@@ -25,14 +25,14 @@ def _cp_loop(cp: int, rank: int):
     from hfpipe.hf.loop import PipelineLoop
     from hfpipe.parallel.context import ContextParallel
     from hfpipe.pipeline.schedule import Pipeline
-    from hfpipe.train.step import PipelineTrainer
+    from hfpipe.train.step import StepEngine
 
     loop = PipelineLoop()
     pipe = SimpleNamespace(context=ContextParallel(None, cp, rank))
     pipe.local = lambda batch: Pipeline.local(pipe, batch)
     loop.pipeline = SimpleNamespace(pipe=pipe, dist=SimpleNamespace(dims=SimpleNamespace(cp=cp)))
     steps = SimpleNamespace(dist=SimpleNamespace(batch_group=None))
-    loop._steps = SimpleNamespace(global_tokens=lambda batches: PipelineTrainer.global_tokens(steps, batches))
+    loop._steps = SimpleNamespace(global_tokens=lambda batches: StepEngine.global_tokens(steps, batches))
     return loop
 
 

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from _dist import run_ranks, tiny_checkpoint
 from hfpipe.checkpoint.dcp import record_checksums
-from hfpipe.checkpoint.export import ExportError, export_checkpoint
+from hfpipe.export.hf_folder import ExportError, export_checkpoint
 from hfpipe.config.run import ConfigError, FinetuneConfig
-from hfpipe.train.runner import finetune
+from hfpipe.train.runner import run_finetune
 from test_checkpoint import (
     assert_same_state,
     copy_run,
@@ -56,7 +56,7 @@ def base() -> Path:
 def reference(base, tmp_path_factory) -> dict:
     """The oracle: 6 uninterrupted LoRA steps at pp=2, checkpoints at 2, 4, 6, the adapter exported."""
     out = tmp_path_factory.mktemp("lora_reference")
-    result = finetune(config(base, out, save_hf_at_end=True))
+    result = run_finetune(config(base, out, save_hf_at_end=True))
     return {"out": out, "losses": losses(result["history"]), "final": dcp_state(step_dir(out, STEPS))}
 
 
@@ -97,7 +97,7 @@ def killed(base, tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_kill_9_then_resume_auto_ends_bit_identical_to_the_uninterrupted_run(base, reference, killed):
     assert killed["returncode"] != 0 and not step_dir(killed["out"], STEPS).exists()
-    resumed = finetune(config(base, killed["out"], resume="auto"))
+    resumed = run_finetune(config(base, killed["out"], resume="auto"))
     start = min(losses(resumed["history"])) - 1
     assert start >= 2
     assert losses(resumed["history"]) == {s: v for s, v in reference["losses"].items() if s > start}
@@ -107,7 +107,7 @@ def test_kill_9_then_resume_auto_ends_bit_identical_to_the_uninterrupted_run(bas
 @pytest.mark.slow
 def test_a_pp2_1f1b_checkpoint_resumes_at_pp3_with_gpipe(base, reference, tmp_path):
     out = copy_run(reference["out"], tmp_path / "out", upto=2)
-    resumed = finetune(config(base, out, pp=3, schedule="gpipe", resume="auto"))
+    resumed = run_finetune(config(base, out, pp=3, schedule="gpipe", resume="auto"))
     got, want = losses(resumed["history"]), {s: v for s, v in reference["losses"].items() if s > 2}
     assert sorted(got) == sorted(want)
     assert max(abs(got[s] - want[s]) for s in want) <= 1e-6
@@ -125,7 +125,7 @@ def test_a_full_checkpoint_is_not_resumed_as_lora(base, reference, tmp_path):
 
     # the resume check names every setting that differs (here only the LoRA ones)
     with pytest.raises(ResumeMismatch, match=r"--lora-rank 4 -> None"):
-        finetune(config(base, out, resume="auto", lora_rank=None, lora_alpha=None, lora_targets="all-linear"))
+        run_finetune(config(base, out, resume="auto", lora_rank=None, lora_alpha=None, lora_targets="all-linear"))
 
 
 # --- export -------------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_lora_targets_matching_no_module_are_refused_before_any_process_starts(b
     from hfpipe.lora.adapters import LoraError
 
     with pytest.raises(LoraError, match="--lora-targets qq_proj match no module of the llama model"):
-        finetune(config(base, tmp_path / "out", lora_targets="qq_proj"))
+        run_finetune(config(base, tmp_path / "out", lora_targets="qq_proj"))
     assert not (tmp_path / "out").exists()
 
 
@@ -318,7 +318,7 @@ def test_a_lora_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch, mer
     # nothing left behind on failure, files readable by the group as save_pretrained leaves them.
     import safetensors.torch
 
-    from hfpipe.checkpoint import adapter
+    from hfpipe.export import adapter
     from hfpipe.parallel.lock import FolderBusyError, FolderLock
 
     base = tiny_checkpoint("llama", num_hidden_layers=2)

@@ -206,10 +206,10 @@ def test_under_torchrun_local_rank_0_holds_its_nodes_lock_and_a_busy_folder_is_r
         return {"step": 1}
 
     monkeypatch.setattr(runner, "run_worker", worker)
-    assert runner.finetune(cfg) == {"step": 1} and held
+    assert runner.run_finetune(cfg) == {"step": 1} and held
     assert not (out / ".hfpipe.node1.lock").exists()  # released at the end
     with run_lock(out, 2, 1):  # another run on node 1 holds the folder: refused before the worker starts
         held.clear()
         with pytest.raises(FolderBusyError, match="choose another --output-dir"):
-            runner.finetune(cfg)
+            runner.run_finetune(cfg)
         assert not held

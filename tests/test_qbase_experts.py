@@ -241,7 +241,7 @@ def test_adapter_export_and_merges_of_lora_on_quantized_experts(kind, tmp_path):
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hfpipe.checkpoint.export import export_checkpoint
+    from hfpipe.export.hf_folder import export_checkpoint
     from test_qbase_export import _logits, train_and_save
     from test_train_equivalence import make_batches
 

@@ -64,7 +64,7 @@ def test_adapter_export_and_merges_of_a_quantized_run(kind, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hfpipe.checkpoint.export import export_checkpoint
+    from hfpipe.export.hf_folder import export_checkpoint
 
     path, ckpt, trained = _run(kind, tmp_path)
     assert json.loads((ckpt / "hfpipe.json").read_text())["quantize_base"] == {

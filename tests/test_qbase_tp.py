@@ -2,7 +2,7 @@
 exactly as PEFT does in one process on the same FP8 model.
 
 Each colwise FP8 linear keeps its rows of the codes and of the tile-scale grid, each rowwise one its
-columns (:mod:`hfpipe.quant.tensor_parallel`); the oracle, batches and checks are
+columns (:mod:`hfpipe.quant.tensor`); the oracle, batches and checks are
 ``tests/test_lora_equivalence.py``'s (loss and grad norm per step within 1e-5, every adapter after 3
 steps within 1e-5 plus AdamW's derived drift, the base frozen), on ``tests/test_qbase.py``'s
 quantized models. A split that would cut a tile, and NF4 under tp, are refused in one line.

@@ -37,7 +37,7 @@ def test_a_folder_that_is_not_a_quickstart_run_is_left_alone(tmp_path):
 
 
 def test_silent_stretches_get_a_line_every_tick_and_none_while_others_report(monkeypatch):
-    from hfpipe.train import progress
+    from hfpipe.progress import ticker as progress
 
     monkeypatch.setattr(progress, "TICK_S", 0.05)
     said: list[str] = []

@@ -4,7 +4,7 @@ The oracle, batches and checks are ``tests/test_lora_equivalence.py``'s (PEFT's 
 transformers' model, full-batch AdamW with clipping; loss and grad norm per step within 1e-5, every
 adapter after 3 steps within 1e-5 plus AdamW's derived drift, the base frozen). Here each stage is
 also split over 2 tp ranks and PEFT's adapters are split as their base layers are
-(:mod:`hfpipe.lora.tensor_parallel`); the adapters compared are whole (gathered over tp).
+(:mod:`hfpipe.lora.tensor`); the adapters compared are whole (gathered over tp).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_lora_dp2_x_pp2_x_tp2_matches_peft():
 ])
 def test_what_tp_stages_cannot_adapt_is_refused_in_one_line(kw, match):
     from hfpipe.lora.adapters import LoraError
-    from hfpipe.lora.tensor_parallel import check_tp_lora
+    from hfpipe.lora.tensor import check_tp_lora
     from test_lora_equivalence import lora_config
 
     with pytest.raises(LoraError, match=match) as e:

@@ -10,8 +10,9 @@ import re
 import pytest
 
 from hfpipe.config.run import ConfigError, FinetuneConfig
-from hfpipe.train.logs import LINES, log_formatter, next_commands
-from hfpipe.train.progress import Reporter
+from hfpipe.cli.next_steps import next_commands
+from hfpipe.progress.logs import LINES, log_formatter
+from hfpipe.progress.reporter import Reporter
 from hfpipe.train.step import StepResult
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
@@ -86,7 +87,7 @@ def test_report_to_is_checked():
     with pytest.raises(ConfigError, match="--report-to 'tensorbord' is unknown; .*did you mean tensorboard"):
         FinetuneConfig(model="m", report_to="jsonl,tensorbord")
     if importlib.util.find_spec("wandb") is None:
-        from hfpipe.train.logs import check_sinks
+        from hfpipe.progress.logs import check_sinks
 
         with pytest.raises(ConfigError, match=r"pip install 'hfpipe\[wandb\]'"):
             check_sinks("jsonl,wandb")

@@ -1,4 +1,4 @@
-"""The one ticker every silent stretch uses (``hfpipe.train.progress.Ticker``): it says what is going
+"""The one ticker every silent stretch uses (``hfpipe.progress.ticker.Ticker``): it says what is going
 on after a moment and then every few seconds with the time so far, says nothing about a stretch
 over at once, counts a new stretch afresh, stays quiet while something else shows progress, and
 speaks on rank 0 only."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from hfpipe.train.progress import FIRST_S, TICK_S, Ticker
+from hfpipe.progress.ticker import FIRST_S, TICK_S, Ticker
 
 
 def _lines(what, seconds: float, **options) -> list[str]:

@@ -27,7 +27,7 @@ from _trust import (  # noqa: F401 - ckpt and tiny are fixtures
 )
 from hfpipe.checkpoint.checksums import DamagedCheckpointError
 from hfpipe.checkpoint.dcp import CheckpointError, check_stored_data, resolve_resume
-from hfpipe.checkpoint.export import ExportError, export_checkpoint
+from hfpipe.export.hf_folder import ExportError, export_checkpoint
 from hfpipe.checkpoint.safe_metadata import (SafeLoadPlanner, SafeReader, UnsafeMetadataError, _DcpReader,
                                              read_metadata, safe_load)
 
@@ -204,7 +204,7 @@ def test_a_released_lock_file_is_never_held_twice(tmp_path):
 
 
 def test_files_hfpipe_creates_are_never_opened_through_a_link(tmp_path):
-    from hfpipe.checkpoint.hf_writer import ShardWriter
+    from hfpipe.export.hf_writer import ShardWriter
     from hfpipe.parallel.lock import write_new
 
     victim = tmp_path / "victim.txt"

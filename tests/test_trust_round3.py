@@ -148,7 +148,7 @@ def test_a_huge_export_record_is_refused_without_being_read(ckpt, tmp_path):
 
 
 def test_force_deletes_exactly_the_listed_files_and_keeps_a_folder_something_else_appeared_in(ckpt, tmp_path):
-    from hfpipe.checkpoint.out_folder import _remove_export
+    from hfpipe.export.out_folder import _remove_export
 
     old = tmp_path / "old"
     assert _export(ckpt, old).exit_code == 0
@@ -382,7 +382,7 @@ def test_a_binary_chat_template_is_one_line(tiny, tmp_path, data):
     (math.inf, "?"), (math.nan, "?"),
 ])
 def test_the_eta_shows_days_instead_of_wrapping_at_24_hours(seconds, shown):
-    from hfpipe.train.logs import duration, format_line
+    from hfpipe.progress.logs import duration, format_line
 
     assert duration(seconds) == shown
     row = {"step": 1, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-4, "tokens_per_s": 10.0}

@@ -324,7 +324,7 @@ def test_a_damaged_expert_checkpoint_is_refused_naming_the_key_before_any_worker
 @pytest.fixture(scope="module")
 def adapter(lora, tmp_path_factory) -> Path:
     """``lora``'s checkpoint exported as a PEFT adapter folder (rank 4 on q_proj and v_proj)."""
-    from hfpipe.checkpoint.export import export_checkpoint
+    from hfpipe.export.hf_folder import export_checkpoint
 
     return export_checkpoint(lora[1], tmp_path_factory.mktemp("adapter") / "adapter", progress=False)
 

@@ -15,15 +15,13 @@ from pathlib import Path
 import torch
 
 from hfpipe.errors import ExportError
-from hfpipe.files import SideFileError, read_side_json
+from hfpipe.files import INDEX, SINGLE, SideFileError, read_side_json
 
-__all__ = ["EXPORT_RECORD", "INDEX", "SINGLE", "copy_side_files", "side_files", "read_checkpoint_meta", "read_record",
+__all__ = ["EXPORT_RECORD", "copy_side_files", "side_files", "read_checkpoint_meta", "read_record",
            "resolve_source"]
 
 log = logging.getLogger(__name__)
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 #: The file every export folder gets: what wrote it. ``--force`` replaces only a folder that has it.
 EXPORT_RECORD = "hfpipe_export.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")

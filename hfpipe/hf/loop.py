@@ -11,7 +11,7 @@ What differs under a pipeline is answered here, each where the Trainer asks:
   does for a causal LM), and returned equal on every rank. Under cp every rank of a replica is handed
   the same whole rows and keeps its own tokens of them (``Pipeline.local``, labels shifted before the
   split): the count is taken on those, so summed over dp x cp it is the plain Trainer's;
-- clipping: the global norm over all stages (:meth:`hfpipe.train.step.PipelineTrainer.clip_gradients`);
+- clipping: the global norm over all stages (:meth:`hfpipe.train.step.StepEngine.clip_gradients`);
 - the model is never wrapped (no DDP) and the optimizer never handed to accelerate;
 - evaluation: the mean of each batch's token-mean loss weighted by its rows, as ``evaluation_loop`` does
   (rows counted over dp: the cp ranks of a replica hold the same rows).
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hfpipe.errors import ConfigError, ParallelError
 from hfpipe.hf.options import PipelineOptions, check_layout_args, load_kwargs, see_the_world
-from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_pipeline_checkpoint,
+from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_step_checkpoint,
                                save_scheduler)
 from hfpipe.hf.stages import PipelineStages
 from hfpipe.pipeline.inputs import check_batches
@@ -194,7 +194,7 @@ class PipelineLoop:
         ``checkpoint-N`` (``_internal_call``), hfpipe's DCP checkpoint of model and optimizer instead."""
         output_dir = output_dir or self.args.output_dir
         if _internal_call:
-            save_pipeline_checkpoint(self, output_dir)
+            save_step_checkpoint(self, output_dir)
         else:
             export_model(self, output_dir)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hfpipe.errors import ConfigError
 
-__all__ = ["find_pipeline_checkpoint", "load_trainer_checkpoint", "save_pipeline_checkpoint", "save_scheduler",
+__all__ = ["find_pipeline_checkpoint", "load_trainer_checkpoint", "save_step_checkpoint", "save_scheduler",
            "export_model"]
 
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
@@ -47,7 +47,7 @@ def load_trainer_checkpoint(trainer, folder) -> None:
         trainer.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
-def save_pipeline_checkpoint(trainer, folder) -> None:
+def save_step_checkpoint(trainer, folder) -> None:
     """hfpipe's checkpoint of this step under ``folder`` (every rank writes its own stages)."""
     trainer.pipeline.save_checkpoint(str(folder), int(trainer.state.global_step), trainer.optimizer)
 

@@ -16,7 +16,7 @@ only does what a split model needs around that:
 
 Beside it: :mod:`hfpipe.plan.lora` (``hfpipe plan --lora-rank``), :mod:`hfpipe.lora.folder` (PEFT
 adapter folders for ``hfpipe verify`` and the quickstart); the adapter export and merge live in
-:mod:`hfpipe.checkpoint.adapter`.
+:mod:`hfpipe.export.adapter`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _check_each_target(config, names: list[str], meta_model: nn.Module) -> None:
 def _drop_grouped_linears(config, meta_model: nn.Module) -> None:
     """Drop from an all-linear set the linear subclasses that multiply otherwise (DeepSeek-V4's grouped
     ``o_a_proj``, block-diagonal over head groups): PEFT takes them, and its LoRA layer then fails in forward."""
-    from hfpipe.quant.targets import plain_linear
+    from hfpipe.models.targets import plain_linear
 
     linears = {n: plain_linear(m) for n, m in meta_model.named_modules() if isinstance(m, nn.Linear)}
 
@@ -204,7 +204,7 @@ def _whole_size(layer: nn.Module) -> None:
     PEFT sizes the adapters of a linear whose weight is a tensor-parallel DTensor by its local shard
     (``peft.tuners.tuners_utils._get_in_out_features``) and initialises each rank's on its own. hfpipe
     initialises the whole adapters, as one process does, and splits them afterwards
-    (:mod:`hfpipe.lora.tensor_parallel`), so the start does not depend on --tp.
+    (:mod:`hfpipe.lora.tensor`), so the start does not depend on --tp.
     """
     base = layer.get_base_layer()
     if not isinstance(base, nn.Linear) or (layer.in_features, layer.out_features) == (base.in_features,

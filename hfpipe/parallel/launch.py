@@ -88,7 +88,7 @@ def launch(fn: Callable, nprocs: int, *args, nnodes: int = 1, node_rank: int = 0
         worker_timeout_s: The workers' collective timeout (``--timeout``), named when one hangs.
         ticker: Makes the context manager that says, with the time so far, what the workers do
             before they print on their own: called with a function returning that text
-            (:class:`hfpipe.train.progress.Ticker`; ``None``: silent). "starting N worker
+            (:class:`hfpipe.progress.ticker.Ticker`; ``None``: silent). "starting N worker
             processes", then what rank 0 tells by :func:`say_phase`, until it says ``None``.
 
     Raises:

@@ -78,7 +78,7 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
     default; ``microbatches`` None becomes the number of stages. ``model_config`` adds the model's rules,
     ``seq_len`` the split of each sequence over cp ranks. ``lora`` is whether adapters are trained; what
     LoRA needs under ``--tp`` depends on its resolved targets and is checked on them
-    (:func:`hfpipe.lora.tensor_parallel.check_tp_lora`).
+    (:func:`hfpipe.lora.tensor.check_tp_lora`).
     """
     if schedule not in SCHEDULES:
         raise ParallelError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")

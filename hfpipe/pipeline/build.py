@@ -10,7 +10,7 @@ shape or storage comes before one that wraps it):
  meta    build           the stage's transformers modules under the full model's names (models/stage.py)
  meta    ``apply_tp``    every matrix split over tp (transformers' plan, hfpipe.parallel.tensor_plan), so
                          the loader then reads only a rank's slice; an FP8 base's codes and tile scales are
-                         split together (hfpipe.quant.tensor_parallel), so under tp ``apply_quant`` runs first
+                         split together (hfpipe.quant.tensor), so under tp ``apply_quant`` runs first
  meta    ``apply_ep``    routed experts sharded over ep (transformers' expert-parallel plan)
  meta    ``apply_quant`` a LoRA base's linears and expert stacks swapped for quantized storage
  meta    ``apply_ac``    activation checkpointing of each decoder layer
@@ -45,13 +45,13 @@ from hfpipe.parallel.expert import experts_of, shard_experts, shard_moe_layer
 from hfpipe.parallel.mesh import Dist, init_distributed
 from hfpipe.parallel.rules import check_layout
 from hfpipe.pipeline.load import LoadStats, load_stage_weights
-from hfpipe.pipeline.model import DTYPES, PipelineModel
+from hfpipe.pipeline.model import PRECISIONS, RankPipeline
 from hfpipe.pipeline.schedule import Pipeline, PipelineError
 from hfpipe.plan.split import plan_pipeline
 from hfpipe.quant.linear import Quantizer
 from hfpipe.source.folder import ModelSource
 
-__all__ = ["StageOptions", "build_rank_stages", "load_pipeline", "load_rank_stages"]
+__all__ = ["StageOptions", "build_pipeline", "build_rank_stages", "load_rank_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,14 @@ def _check_arguments(*, activation_checkpointing: str, **counts) -> None:
                             f"choose one of {', '.join(_CHECKPOINTING)}")
 
 
-def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, tp: int = 1, cp: int = 1,
+def build_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1, tp: int = 1, cp: int = 1,
                   sequence_parallel: bool = True, reshard_per_microbatch: bool = False, vpp: int | None = None,
                   schedule: str = "1f1b", microbatches: int | None = None, method: str = "balanced",
                   layout: str | None = None, dtype: str = "fp32", activation_checkpointing: str = "none",
                   trust_remote_code: bool = False, dist: Dist | None = None, lora=None,
                   seed: int = 0, loss_chunk_tokens: int | None = None,
                   quantize_base: str | None = None, quantize_block_size: int | None = None,
-                  model_class: type | None = None) -> PipelineModel:
+                  model_class: type | None = None) -> RankPipeline:
     """Load this rank's stages of ``model`` (folder or hub id) ready to train.
 
     Args:
@@ -149,14 +149,14 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
             (:mod:`hfpipe.quant`); every decoder-layer linear dequantizes just in time.
         quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the
             checkpoint's own tiles, else 128).
-        model_class: The :class:`PipelineModel` subclass to return (:mod:`hfpipe.api` passes its own).
+        model_class: The :class:`RankPipeline` subclass to return (:mod:`hfpipe.api` passes its own).
     """
     check_degrees("load_pipeline", **({} if pp is None else {"pp": pp}), dp=dp, ep=ep, tp=tp, cp=cp)
     _check_arguments(vpp=vpp, microbatches=microbatches, seed=seed, loss_chunk_tokens=loss_chunk_tokens,
                      activation_checkpointing=activation_checkpointing)
     quantize = _quant_spec(quantize_base, quantize_block_size, lora)
-    if dtype not in DTYPES:
-        raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+    if dtype not in PRECISIONS:
+        raise PipelineError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(PRECISIONS)}")
     dims = ParallelDims(pp=pp or (dist.pp if dist else _default_pp(dp * cp * tp)), dp=dp, cp=cp, tp=tp, ep=ep)
     source = ModelSource.open(model, trust_remote_code=trust_remote_code)
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
@@ -165,7 +165,7 @@ def load_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 1
                            quantize_base=quantize_base)
     plan = plan_pipeline(source.config, dims.pp, vpp=checked.vpp, style=checked.style, method=method, layout=layout)
     dist = _with_dims(dist, dims) if dist else init_distributed(dims)
-    param_dtype, compute_dtype = DTYPES[dtype]
+    param_dtype, compute_dtype = PRECISIONS[dtype]
     if quantize is not None:
         quantize = dataclasses.replace(quantize, dtype=str(param_dtype).removeprefix("torch."))
     options = StageOptions(param_dtype, compute_dtype, activation_checkpointing, lora, seed, quantize,
@@ -254,7 +254,7 @@ def apply_tp(modules: list, tp_mesh, options: StageOptions, experts_whole: bool 
     but the routed experts when ``experts_whole`` (``--ep`` shards them next, whole on each tp rank)."""
     from hfpipe.parallel.tensor import apply_tp as split
     from hfpipe.parallel.tensor_plan import stage_tp_plan
-    from hfpipe.quant.tensor_parallel import fp8_tp_plan
+    from hfpipe.quant.tensor import fp8_tp_plan
 
     for m in modules:
         names = [n for n, _ in m.named_modules()]
@@ -296,7 +296,7 @@ def apply_ac(modules: list, options: StageOptions) -> None:
 def apply_lora(modules: list, options: StageOptions, tp_mesh=None, experts_whole: bool = False):
     """PEFT's LoRA adapters on the loaded stage (base frozen); returns the resolved ``LoraConfig``.
 
-    Under ``--tp`` each adapter is then split as its base layer is (:mod:`hfpipe.lora.tensor_parallel`).
+    Under ``--tp`` each adapter is then split as its base layer is (:mod:`hfpipe.lora.tensor`).
     """
     if options.lora is None:
         return None
@@ -309,7 +309,7 @@ def apply_lora(modules: list, options: StageOptions, tp_mesh=None, experts_whole
         add_adapters(modules, lora, seed=options.seed)
     attach_expert_adapters(modules)  # quantized or ep-split experts: hfpipe's experts forward adapts them
     if tp_mesh is not None:
-        from hfpipe.lora.tensor_parallel import split_adapters
+        from hfpipe.lora.tensor import split_adapters
 
         split_adapters(modules, plans, tp_mesh)
     return lora
@@ -318,7 +318,7 @@ def apply_lora(modules: list, options: StageOptions, tp_mesh=None, experts_whole
 def _tp_plans(modules: list, options: StageOptions, tp_mesh, lora, experts_whole: bool) -> list | None:
     if tp_mesh is None:
         return None
-    from hfpipe.lora.tensor_parallel import check_tp_lora
+    from hfpipe.lora.tensor import check_tp_lora
     from hfpipe.parallel.tensor_plan import stage_tp_plan
 
     check_tp_lora(lora, tp_mesh.size())

@@ -163,7 +163,7 @@ def load_stage_weights(stages: list[nn.Module], source: ModelSource, device: tor
 
 def _expert_rows(targets) -> dict[str, tuple[int, int]]:
     """Targets sharded by rows over ep or tp (DTensor parameters; the codes of an FP8 linear split colwise,
-    buffers that say their part in ``tp_part``: hfpipe.quant.tensor_parallel) -> the rows of dim 0 this rank holds."""
+    buffers that say their part in ``tp_part``: hfpipe.quant.tensor) -> the rows of dim 0 this rank holds."""
     from hfpipe.parallel.expert import local_rows
 
     out = {}

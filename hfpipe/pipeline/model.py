@@ -1,4 +1,4 @@
-"""This rank's part of a pipelined model: :class:`PipelineModel` runs and saves it
+"""This rank's part of a pipelined model: :class:`RankPipeline` runs and saves it
 (:func:`hfpipe.pipeline.build.load_pipeline` builds it).
 
 The run loop (:mod:`hfpipe.train.runner`) and ``verify`` stand on this module; the public face,
@@ -19,12 +19,12 @@ from hfpipe.pipeline.schedule import Pipeline
 from hfpipe.plan.split import Plan
 from hfpipe.source.folder import ModelSource
 
-__all__ = ["PipelineModel", "DTYPES"]
+__all__ = ["RankPipeline", "PRECISIONS"]
 
 log = logging.getLogger(__name__)
 
 # --dtype: (dtype the parameters are stored in, dtype the compute runs in)
-DTYPES = {
+PRECISIONS = {
     "fp32": (torch.float32, torch.float32),
     "bf16-mixed": (torch.float32, torch.bfloat16),
     "bf16": (torch.bfloat16, torch.bfloat16),
@@ -32,7 +32,7 @@ DTYPES = {
 
 
 @dataclass
-class PipelineModel:
+class RankPipeline:
     """This rank's part of a pipelined model.
 
     Attributes:

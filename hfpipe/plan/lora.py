@@ -23,7 +23,7 @@ def adapter_params(model_config, rank: int, targets: str = "all-linear", tp: int
     on one tensor-parallel rank of ``tp``.
 
     Counted on the meta model from the modules PEFT would adapt: ``rank * (in + out)`` each. Under tp
-    the runtime builds each adapter whole and splits it as its base (:mod:`hfpipe.lora.tensor_parallel`):
+    the runtime builds each adapter whole and splits it as its base (:mod:`hfpipe.lora.tensor`):
     on a column-split base ``lora_B``'s out-features over tp (``lora_A`` whole), on a row-split base
     ``lora_A``'s in-features (``lora_B`` whole); on a base the plan leaves whole, both whole.
 
@@ -97,7 +97,7 @@ def _styles(model_config, meta, config, tp: int) -> dict[str, str]:
         return {}
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from hfpipe.lora.tensor_parallel import check_tp_lora
+    from hfpipe.lora.tensor import check_tp_lora
     from hfpipe.parallel.tensor_plan import stage_tp_plan
 
     check_tp_lora(config, tp)

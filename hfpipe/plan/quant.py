@@ -31,8 +31,8 @@ import torch
 
 from hfpipe.plan.experts import replicas
 from hfpipe.plan.memory import ACT_BYTES, param_bytes
-from hfpipe.quant.targets import ROUTERS as _SKIP  # routers stay in the run's dtype, as loading keeps them
-from hfpipe.quant.targets import plain_linear  # ... and linear subclasses with a forward of their own
+from hfpipe.models.targets import ROUTERS as _SKIP  # routers stay in the run's dtype, as loading keeps them
+from hfpipe.models.targets import plain_linear  # ... and linear subclasses with a forward of their own
 
 __all__ = ["QUANT_BYTES", "LayerQuant", "check_quant", "layer_quant", "price_ranks", "describe_quant"]
 

@@ -92,7 +92,7 @@ class ExpertStacks:
     def place(self, target: str, tensor: torch.Tensor, scale: torch.Tensor | None, device) -> None:
         """Set stack ``target`` from the checkpoint's codes and ``scale`` (FP8), or quantize it here."""
         attr = target.rpartition(".")[2]
-        part = getattr(self.module, "tp_parts", {}).get(attr)  # split over tp: hfpipe.quant.tensor_parallel
+        part = getattr(self.module, "tp_parts", {}).get(attr)  # split over tp: hfpipe.quant.tensor
         if part is not None and tensor.shape[part[0]] == experts_state(self.module).shapes[attr][part[0]]:
             tensor = take_ranges(tensor, *part)
             scale = None if scale is None else take_ranges(scale, part[0], tile_ranges(part[1], self.block))

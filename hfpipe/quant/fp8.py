@@ -16,19 +16,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FP8", "FP8_DEFAULT_BLOCK", "FP8Linear", "quantize_blocks", "dequantize_blocks", "is_fp8", "take_ranges",
+__all__ = ["FP8", "FP8_DTYPES", "FP8_DEFAULT_BLOCK", "FP8Linear", "quantize_blocks", "dequantize_blocks", "is_fp8", "take_ranges",
            "tile_ranges"]
 
 FP8_DEFAULT_BLOCK = 128  # DeepSeek-V3's weight_block_size
 
 #: The storage dtype of the checkpoint's FP8 weights (DeepSeek ``"fmt": "e4m3"``).
 FP8 = torch.float8_e4m3fn
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def is_fp8(t: torch.Tensor) -> bool:
     """Whether ``t`` holds FP8 values (which mean nothing without their scales)."""
-    return t.dtype in _FP8_DTYPES
+    return t.dtype in FP8_DTYPES
 
 
 def _tiles(rows: int, cols: int, block: int) -> tuple[int, int]:
@@ -96,7 +96,7 @@ class FP8Linear(nn.Linear):
     adapters take (as for bitsandbytes' layers); the bias, if any, stays a run-dtype parameter.
     """
 
-    plain_linear = True  # x @ W.T + b, as nn.Linear: a target of all-linear (hfpipe.quant.targets)
+    plain_linear = True  # x @ W.T + b, as nn.Linear: a target of all-linear (hfpipe.models.targets)
 
     def __init__(self, in_features: int, out_features: int, block: int, bias: bool = False,
                  compute_dtype: torch.dtype = torch.float32, device=None) -> None:

@@ -12,7 +12,7 @@ norms, head and the LoRA adapters stay in the run's dtype.
   with ``nf4`` one ``NF4Tensor`` per expert's matrix.
 
 Under ``--tp`` (fp8 only) each FP8 linear and routed-expert stack is then split on its tile edges
-(:mod:`hfpipe.quant.tensor_parallel`) and the loader keeps this rank's codes and scales; a split that would
+(:mod:`hfpipe.quant.tensor`) and the loader keeps this rank's codes and scales; a split that would
 cut a tile is refused by :meth:`Quantizer.prepare` (what ``plan`` and ``finetune`` call).
 
 The loader (:mod:`hfpipe.pipeline.load`) hands each weight to :meth:`Quantizer.place` as soon as
@@ -31,7 +31,7 @@ from hfpipe.models.experts import register
 from hfpipe.quant.experts import ExpertStacks, fused_experts
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
-from hfpipe.quant.targets import quantized_linears
+from hfpipe.models.targets import quantized_linears
 
 __all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "check_quantize", "check_shardable",
            "quantized_linears", "source_fp8_block"]
@@ -135,7 +135,7 @@ class Quantizer:
 
     def _check_tp(self, stage: nn.Module, linears: dict) -> None:
         """What a tp split of this quantized stage cannot keep exact, refused before anything loads."""
-        from hfpipe.quant.tensor_parallel import check_tp_experts, check_tp_tiles
+        from hfpipe.quant.tensor import check_tp_experts, check_tp_tiles
 
         if self.spec.kind != "fp8":
             return  # nf4 under tp: hfpipe.parallel.rules refuses it for every layout
@@ -183,8 +183,8 @@ class Quantizer:
             self.stacks[target].place(target, tensor, scale, device)
             return True
         module, attr = holders[0]
-        if hasattr(module, "tp_part"):  # split over tp (hfpipe.quant.tensor_parallel): keep this rank's tiles
-            from hfpipe.quant.tensor_parallel import tp_part
+        if hasattr(module, "tp_part"):  # split over tp (hfpipe.quant.tensor): keep this rank's tiles
+            from hfpipe.quant.tensor import tp_part
 
             tensor, scale = tp_part(module, tensor, scale)
         old = module._parameters.get(attr) if attr in module._parameters else module._buffers[attr]

@@ -22,7 +22,7 @@ import torch
 from hfpipe.quant.experts import fused_experts, routed_expert_key, split_seam
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, dequantize_blocks, is_fp8, quantize_blocks
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, quantize_nf4
-from hfpipe.quant.targets import quantized_linears
+from hfpipe.models.targets import quantized_linears
 
 __all__ = ["MergedBase", "MERGE_DTYPES"]
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hfpipe.files import INDEX, SINGLE
 from hfpipe.source.config import SourceError, load_config, load_tokenizer
 from hfpipe.source.safetensors_io import SafetensorsError, read_header
 from hfpipe.source.tensor_checks import (SCALE, ExpertShapes, check_expert_keys, check_fp8_scales, decoder_layers,
@@ -22,8 +23,6 @@ __all__ = ["ModelSource", "SourceError", "check_dtypes", "check_shard_names", "l
 
 log = logging.getLogger(__name__)
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 META_FILES = ("config.json", "generation_config.json", INDEX)
 
 

@@ -72,7 +72,7 @@ class Evaluator:
 
     Args:
         cfg: The run's :class:`hfpipe.config.run.FinetuneConfig`.
-        trainer: The :class:`hfpipe.train.step.PipelineTrainer` (its ``eval_loss``).
+        trainer: The :class:`hfpipe.train.step.StepEngine` (its ``eval_loss``).
         rows: The evaluation rows, or None (then nothing is ever due).
         dist_info: This rank's :class:`hfpipe.parallel.mesh.Dist`.
         out: The output folder (the best checkpoint's record is read from ``out/best``).

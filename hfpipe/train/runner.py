@@ -2,7 +2,7 @@
 
 The data path of one run: FinetuneConfig -> preflight (config, plan, schedule, data: every user
 error before any process or folder exists) -> pp*dp workers (launched here, or torchrun/srun's) ->
-load_pipeline -> data shards -> PipelineTrainer steps -> DCP checkpoints -> optional HF export.
+load_pipeline -> data shards -> StepEngine steps -> DCP checkpoints -> optional HF export.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hfpipe.config.run import FinetuneConfig
 from hfpipe.data.batches import model_inputs
 from hfpipe.parallel.launch import say_phase
 
-__all__ = ["finetune", "preflight", "run_worker"]
+__all__ = ["preflight", "run_finetune", "run_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
     from hfpipe.plan.split import plan_pipeline
     from hfpipe.source.config import check_vocab
     from hfpipe.source.folder import ModelSource
-    from hfpipe.train.logs import check_sinks
+    from hfpipe.progress.logs import check_sinks
 
     check_sinks(cfg.report_to)
     source = ModelSource.open(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -66,7 +66,7 @@ def preflight(cfg: FinetuneConfig, *, check_data: bool = True) -> None:
 def _check_output(cfg: FinetuneConfig, source) -> None:
     """The output folder can take this run, and what --resume names is this run's checkpoint."""
     from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
-    from hfpipe.lora.preflight import preflight as lora_preflight
+    from hfpipe.train.lora_preflight import check_lora_run
     from hfpipe.train.resume_check import check_resume
 
     out = Path(cfg.output_dir)
@@ -79,7 +79,7 @@ def _check_output(cfg: FinetuneConfig, source) -> None:
     resumed = resolve_resume(cfg.resume, cfg.output_dir)
     if resumed is not None:  # a mismatch is a preflight error too, before any process starts
         check_resume(resumed, read_meta(resumed), cfg, source.tied)
-    lora_preflight(cfg, source.config, resumed)
+    check_lora_run(cfg, source.config, resumed)
     _check_writable(out)
 
 
@@ -122,7 +122,7 @@ def _tokenizer(folder: Path, cfg: FinetuneConfig):
     return load_tokenizer(folder, trust_remote_code=cfg.trust_remote_code)
 
 
-def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
+def run_finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
              rdzv_endpoint: str | None = None) -> dict:
     """Run a fine-tuning job; return the summary of the rank that reports the loss.
 
@@ -132,7 +132,7 @@ def finetune(cfg: FinetuneConfig, *, nnodes: int = 1, node_rank: int = 0,
     from hfpipe.parallel.mesh import in_launched_env, launched_node
     from hfpipe.parallel.launch import check_launch, launch
     from hfpipe.parallel.lock import run_lock
-    from hfpipe.train.progress import Ticker
+    from hfpipe.progress.ticker import Ticker
 
     if in_launched_env():
         # Every rank checks the cheap things; only global rank 0 tokenises the dataset here, so
@@ -179,7 +179,7 @@ class _Position:
 
 def run_worker(cfg_dict: dict) -> dict:
     """One rank of a run (module level so the launcher can start it)."""
-    from hfpipe.pipeline.build import load_pipeline
+    from hfpipe.pipeline.build import build_pipeline
     from hfpipe.parallel.mesh import init_distributed
     from hfpipe.lora.adapters import from_finetune_config
     from hfpipe.train.optim import build_optimizer, build_scheduler
@@ -190,7 +190,7 @@ def run_worker(cfg_dict: dict) -> dict:
     dist_info = init_distributed(cfg.dims, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
     say_phase("loading this rank's stages")
-    pm = load_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, cp=cfg.cp,
+    pm = build_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, cp=cfg.cp,
                        sequence_parallel=cfg.sequence_parallel,
                        reshard_per_microbatch=cfg.reshard_per_microbatch,
                        vpp=cfg.vpp, schedule=cfg.schedule,
@@ -216,7 +216,7 @@ def run_worker(cfg_dict: dict) -> dict:
 
 def _setup_logging(rank: int) -> None:
     """Rank 0 logs at ``--log-level`` (``HFPIPE_LOG_LEVEL``), others warnings (all: DEBUG); one handler."""
-    from hfpipe.train.logs import log_formatter, quiet_import_noise, rank_level
+    from hfpipe.progress.logs import log_formatter, quiet_import_noise, rank_level
 
     level = rank_level(rank)
     quiet_import_noise(level)
@@ -314,7 +314,7 @@ class _Run:
 
     def train(self) -> dict:
         from hfpipe.train.evaluate import Evaluator
-        from hfpipe.train.progress import Reporter
+        from hfpipe.progress.reporter import Reporter
 
         stream = self._batches()
         report = Reporter(self.out, self.total, enabled=self.reporter, start=self.pos.step,
@@ -407,7 +407,7 @@ class _Run:
         self.last_saved = self._step_dir()
 
     def _export(self, ckpt: Path) -> None:
-        from hfpipe.checkpoint.export import export_checkpoint
+        from hfpipe.export.hf_folder import export_checkpoint
 
         if self.pm.dist.rank == 0:
             # chat as trained: transformers prefers chat_template.jinja to the tokenizer's template

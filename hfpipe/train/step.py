@@ -21,7 +21,7 @@ from hfpipe.pipeline.inputs import BatchError, check_batches
 from hfpipe.pipeline.params import by_mesh, unique_parameters
 from hfpipe.parallel.grads import squared_norm
 
-__all__ = ["BatchError", "StepResult", "PipelineTrainer", "check_batches", "trainer_for"]
+__all__ = ["BatchError", "StepResult", "StepEngine", "check_batches", "trainer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class PipelineTrainer:
+class StepEngine:
     """Runs exact optimizer steps for this rank's stages.
 
     Args:
@@ -160,7 +160,7 @@ class PipelineTrainer:
         return float(t)
 
 
-def trainer_for(pm, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0) -> PipelineTrainer:
-    """A :class:`PipelineTrainer` over a :class:`hfpipe.pipeline.model.PipelineModel`'s stages."""
-    return PipelineTrainer(pm.pipe, pm.dist, optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
+def trainer_for(pm, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0) -> StepEngine:
+    """A :class:`StepEngine` over a :class:`hfpipe.pipeline.model.PipelineModel`'s stages."""
+    return StepEngine(pm.pipe, pm.dist, optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
                            tied_group=pm.tied_group, loss_rank=pm.loss_rank, vocab_size=pm.vocab_size)

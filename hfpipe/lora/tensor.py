@@ -13,7 +13,7 @@ are split the way Megatron splits LoRA, with torch's own styles, which do every 
   the ranks, or reduce-scattered by sequence under SP, as the base's output is), ``lora_B`` whole
   (under SP a replicated DTensor, so its gradient from this rank's tokens is summed).
 - a base the plan leaves whole (MLA's ``q_a_proj``): whole adapters on a whole, replicated input.
-- an FP8 base (``--quantize-base fp8``) split by :mod:`hfpipe.quant.tensor_parallel`: the same as a plain
+- an FP8 base (``--quantize-base fp8``) split by :mod:`hfpipe.quant.tensor`: the same as a plain
   colwise or rowwise base (it returns the same part of the output), so its adapters split alike.
 - MLA's ``kv_a_proj_with_mqa`` (whole, with the rope key's gradient summed by a hook): the hook moves
   from the base layer to PEFT's wrapper, so it also covers the adapter's part of the output.

@@ -1,27 +1,22 @@
 """Progress and metrics on the one rank that reports the loss.
 
 Every ``log_every`` steps (and at the last step) one row goes to the ``--report-to`` sinks
-(:mod:`hfpipe.train.logs`): its loss is the token-weighted mean over the steps since the previous
+(:mod:`hfpipe.progress.logs`): its loss is the token-weighted mean over the steps since the previous
 row, i.e. the exact loss of those tokens. On a terminal a progress bar shows the latest row; when
 stderr is not a terminal (a log file, a Slurm job) each row is one plain timestamped line instead,
 as a bar's ``\\r`` updates would make one unreadable line of a file.
-
-:class:`Ticker` is the one way a stretch that prints nothing on its own (loading stages, starting
-workers, verifying, exporting) says what it does: a line every few seconds with the time so far.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import threading
 import time
 from pathlib import Path
 
-from hfpipe.train.logs import LINES, format_line, log_line, open_sinks
+from hfpipe.progress.logs import LINES, format_line, log_line, open_sinks
 
-__all__ = ["FIRST_S", "Reporter", "Ticker", "TICK_S"]
+__all__ = ["Reporter"]
 
 log = logging.getLogger(__name__)
 
@@ -113,56 +108,3 @@ class Reporter:
             self.bar.close()
         for sink in self.sinks:
             sink.close()
-
-
-#: Seconds between a silent stretch's lines, and before its first: a stretch over in a second says
-#: nothing (a user error stays the one line printed), and one stretch after another leaves at most
-#: FIRST_S + TICK_S = 4.5 s between lines, under the 5 s a new user waits without a word.
-TICK_S = 3.5
-FIRST_S = 1.0
-
-
-class Ticker:
-    """Says ``<what>... (N s)`` every :data:`TICK_S` seconds while a silent stretch lasts.
-
-    A context manager; a no-op on ranks other than 0 (``RANK`` of torchrun or the launcher), so
-    each line is said once.
-
-    Args:
-        what: What is going on, or a function returning it now (``None`` while something else
-            shows progress; a new text counts its seconds afresh).
-        echo: Where the lines go (default: this module's logger at INFO).
-        every: Seconds between lines (default :data:`TICK_S`).
-        first: Also say ``<what>...`` after :data:`FIRST_S` (or ``every`` if shorter), so that
-            stretches that follow each other leave no long gap (a ticker alone starts after ``every``).
-    """
-
-    def __init__(self, what, *, echo=None, every: float | None = None, first: bool = True) -> None:
-        self.what = what if callable(what) else (lambda: what)
-        self.echo = echo or (lambda text: log.info("%s", text))
-        self.every, self.first = every or TICK_S, first
-        self.enabled = int(os.environ.get("RANK", "0") or 0) == 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="hfpipe-ticker", daemon=True)
-
-    def __enter__(self) -> Ticker:
-        self.start = time.monotonic()
-        if self.enabled:
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        if self.enabled:
-            self.thread.join()
-
-    def _run(self) -> None:
-        shown = self.what()
-        if self.first and not self.stop.wait(min(FIRST_S, self.every)) and shown is not None:
-            self.echo(f"{shown}...")
-        while not self.stop.wait(self.every):
-            what = self.what()
-            if what != shown:  # a new stretch: count from its start
-                shown, self.start = what, time.monotonic() - self.every
-            if what is not None:
-                self.echo(f"{what}... ({time.monotonic() - self.start:.0f} s)")

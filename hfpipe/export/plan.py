@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 
 from hfpipe.checkpoint.safe_metadata import _DcpReader
-from hfpipe.checkpoint.export_guard import ExportError
+from hfpipe.export.guard import ExportError
+from hfpipe.quant.fp8 import FP8_DTYPES
 
 __all__ = ["Group", "assign_shards", "cross_check", "dominant_dtype", "few", "flat", "nbytes", "plan_groups",
            "revert_as_source", "set_out_dtypes"]
 
-log = logging.getLogger("hfpipe.checkpoint.export")
+log = logging.getLogger("hfpipe.export.hf_folder")
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -130,13 +130,13 @@ def cross_check(out_keys: list[str], src_dtypes: dict | None, model, fp8: bool, 
 def set_out_dtypes(groups: list[Group], want, src_dtypes: dict, fallback: str) -> None:
     """Give every floating tensor its export dtype: ``want``, or per key the source's (FP8 -> bf16)."""
     default = getattr(torch, fallback, None)
-    if not isinstance(default, torch.dtype) or default in FP8:
+    if not isinstance(default, torch.dtype) or default in FP8_DTYPES:
         default = torch.bfloat16
     for group in groups:
         for key, (shape, stored) in group.out.items():
             if stored.is_floating_point:
                 dtype = want or src_dtypes.get(key) or default
-                group.out[key] = (shape, torch.bfloat16 if dtype in FP8 else dtype)
+                group.out[key] = (shape, torch.bfloat16 if dtype in FP8_DTYPES else dtype)
 
 
 def assign_shards(groups: list[Group], max_bytes: int) -> list[list[str]]:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.checkpoint.meta import INDEX, SINGLE
+from hfpipe.export.guard import ExportError
+from hfpipe.source.folder import INDEX, SINGLE
 from hfpipe.source.config import meta_model
 
 __all__ = ["write_merged"]

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from hfpipe.lora.adapters import LoraError, from_finetune_config, resolve_config
 
-__all__ = ["preflight"]
+__all__ = ["check_lora_run"]
 
 
-def preflight(cfg, model_config, resume: str | None = None) -> None:
+def check_lora_run(cfg, model_config, resume: str | None = None) -> None:
     """Check a run's LoRA settings on the meta model, and that a resumed checkpoint is of the same kind.
 
     Raises:
@@ -27,7 +27,7 @@ def preflight(cfg, model_config, resume: str | None = None) -> None:
         full = build_meta_model(hf_config(model_config))
         resolved = resolve_config(config, full)
         if cfg.tp > 1:
-            from hfpipe.lora.tensor_parallel import check_tp_lora
+            from hfpipe.lora.tensor import check_tp_lora
 
             check_tp_lora(resolved, cfg.tp)
         if getattr(cfg, "quantize_base", None) is not None:  # block sizes and torchao, before any process starts

@@ -20,8 +20,8 @@ import shutil
 import stat
 from pathlib import Path
 
-import hfpipe.checkpoint.export_guard as guard
-from hfpipe.checkpoint.export_guard import ExportError
+import hfpipe.export.guard as guard
+from hfpipe.export.guard import ExportError
 from hfpipe.checkpoint.meta import EXPORT_RECORD, copy_side_files
 from hfpipe.files import SideFileError, read_side_json
 from hfpipe.parallel.lock import FolderLock, write_new

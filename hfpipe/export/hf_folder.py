@@ -3,7 +3,7 @@
 The data path: DCP metadata -> a plan on a meta-device model (which tensors, in which groups, under
 which exported names, in which shard) -> one decoder layer at a time: read from DCP, revert
 transformers' in-memory weight conversions (fused MoE experts -> per-expert keys), cast, write
-each tensor to its place in its shard file (hfpipe.checkpoint.hf_writer: headers first, from the
+each tensor to its place in its shard file (hfpipe.export.hf_writer: headers first, from the
 plan). Peak memory is about one layer, whatever the model or shard size. Everything is written
 into a hidden sibling folder and renamed into place at the end, so ``out`` is either the old folder or a complete new one.
 """
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-import hfpipe.checkpoint.export_guard as guard
-from hfpipe.checkpoint.export_guard import ExportError
-from hfpipe.checkpoint.meta import INDEX, SINGLE, read_checkpoint_meta, resolve_source
+import hfpipe.export.guard as guard
+from hfpipe.export.guard import ExportError
+from hfpipe.checkpoint.meta import read_checkpoint_meta, resolve_source
 from hfpipe.source.config import meta_model
-from hfpipe.checkpoint.out_folder import build_folder, locked_out
-from hfpipe.checkpoint.export_plan import (
+from hfpipe.export.out_folder import build_folder, locked_out
+from hfpipe.export.plan import (
     Group,
     assign_shards,
     cross_check,
@@ -40,7 +40,7 @@ from hfpipe.checkpoint.export_plan import (
     set_out_dtypes,
 )
 from hfpipe.checkpoint.safe_metadata import _create_file_view, _DcpReader
-from hfpipe.source.folder import SourceError, check_shard_names
+from hfpipe.source.folder import INDEX, SINGLE, SourceError, check_shard_names
 from hfpipe.source.safetensors_io import DTYPES
 
 __all__ = ["ExportError", "export_checkpoint", "read_checkpoint_meta"]
@@ -66,7 +66,7 @@ def export_checkpoint(
     """Write the model of a training checkpoint as a folder ``from_pretrained`` loads.
 
     A LoRA run's checkpoint becomes a PEFT adapter folder, or with ``merge`` the base model with
-    the adapters merged (see :mod:`hfpipe.checkpoint.adapter`).
+    the adapters merged (see :mod:`hfpipe.export.adapter`).
 
     Args:
         ckpt: Checkpoint folder (DCP files + ``hfpipe.json``), from a run at any pp size.
@@ -109,9 +109,9 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
     Raises:
         ExportError: not a LoRA checkpoint, adapters that do not fit the base, or a bad ``out``.
     """
-    from hfpipe.checkpoint.adapter import base_name, is_lora_checkpoint, read_adapters, write_adapter
+    from hfpipe.export.adapter import base_name, is_lora_checkpoint, read_adapters, write_adapter
     from hfpipe.checkpoint.base_record import check_base
-    from hfpipe.checkpoint.merge import write_merged
+    from hfpipe.export.merge import write_merged
     from hfpipe.lora.adapters import config_from_dict
 
     if not is_lora_checkpoint(meta):
@@ -258,14 +258,14 @@ def _write_weights(
     """Stream groups into shards: copy or convert each tensor to its place at once.
 
     Every shard's layout is known from the plan, so its header goes first and no shard is ever
-    gathered in memory (hfpipe.checkpoint.hf_writer): peak memory is one group. Tensors stored as
+    gathered in memory (hfpipe.export.hf_writer): peak memory is one group. Tensors stored as
     is are copied by the kernel, several files at once (dcp_raw.CopyPool), while this thread plans
     the next groups and converts the others; the bar counts bytes once they are in place.
     """
     from tqdm.auto import tqdm
 
     from hfpipe.checkpoint.dcp_raw import CopyPool
-    from hfpipe.checkpoint.hf_writer import ShardWriter
+    from hfpipe.export.hf_writer import ShardWriter
 
     names, specs = _shard_names(len(shards)), flat(groups)
     total = sum(nbytes(*spec) for spec in specs.values())

@@ -16,8 +16,10 @@ import math
 import os
 from pathlib import Path
 
+from hfpipe.errors import ConfigError
+
 __all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "default_handler", "duration", "format_line", "log_formatter",
-           "log_line", "next_commands", "open_sinks", "quiet_import_noise", "rank_level"]
+           "log_line", "open_sinks", "quiet_import_noise", "rank_level"]
 
 log = logging.getLogger(__name__)
 #: Logger of the plain progress lines; the reporting rank raises it to INFO (see Reporter).
@@ -130,8 +132,6 @@ def check_sinks(report_to: str) -> None:
     import importlib.util
 
     if "wandb" in report_to and importlib.util.find_spec("wandb") is None:
-        from hfpipe.config.names import ConfigError
-
         raise ConfigError("--report-to wandb needs the wandb package: pip install 'hfpipe[wandb]' "
                           "(WANDB_MODE=offline logs without an account)")
 
@@ -210,29 +210,3 @@ def duration(seconds: float) -> str:
     days, rest = divmod(int(max(0.0, seconds)), 86400)
     clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
     return f"{days}d {clock}" if days else clock
-
-
-def next_commands(output_dir: str, checkpoint: str, *, exported: bool, best: str | None) -> list[str]:
-    """What a user runs after training: export, generate, resume; each works as printed."""
-    hf = Path(output_dir) / "hf"
-    lines = []
-    if not exported:
-        hf, export = _export_command(checkpoint, hf)
-        lines.append(export)
-    if best:
-        lines.append(_export_command(best, Path(output_dir) / "hf-best")[1] + "   # lowest eval loss")
-    lines.append(f'hfpipe generate {hf} --prompt "..."')
-    lines.append("train further: the same command with --resume auto and a larger --max-steps")
-    return lines
-
-
-def _export_command(checkpoint: str, out: Path) -> tuple[Path, str]:
-    """Where to export ``checkpoint`` and the command: ``--force`` where an earlier export (a run
-    resumed since) is in the way, another folder where anything else is (export refuses it)."""
-    from hfpipe.checkpoint.meta import EXPORT_RECORD
-
-    if out.exists() and (out / EXPORT_RECORD).is_file():
-        return out, f"hfpipe export {checkpoint} {out} --force"
-    if out.exists():
-        out = out.with_name(f"{out.name}-{Path(checkpoint).name}")
-    return out, f"hfpipe export {checkpoint} {out}"

@@ -122,7 +122,7 @@ class FP8Split(ParallelStyle):
 
     The codes and the scale grid become this rank's rows (colwise) or columns (rowwise), as plain
     buffers the loader fills through :func:`tp_part`; ``in_features``/``out_features`` stay whole,
-    so PEFT sizes the adapters whole and :mod:`hfpipe.lora.tensor_parallel` splits them as usual.
+    so PEFT sizes the adapters whole and :mod:`hfpipe.lora.tensor` splits them as usual.
     """
 
     def __init__(self, style: ColwiseParallel | RowwiseParallel):

@@ -7,7 +7,7 @@ A LoRA checkpoint holds only adapters (``model.<stage name>``, e.g.
   (the run's ``LoraConfig``, naming the base model) and ``adapter_model.safetensors`` under PEFT's
   keys (``base_model.model.<name>`` without the adapter name). The key set is checked against the
   adapters PEFT injects into the full (meta) model, so a folder that loads is a complete one.
-- The merged export (:mod:`hfpipe.checkpoint.merge`; both are started by :mod:`hfpipe.checkpoint.export`) rewrites the base checkpoint shard by shard,
+- The merged export (:mod:`hfpipe.export.merge`; both are started by :mod:`hfpipe.export.hf_folder`) rewrites the base checkpoint shard by shard,
   same file names, keys and dtypes, each targeted weight merged by PEFT's own ``merge()``.
 """
 
