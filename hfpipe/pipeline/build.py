@@ -180,7 +180,7 @@ def build_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 
     pipe = Pipeline(modules, len(plan.stages), schedule, checked.microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=loss_chunk_tokens, reduce_every_microbatch=options.reshard_per_microbatch,
                     context=modules[0].context if modules else None)
-    return (model_class or PipelineModel)(source, plan, dist, modules, pipe, group, lora, quantize, ep, stats)
+    return (model_class or RankPipeline)(source, plan, dist, modules, pipe, group, lora, quantize, ep, stats)
 
 
 def _with_dims(dist: Dist, dims: ParallelDims) -> Dist:
