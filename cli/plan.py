@@ -1,7 +1,8 @@
 """``hfpipe plan``: what a finetune run would cost each rank, and whether it fits the GPUs.
 
-The options are finetune's own (same names, same defaults, same recipe files), so a plan prices
-exactly the run ``hfpipe finetune`` with the same arguments would start.
+The options are finetune's own (the same flags, made from the same FinetuneConfig fields by
+:func:`hfpipe.cli.options.config_flags`, and the same recipe files), so a plan prices exactly the run
+``hfpipe finetune`` with the same arguments would start.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from hfpipe.cli.options import _opt, build_config
+from hfpipe.cli.options import build_config, config_flags
 
 __all__ = ["plan"]
 
-_FIELDS = ("pp", "dp", "ep", "tp", "cp", "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule", "layout", "plan_method", "microbatches", "seq_len",
-           "batch_size", "dtype", "activation_checkpointing", "trust_remote_code", "lora_rank",
-           "lora_targets", "quantize_base", "quantize_block_size")
 
-
+@config_flags("pp", "dp", "ep", "tp", "cp", "sequence_parallel", "reshard_per_microbatch", "gpus_per_node", "vpp",
+              "schedule", "layout", "plan_method", "microbatches", "seq_len", "batch_size", "dtype",
+              "activation_checkpointing", "trust_remote_code", "lora_rank", "quantize_base", "quantize_block_size",
+              "lora_targets", "png")
 def plan(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
@@ -34,36 +35,13 @@ def plan(
     gpu_memory: Annotated[Optional[str], typer.Option(
         help="Memory of one GPU, e.g. 80GB or 141GB: say per rank whether the plan fits, and the "
              "nearest changes that would.", show_default=False)] = None,
-    pp: Annotated[Optional[int], _opt("pp")] = None,
-    dp: Annotated[Optional[int], _opt("dp")] = None,
-    ep: Annotated[Optional[int], _opt("ep")] = None,
-    tp: Annotated[Optional[int], _opt("tp")] = None,
-    cp: Annotated[Optional[int], _opt("cp")] = None,
-    sequence_parallel: Annotated[Optional[bool], _opt(
-        "sequence_parallel", "--sequence-parallel/--no-sequence-parallel")] = None,
-    reshard_per_microbatch: Annotated[Optional[bool], _opt(
-        "reshard_per_microbatch", "--reshard-per-microbatch/--no-reshard-per-microbatch")] = None,
     gpus_per_node: Annotated[int, typer.Option(
         help="GPUs in one node: the largest --tp the fit search proposes (tensor parallelism stays "
              "inside a node).", min=1)] = 8,
-    vpp: Annotated[Optional[int], _opt("vpp")] = None,
-    schedule: Annotated[Optional[str], _opt("schedule")] = None,
-    layout: Annotated[Optional[str], _opt("layout")] = None,
-    plan_method: Annotated[Optional[str], _opt("plan_method")] = None,
-    microbatches: Annotated[Optional[int], _opt("microbatches")] = None,
-    seq_len: Annotated[Optional[int], _opt("seq_len")] = None,
-    batch_size: Annotated[Optional[int], _opt("batch_size")] = None,
-    dtype: Annotated[Optional[str], _opt("dtype")] = None,
-    activation_checkpointing: Annotated[Optional[str], _opt("activation_checkpointing")] = None,
-    trust_remote_code: Annotated[Optional[bool], _opt(
-        "trust_remote_code", "--trust-remote-code/--no-trust-remote-code")] = None,
-    lora_rank: Annotated[Optional[int], _opt("lora_rank")] = None,
-    quantize_base: Annotated[Optional[str], _opt("quantize_base")] = None,
-    quantize_block_size: Annotated[Optional[int], _opt("quantize_block_size")] = None,
-    lora_targets: Annotated[Optional[str], _opt("lora_targets")] = None,
     png: Annotated[Optional[Path], typer.Option(
         help="Also draw the schedule timeline and each rank's memory into this PNG (needs "
              "matplotlib: pip install 'hfpipe[plot]').", show_default=False)] = None,
+    **flags,
 ) -> None:
     """Plan the pipeline stages of a finetune run and print each rank's parameters, memory
     (weights, gradients, AdamW state, activations; dp and cp sharding counted), the balance and the
@@ -71,9 +49,7 @@ def plan(
     from hfpipe.plan.fit import format_fit, parse_memory, report_for, suggest
     from hfpipe.plan.report import format_report, load_model_config
 
-    given = {k: v for k, v in locals().items() if k in _FIELDS and v is not None}
-    if model is not None:
-        given["model"] = model
+    given = {k: v for k, v in {"model": model, **flags}.items() if v is not None}
     cfg = build_config(recipe, given)
     limit = parse_memory(gpu_memory) if gpu_memory is not None else None
     if png is not None:
@@ -81,10 +57,10 @@ def plan(
 
         require_matplotlib()
     config = load_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    if seq_len is not None:  # past the model's context: refused here as finetune refuses it (#27)
+    if given.get("seq_len") is not None:  # past the model's context: refused here as finetune refuses it (#27)
         from hfpipe.data.config import check_seq_len
 
-        check_seq_len(seq_len, config)
+        check_seq_len(given["seq_len"], config)
     report = report_for(config, cfg)
     if png is not None:
         save_png(report, png, gpu_memory=limit)

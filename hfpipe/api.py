@@ -22,14 +22,15 @@ Every error these raise names the argument to change (the checks below the face 
 
 from __future__ import annotations
 
-import functools
+import inspect
 import re
+import textwrap
 
 from hfpipe.errors import HfpipeError
 from hfpipe.parallel.agree import agree, raise_together
 from hfpipe.pipeline import build as _build
 from hfpipe.pipeline import model as _model
-from hfpipe.pipeline.model import PRECISIONS
+from hfpipe.pipeline.options import PRECISIONS, from_keywords, keyword_docs, keyword_parameters
 
 __all__ = ["PipelineModel", "load_pipeline", "PRECISIONS"]
 
@@ -128,8 +129,23 @@ class PipelineModel(_model.RankPipeline):
         return Path(out)
 
 
-@functools.wraps(_build.build_pipeline)
-def load_pipeline(model: str, **options) -> PipelineModel:
+def load_pipeline(model: str, *, trust_remote_code: bool = False, dist=None, **options) -> PipelineModel:
+    """Load this rank's stages of ``model`` ready to train (every rank of a ``torchrun`` world calls it).
+
+    The keywords are declared once, as the fields of :class:`hfpipe.pipeline.options.PipelineLayout`
+    (how the model is split and scheduled) and :class:`~hfpipe.pipeline.options.StageOptions` (how the
+    stages are built): this signature and the argument list below are made from them, and any other
+    keyword is refused naming the closest field.
+
+    Args:
+        model: Local HF folder or hub id.
+        trust_remote_code: Allow configs that need remote code.
+        dist: An existing :class:`hfpipe.parallel.mesh.Dist` (default: join/create the process group).
+{options}
+
+    Returns:
+        This rank's :class:`PipelineModel`.
+    """
     import os
 
     from hfpipe.progress.logs import default_handler
@@ -139,12 +155,24 @@ def load_pipeline(model: str, **options) -> PipelineModel:
     error = None
     with Ticker("load_pipeline: loading this rank's stages"):
         try:
-            pm = _in_python_words(lambda: _build.build_pipeline(model, model_class=PipelineModel, **options),
-                                  "load_pipeline", model=model)
+            pm = _in_python_words(lambda: _build.build_pipeline(
+                model, *from_keywords("load_pipeline", options), trust_remote_code=trust_remote_code, dist=dist,
+                model_class=PipelineModel), "load_pipeline", model=model)
         except Exception as e:  # noqa: BLE001 - raised below, on every rank alike
             error, pm = e, None
     raise_together(error)  # a rank that failed after the process group started: all raise it
     return pm
+
+
+def _face_signature(face):
+    """``face``'s own parameters, its ``**options`` spelled out as the options' fields."""
+    own = [p for p in inspect.signature(face, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    return inspect.Signature(own + keyword_parameters(), return_annotation=PipelineModel)
+
+
+load_pipeline.__signature__ = _face_signature(load_pipeline)
+if load_pipeline.__doc__:  # (None under python -OO)
+    load_pipeline.__doc__ = load_pipeline.__doc__.format(options=textwrap.indent(keyword_docs(), " " * 4))
 
 
 # --- The checks below the face speak the CLI's flags; a Python caller reads its arguments -------------

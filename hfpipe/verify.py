@@ -212,6 +212,7 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
 
     quiet_import_noise(rank_level(int(os.environ.get("RANK", "0"))))  # before PEFT imports torchao
     from hfpipe.pipeline.build import build_pipeline
+    from hfpipe.pipeline.options import PipelineLayout, StageOptions
     from hfpipe.parallel.mesh import init_distributed
 
     mesh = init_distributed(plan.pp)
@@ -221,8 +222,9 @@ def _rank_logits(hf_dir: str, plan, schedule: str, microbatches: int, inputs: di
             from hfpipe.lora.folder import load_adapter_weights, read_adapter_folder
 
             lora = read_adapter_folder(adapter_dir)[1] if adapter_dir else None
-            pm = build_pipeline(hf_dir, pp=plan.pp, vpp=plan.vpp, schedule=schedule, microbatches=microbatches,
-                               trust_remote_code=trust_remote_code, dist=mesh, lora=lora)
+            layout = PipelineLayout(pp=plan.pp, vpp=plan.vpp, schedule=schedule, microbatches=microbatches)
+            pm = build_pipeline(hf_dir, layout, StageOptions(lora=lora), trust_remote_code=trust_remote_code,
+                                dist=mesh)
             if adapter_dir:
                 load_adapter_weights(pm.modules, adapter_dir)
         except ValueError as e:  # hfpipe's user-facing errors are ValueErrors

@@ -111,11 +111,8 @@ def _tp_worker(kind: str, seq: int = SEQ) -> dict:
 
 def _split(stages, mesh, sp: bool):
     from hfpipe.parallel.tensor import apply_tp
-    from hfpipe.parallel.tensor_plan import stage_tp_plan
 
-    for stage in stages:
-        names = [n for n, _ in stage.named_modules()]
-        apply_tp(stage, mesh, stage_tp_plan(stage.config, names, sp, TP))
+    apply_tp(stages, mesh, sequence_parallel=sp)  # each stage by its stage_tp_plan
     return stages
 
 

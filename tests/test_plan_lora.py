@@ -128,14 +128,14 @@ def held_adapters(config, targets: str, mesh) -> dict[str, int]:
     from hfpipe.models.meta import model_config
     from hfpipe.models.registry import adapter_for
     from hfpipe.models.stage import build_stage_modules
-    from hfpipe.pipeline.build import StageOptions, apply_lora, apply_tp
+    from hfpipe.lora.stages import apply_lora
+    from hfpipe.parallel.tensor import apply_tp
     from hfpipe.plan.split import plan_pipeline
 
     config = model_config(config)
-    options = StageOptions(lora=lora_config(8, targets=targets))
     modules = build_stage_modules(config, plan_pipeline(config, 1).stages_of_rank(0), adapter=adapter_for(config))
-    apply_tp(modules, mesh, options)
-    apply_lora(modules, options, mesh)
+    apply_tp(modules, mesh)
+    apply_lora(modules, lora_config(8, targets=targets), seed=0, dtype=torch.float32, tp_mesh=mesh)
     out: dict[str, int] = {}
     for m in modules:
         for name, p in m.named_parameters():

@@ -33,13 +33,13 @@ def test_quantize_base_needs_lora(tiny):  # noqa: F811
                       "--quantize-base must be one of nf4, fp8")
     assert_user_error(run("finetune", tiny, "--lora-rank", 4, "--quantize-block-size", 64),
                       "--quantize-block-size takes a positive size and applies with --quantize-base only")
-    from hfpipe.pipeline.build import _quant_spec
+    from hfpipe.pipeline.options import StageOptions
 
     with pytest.raises(ValueError, match="add --lora-rank"):
-        _quant_spec("nf4", None, None)
+        StageOptions(quantize_base="nf4")
     for block in (64.0, "64", True, 0):  # the Python API names the argument (was a bare TypeError for a float)
         with pytest.raises(HfpipeError, match=r"^load_pipeline\(quantize_block_size="):
-            _quant_spec("nf4", block, object())
+            StageOptions(quantize_base="nf4", quantize_block_size=block, lora=object())
 
 
 def test_nf4_block_size_must_divide_every_weight_row(tiny):  # noqa: F811

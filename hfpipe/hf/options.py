@@ -1,41 +1,18 @@
-"""The pipeline's own keywords of :class:`~hfpipe.hf.trainer.PipelineTrainer`, and the Trainer features
-a pipeline cannot run, refused by name before anything loads."""
+"""What the Trainer faces hand ``load_pipeline`` (their layout keywords, fields of
+:class:`~hfpipe.pipeline.options.PipelineLayout`, and the :class:`~hfpipe.pipeline.options.StageOptions` of
+TrainingArguments), and the Trainer features a pipeline cannot run, refused by name before anything loads."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 from hfpipe.errors import ConfigError
+from hfpipe.pipeline.options import PipelineLayout, StageOptions
+# hf/loop.py's name for the layout a face hands it (one class: PipelineLayout)
+from hfpipe.pipeline.options import PipelineLayout as PipelineOptions  # noqa: F401
 
-__all__ = ["PipelineOptions", "refuse_unsupported", "check_optimizers", "check_layout_args", "load_kwargs",
+__all__ = ["refuse_unsupported", "check_optimizers", "check_layout_args", "load_kwargs",
            "see_the_world"]
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """How the model is split; each is :func:`hfpipe.load_pipeline`'s argument of the same name.
-
-    Attributes:
-        pp: Pipeline ranks (default: WORLD_SIZE / (dp * cp * tp)).
-        dp: Data-parallel replicas (FSDP2); each sees its own shard of the data.
-        ep: Expert-parallel degree (MoE models).
-        tp: Tensor-parallel degree.
-        cp: Context-parallel degree: each sequence split over cp ranks (head-tail balanced); the
-            collator's rows must pad to a multiple of ``2 * cp``.
-        schedule: A torch schedule name (``1f1b``, ``gpipe``, ``interleaved1f1b``, ...).
-        microbatches: Microbatches per batch (default: the number of stages); must divide
-            ``per_device_train_batch_size``.
-        layout: An explicit split of the layers (see ``hfpipe plan``).
-    """
-
-    pp: int | None = None
-    dp: int = 1
-    ep: int = 1
-    tp: int = 1
-    cp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int | None = None
-    layout: str | None = None
 
 
 #: TrainingArguments that cannot work under a pipeline: (name, is it set?, why and what to do).
@@ -108,15 +85,13 @@ def check_layout_args(args, microbatches: int, shards: int = 1) -> None:
                               f"microbatches; use a multiple of {microbatches}, or pass microbatches= that divides it")
 
 
-def load_kwargs(load_pipeline, options: PipelineOptions, args, peft_config, trust_remote_code: bool) -> dict:
-    """``load_pipeline``'s keywords for these options and TrainingArguments."""
+def load_kwargs(load_pipeline, layout: PipelineLayout, args, peft_config, trust_remote_code: bool) -> dict:
+    """``load_pipeline``'s keywords: ``layout``'s fields and the :class:`StageOptions` of TrainingArguments."""
     checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
-    kwargs = dict(pp=options.pp, dp=options.dp, ep=options.ep, tp=options.tp, cp=options.cp, schedule=options.schedule,
-                  microbatches=options.microbatches, layout=options.layout,
-                  dtype="bf16-mixed" if args.bf16 else "fp32",
-                  activation_checkpointing="full" if checkpointing else "none",
-                  lora=peft_config, seed=args.seed, trust_remote_code=trust_remote_code)
-    return kwargs
+    stages = StageOptions(dtype="bf16-mixed" if args.bf16 else "fp32",
+                          activation_checkpointing="full" if checkpointing else "none", lora=peft_config, seed=args.seed)
+    fields = {f.name: getattr(options, f.name) for options in (layout, stages) for f in dataclasses.fields(options)}
+    return {**fields, "trust_remote_code": trust_remote_code}
 
 
 def see_the_world(args) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from hfpipe.api import load_pipeline
 from hfpipe.errors import ConfigError
 from hfpipe.hf.loop import PipelineLoop
-from hfpipe.hf.options import PipelineOptions, check_optimizers, refuse_unsupported
+from hfpipe.hf.options import check_optimizers, refuse_unsupported
+from hfpipe.pipeline.options import PipelineLayout
 
 try:
     from trl import SFTConfig, SFTTrainer
@@ -62,7 +63,8 @@ class PipelineSFTTrainer(PipelineLoop, SFTTrainer):
                            preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         refuse_sft(args, quantization_config, formatting_func)
         check_optimizers(optimizers)
-        options = PipelineOptions(pp, dp, ep, tp, cp, schedule, microbatches, layout)
+        options = PipelineLayout(pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, schedule=schedule, microbatches=microbatches,
+                                 layout=layout)
         trust = bool(getattr(args, "trust_remote_code", False))
         stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust)
         if processing_class is None:  # as TRL loads it, from the model's folder

@@ -18,7 +18,8 @@ from transformers import Trainer
 
 from hfpipe.api import load_pipeline
 from hfpipe.hf.loop import PipelineLoop
-from hfpipe.hf.options import PipelineOptions, check_optimizers, refuse_unsupported
+from hfpipe.hf.options import check_optimizers, refuse_unsupported
+from hfpipe.pipeline.options import PipelineLayout
 
 __all__ = ["PipelineTrainer"]
 
@@ -32,7 +33,7 @@ class PipelineTrainer(PipelineLoop, Trainer):
             ``gradient_accumulation_steps``, the optimizer, scheduler, ``max_grad_norm``, ``bf16``,
             ``gradient_checkpointing``, logging, evaluation and saving keep their meaning.
         pp, dp, ep, tp, cp, schedule, microbatches, layout: The pipeline's layout
-            (:class:`hfpipe.hf.options.PipelineOptions`); the world is pp x dp x cp x tp processes.
+            (fields of :class:`hfpipe.pipeline.options.PipelineLayout`); the world is pp x dp x cp x tp processes.
             Under ``cp`` the collator must pad rows to a multiple of ``2 * cp`` (``pad_to_multiple_of``).
         peft_config: A ``peft.LoraConfig``: PEFT's LoRA adapters on the stages (base frozen).
         trust_remote_code: Allow a config that needs remote code.
@@ -52,6 +53,7 @@ class PipelineTrainer(PipelineLoop, Trainer):
         refuse_unsupported(args, model_init=model_init, compute_loss_func=compute_loss_func,
                            compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         check_optimizers(optimizers)
-        options = PipelineOptions(pp, dp, ep, tp, cp, schedule, microbatches, layout)
+        options = PipelineLayout(pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, schedule=schedule, microbatches=microbatches,
+                                 layout=layout)
         stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust_remote_code)
         super().__init__(model=stages, args=args, optimizers=optimizers, **kwargs)

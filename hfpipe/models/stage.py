@@ -18,7 +18,8 @@ from torch.utils.checkpoint import checkpoint
 from hfpipe.models.meta import build_meta_model, model_config
 from hfpipe.models.router_loss import RouterSums, finish_router_loss, router_loss_spec
 
-__all__ = ["PipelineStageModule", "build_meta_model", "build_stage_modules", "rebuild_rotary", "rebuild_buffers"]
+__all__ = ["PipelineStageModule", "apply_ac", "build_meta_model", "build_stage_modules", "rebuild_rotary",
+           "rebuild_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,14 @@ def build_stage_modules(config, specs, dtype: torch.dtype = torch.float32, *, ad
     if getattr(config, "tie_word_embeddings", False) and first is not None and last is not None:
         last.lm_head.weight = first.model.embed_tokens.weight
     return stages
+
+
+def apply_ac(modules: list[PipelineStageModule], activation_checkpointing: str, compute_dtype: torch.dtype) -> None:
+    """Activation checkpointing (``none``, ``full`` or ``selective``: :meth:`PipelineStageModule._run_layer`
+    recomputes the layers in backward) with the hidden states in ``compute_dtype``."""
+    for m in modules:
+        m.activation_checkpointing = activation_checkpointing
+        m.hidden_dtype = compute_dtype
 
 
 def rebuild_rotary(stage: PipelineStageModule, device: torch.device) -> None:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from hfpipe.errors import ParallelError
 
-__all__ = ["ATTENTION", "ContextMask", "ContextParallel", "chunk_index", "context_attention",
+__all__ = ["ATTENTION", "ContextMask", "ContextParallel", "apply_cp", "chunk_index", "context_attention",
            "document_ids", "register_attention", "split_sequence", "unsplit_sequence"]
 
 log = logging.getLogger(__name__)
@@ -215,3 +215,12 @@ def register_attention() -> str:
 
     AttentionInterface.register(ATTENTION, context_attention)
     return ATTENTION
+
+
+def apply_cp(modules: list, context: ContextParallel) -> None:
+    """Every stage's attention through :func:`context_attention`, registered with transformers'
+    ``AttentionInterface`` (the model classes stay as they are); the stages share one ``context``."""
+    name = register_attention()
+    for m in modules:
+        m.config._attn_implementation = name  # the layers' config: read at every attention call
+        m.context = context

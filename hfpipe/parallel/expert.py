@@ -36,7 +36,7 @@ import re
 
 from torch import nn
 
-__all__ = ["shard_experts", "shard_moe_layer", "experts_of", "local_rows"]
+__all__ = ["apply_ep", "shard_moe_layer", "experts_of", "local_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _plan_patterns(config) -> list[tuple[re.Pattern, str]]:
     return out
 
 
-def shard_experts(modules, expert_mesh) -> int:
+def apply_ep(modules, expert_mesh) -> int:
     """Shard the routed experts of meta-device stage ``modules`` over the ep dimension of ``expert_mesh``
     (:meth:`hfpipe.parallel.mesh.Dist.expert_mesh`), before loading.
 

@@ -19,16 +19,9 @@ from hfpipe.pipeline.schedule import Pipeline
 from hfpipe.plan.split import Plan
 from hfpipe.source.folder import ModelSource
 
-__all__ = ["RankPipeline", "PRECISIONS"]
+__all__ = ["RankPipeline"]
 
 log = logging.getLogger(__name__)
-
-# --dtype: (dtype the parameters are stored in, dtype the compute runs in)
-PRECISIONS = {
-    "fp32": (torch.float32, torch.float32),
-    "bf16-mixed": (torch.float32, torch.bfloat16),
-    "bf16": (torch.bfloat16, torch.bfloat16),
-}
 
 
 @dataclass

@@ -33,7 +33,7 @@ from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_bloc
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
 from hfpipe.models.targets import quantized_linears
 
-__all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "check_quantize", "check_shardable",
+__all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "apply_quant", "check_quantize", "check_shardable",
            "quantized_linears", "source_fp8_block"]
 
 KINDS = ("nf4", "fp8")
@@ -205,6 +205,17 @@ class Quantizer:
         module._buffers["weight"] = tensor.to(device)
         module._buffers["weight_scale_inv"] = scale.to(device=device, dtype=torch.float32)
         return True
+
+
+def apply_quant(modules: list[nn.Module], config, spec: QuantSpec | None, dtype: torch.dtype, tp: int = 1):
+    """A quantized base's storage on the meta stage ``modules`` (``dtype``: the parameters'); the returned
+    :class:`Quantizer` fills it while loading (under ``tp``, this rank's tiles of each FP8 linear), or
+    ``None`` without ``spec``."""
+    if spec is None:
+        return None
+    quantizer = Quantizer(spec, config, tp=tp)
+    quantizer.prepare(modules, dtype)
+    return quantizer
 
 
 def check_shardable(modules: list[nn.Module], dp: int) -> None:

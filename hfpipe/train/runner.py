@@ -181,7 +181,7 @@ def run_worker(cfg_dict: dict) -> dict:
     """One rank of a run (module level so the launcher can start it)."""
     from hfpipe.pipeline.build import build_pipeline
     from hfpipe.parallel.mesh import init_distributed
-    from hfpipe.lora.adapters import from_finetune_config
+    from hfpipe.pipeline.options import from_config
     from hfpipe.train.optim import build_optimizer, build_scheduler
 
     cfg = FinetuneConfig.from_dict(cfg_dict)
@@ -190,15 +190,7 @@ def run_worker(cfg_dict: dict) -> dict:
     dist_info = init_distributed(cfg.dims, timeout_s=cfg.timeout)
     _setup_logging(dist_info.rank)
     say_phase("loading this rank's stages")
-    pm = build_pipeline(cfg.model, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, tp=cfg.tp, cp=cfg.cp,
-                       sequence_parallel=cfg.sequence_parallel,
-                       reshard_per_microbatch=cfg.reshard_per_microbatch,
-                       vpp=cfg.vpp, schedule=cfg.schedule,
-                       microbatches=cfg.num_microbatches, method=cfg.plan_method, layout=cfg.layout,
-                       dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
-                       trust_remote_code=cfg.trust_remote_code, dist=dist_info,
-                       lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base,
-                       quantize_block_size=cfg.quantize_block_size)
+    pm = build_pipeline(cfg.model, *from_config(cfg), trust_remote_code=cfg.trust_remote_code, dist=dist_info)
     say_phase("reading the tokenised data")
     examples, held = _load_data(cfg, pm, dist_info)
     total = _total_steps(cfg, examples)

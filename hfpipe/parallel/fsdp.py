@@ -1,0 +1,41 @@
+"""FSDP2 over the data-parallel ranks of a pipeline (``--dp``, and ``--cp``'s ranks of one replica).
+
+Each decoder layer is a unit, then the stage; with sharded experts a MoE layer's experts, attention
+and MoE block are units of their own first (:func:`hfpipe.parallel.expert.shard_moe_layer`). FSDP2
+also carries bf16-mixed: fp32 sharded masters (and so fp32 optimizer state), bf16 compute, fp32
+gradient reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from hfpipe.parallel.expert import experts_of, shard_moe_layer
+
+__all__ = ["apply_fsdp"]
+
+
+def apply_fsdp(modules: list, dist, *, param_dtype: torch.dtype, compute_dtype: torch.dtype,
+               reshard_per_microbatch: bool = False) -> None:
+    """FSDP2 over ``dist``'s fsdp mesh: each decoder layer, then the stage (and bf16-mixed's casts).
+
+    No reshard after forward: under pipelining a stage runs forward for several microbatches before
+    their backward; unless ``reshard_per_microbatch``, which trades an all-gather per microbatch for
+    weights divided by dp. Nothing to do with one replica and one dtype.
+    """
+    dims = dist.dims
+    if dims.grad_divide_factor == 1 and compute_dtype == param_dtype:
+        return
+    mesh, again = dist.fsdp_mesh, reshard_per_microbatch
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # A stage's float inputs are hidden states, already in the compute dtype, and the fp32 router
+    # sums of MoE aux losses (hfpipe.models.router_loss), which must stay fp32: bf16 counts
+    # tokens exactly only up to 256.
+    stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for m in modules:
+        for layer in m.model.layers.values():
+            if dims.ep > 1 and experts_of(layer):
+                shard_moe_layer(layer, mesh, dist.expert_replica_mesh(), mp, dims.grad_divide_factor)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=again)
+        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=again)
