@@ -125,6 +125,19 @@ def test_finetune_has_a_flag_for_every_config_field():
     assert {f.name for f in FinetuneConfig.__dataclass_fields__.values()} <= names
 
 
+def test_plans_config_flags_are_finetunes_own():
+    """Both commands take each shared flag from its FinetuneConfig field (hfpipe.cli.options): same names,
+    type, default and help."""
+    def flags(command):
+        return {p.name: (p.opts, p.secondary_opts, p.type_descriptor.annotation, p.nargs, p.default, p.help)
+                for p in get_command(app).commands[command].params if p.param_type_name == "option"}
+
+    finetune, plan = flags("finetune"), flags("plan")
+    shared = set(finetune) & set(plan) - {"recipe"}
+    assert len(shared) == 21
+    assert all(plan[name] == finetune[name] for name in shared), [n for n in shared if plan[n] != finetune[n]]
+
+
 # --- plan -------------------------------------------------------------------------------------
 
 
