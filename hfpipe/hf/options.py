@@ -88,8 +88,8 @@ def check_layout_args(args, microbatches: int, shards: int = 1) -> None:
 def load_kwargs(load_pipeline, layout: PipelineLayout, args, peft_config, trust_remote_code: bool) -> dict:
     """``load_pipeline``'s keywords: ``layout``'s fields and the :class:`StageOptions` of TrainingArguments."""
     checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
-    stages = StageOptions(dtype="bf16-mixed" if args.bf16 else "fp32",
-                          activation_checkpointing="full" if checkpointing else "none", lora=peft_config, seed=args.seed)
+    stages = StageOptions(dtype="bf16-mixed" if args.bf16 else "fp32", lora=peft_config, seed=args.seed,
+                          activation_checkpointing="full" if checkpointing else "none")
     fields = {f.name: getattr(options, f.name) for options in (layout, stages) for f in dataclasses.fields(options)}
     return {**fields, "trust_remote_code": trust_remote_code}
 

@@ -29,7 +29,8 @@ from hfpipe.parallel.dims import ParallelDims, check_degrees
 from hfpipe.pipeline.schedule import PipelineError
 from hfpipe.quant.linear import QuantSpec
 
-__all__ = ["CHECKPOINTING", "PRECISIONS", "PipelineLayout", "StageOptions", "from_config", "from_keywords", "keyword_parameters"]
+__all__ = ["CHECKPOINTING", "PRECISIONS", "PipelineLayout", "StageOptions", "from_config", "from_keywords",
+           "keyword_docs", "keyword_parameters"]
 
 #: ``dtype``'s values: (the dtype parameters are stored in, the dtype the compute runs in).
 PRECISIONS = {
@@ -185,6 +186,7 @@ def from_config(cfg) -> tuple[PipelineLayout, StageOptions]:
     return layout, stages
 
 
+#: The objects a face's keywords make, in the order their checks run (the degrees first, the dtype last).
 _OPTIONS = (PipelineLayout, StageOptions)
 
 
