@@ -7,7 +7,7 @@ is torchtitan's and picotron's order. Expert parallelism is carved out of dp: ``
 with ep innermost, so an ep group is ``ep`` consecutive dp ranks at one (pp, cp, tp) coordinate.
 
 Everything here is arithmetic on ranks (no process group), so the layout of any mesh is unit-tested
-(``tests/test_parallel_dims.py``). Nothing else in hfpipe turns coordinates into ranks or back: the
+(``tests/parallel/test_parallel_dims.py``). Nothing else in hfpipe turns coordinates into ranks or back: the
 process groups are built from these lists by :mod:`hfpipe.parallel.mesh`.
 """
 
