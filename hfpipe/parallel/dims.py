@@ -32,8 +32,8 @@ class ParallelDims:
     Attributes:
         pp: Pipeline ranks (stages are spread over them).
         dp: Data-parallel replicas (FSDP2 shards over them).
-        cp: Context-parallel ranks (one sequence split over them); 1 until it lands.
-        tp: Tensor-parallel ranks (each matrix split over them); 1 until it lands.
+        cp: Context-parallel ranks (one sequence split over them); 1 by default.
+        tp: Tensor-parallel ranks (each matrix split over them); 1 by default.
         ep: Expert-parallel ranks, carved out of dp (routed experts sharded over them).
     """
 
