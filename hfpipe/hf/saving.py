@@ -8,17 +8,20 @@ so that :mod:`hfpipe.hf.loop` stays the list of hooks.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from hfpipe.errors import ConfigError
+from hfpipe.parallel.agree import agree
 
 __all__ = ["find_pipeline_checkpoint", "load_trainer_checkpoint", "save_step_checkpoint", "save_scheduler",
            "export_model"]
+
+log = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
 
@@ -60,18 +63,56 @@ def save_scheduler(trainer, folder) -> None:
 def export_model(trainer, out) -> None:
     """An HF folder (a PEFT adapter folder under LoRA) into ``out``, as ``Trainer.save_model`` writes it.
 
-    ``out`` is often the run's ``output_dir`` and holds the checkpoints: the export goes to a hidden
-    sibling first and its files are moved in, leaving every other file of ``out`` where it was.
+    ``out`` is often the run's ``output_dir`` and holds the checkpoints: the export (model, tokenizer,
+    ``training_args.bin``) is written whole into a hidden sibling first, every name it will take in ``out``
+    is checked, and only then are its files moved in, leaving every other file of ``out`` where it was.
+    A target that cannot take them is one error on every rank, and nothing is left behind.
     """
     out = Path(out).absolute()
+    rank0 = trainer.pipeline.dist.rank == 0
     tmp = out.parent / f".{out.name}.hfpipe-export"
-    trainer.pipeline.save_pretrained(str(tmp), force=True)
-    if trainer.pipeline.dist.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for f in tmp.iterdir():
-            os.replace(f, out / f.name)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if trainer.processing_class is not None:
-            trainer.processing_class.save_pretrained(str(out))
-        torch.save(trainer.args, out / "training_args.bin")  # as Trainer._save does
-    dist.barrier()
+    agree(lambda: _check_folder(out, tmp) if rank0 else None)
+    try:
+        trainer.pipeline.write_hf_folder(str(tmp), call="save_model")
+
+        def finish() -> None:
+            if rank0:
+                if trainer.processing_class is not None:
+                    trainer.processing_class.save_pretrained(str(tmp))
+                torch.save(trainer.args, tmp / "training_args.bin")  # as Trainer._save does
+                _move_in(tmp, out)
+                shutil.rmtree(tmp)  # before the ranks part: none returns while it is still there
+
+        agree(finish)
+    except BaseException:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank0:
+        log.info("save_model: wrote the %s of step %d to %s", "adapters" if trainer.pipeline.lora else "model",
+                 trainer.state.global_step, out)
+
+
+def _check_folder(out: Path, tmp: Path) -> None:
+    """``out`` must be a folder (or not exist yet) in a writable parent; a leftover of an export that died
+    (our own hidden sibling) is cleared."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"save_model(output_dir={str(out)!r}): {out} is a file; pass a folder for the model's files")
+    parent = out if out.is_dir() else out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"save_model(output_dir={str(out)!r}): {parent} is not writable; pass a writable folder")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _move_in(tmp: Path, out: Path) -> None:
+    """Move every file of ``tmp`` into ``out``, once every name is known to be free for a file."""
+    names = sorted(f.name for f in tmp.iterdir())
+    taken = [n for n in names if (out / n).is_dir() or ((out / n).exists() and not (out / n).is_file())]
+    if taken:
+        raise ConfigError(f"save_model(output_dir={str(out)!r}): {out / taken[0]} is a folder where the model's "
+                          f"file {taken[0]} goes; move it away or pass another folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        os.replace(tmp / name, out / name)
