@@ -119,6 +119,12 @@ def _broken_links(doc: Path) -> list[str]:
     return broken
 
 
+def _missing_files(doc: Path) -> list[str]:
+    """Repository files a page names in its text (tests/..., examples/..., bench/... .py) that do not exist."""
+    named = set(re.findall(r"(?<![\w/.])((?:tests|examples|bench)/[\w/]+\.py)\b", doc.read_text()))
+    return sorted(name for name in named if not (ROOT / name).is_file())
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_merge_conflict_is_left(doc):
     markers = re.findall(r"^(?:<{7}|={7}|>{7})(?: .*)?$", doc.read_text(), re.M)
@@ -152,6 +158,18 @@ def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path):
                    "[gone](docs/gone.md) [no heading](docs/page.md#nowhere) [self](#page)\n"
                    "`[in code](docs/code.md)`\n\n```text\n[in a block](docs/block.md)\n```\n")
     assert _broken_links(doc) == ["docs/gone.md", "docs/page.md#nowhere", "#page"]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_test_example_and_bench_file_named_exists(doc):
+    assert not _missing_files(doc), f"{doc.relative_to(ROOT)} names files that are gone: {_missing_files(doc)}"
+
+
+def test_the_file_check_catches_a_renamed_test(tmp_path):
+    doc = tmp_path / "page.md"
+    doc.write_text("run `python -m pytest tests/test_readme.py` or tests/test_gone.py; bench/load.py, "
+                   "examples/nowhere.py, hfpipe/tests/x.py\n")
+    assert _missing_files(doc) == ["examples/nowhere.py", "tests/test_gone.py"]
 
 
 def test_the_readme_is_a_short_guide_that_links_every_reference_page_from_its_first_screen():
