@@ -35,7 +35,7 @@ def readme_commands() -> tuple[str, list[str]]:
 def test_the_readme_states_both_commands_and_the_test_extra():
     quickstart, tests = readme_commands()
     assert quickstart == "pip install torch==2.13.0 && pip install -e . && hfpipe quickstart"
-    assert tests == ['pip install -e ".[test]"', "python -m pytest -q"]
+    assert tests == ['pip install -e ".[test,qlora,trl]"', "python -m pytest -q"]
 
 
 @pytest.mark.slow
