@@ -387,3 +387,24 @@ def test_the_eta_shows_days_instead_of_wrapping_at_24_hours(seconds, shown):
     assert duration(seconds) == shown
     row = {"step": 1, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-4, "tokens_per_s": 10.0}
     assert format_line(row, 10, seconds).endswith(f" eta {shown}")
+
+
+@pytest.mark.parametrize("field, value, shown", [("lora", "r=4", "a string"), ("quantize_base", 4, "a number"),
+                                                  ("train", ["position"], "a list"), ("config", None, "null")])
+def test_a_record_field_of_the_wrong_json_type_is_one_line_at_resume_and_export(tmp_path, field, value, shown):
+    """A string where the record holds an object once ended a resume in ``AttributeError: 'str' object has
+    no attribute 'get'``: every object field is checked where the record is read, for resume and export."""
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.tiny import make_tiny_checkpoint
+    from test_lora_checkpoint import lora_checkpoint_from_peft
+
+    base, out = make_tiny_checkpoint(tmp_path / "case" / "base", "llama", num_hidden_layers=2), tmp_path / "case" / "out"
+    c = lora_checkpoint_from_peft(base, out / "checkpoints" / "step-00000003", ["q_proj", "v_proj"])
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj"]
+    cfg = FinetuneConfig(model=str(base), output_dir=str(out), pp=2, seq_len=32, batch_size=2, max_steps=4,
+                         lora_rank=4, lora_alpha=8, lora_targets="q_proj,v_proj")
+    _edit_meta(c, lambda m: {**m, "config": cfg.to_dict(), field: value})
+    said = (f"{c / 'hfpipe.json'}: field {field!r} must be a JSON object, got {shown}",)
+    _refused(["finetune", base, "--pp", "2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "4", *lora,
+              "--output-dir", out, "--resume", c], said, tmp_path)
+    _refused(["export", c, tmp_path / "hf"], said, tmp_path)
