@@ -96,6 +96,20 @@ def api_worker(path: str, root: str) -> dict:
         "save_checkpoint into a file": _caught(lambda: pm.save_checkpoint(root / "a-file", 3)),
         "an error on rank 1 only": _caught(lambda: agree(lambda: _fail_on_rank_1(dist.rank))),
     }
+    # All or nothing: a scheduler over other parameter groups, or an optimizer given by name, is refused
+    # before the weights, the optimizer's state or the schedule move.
+    before = {k: _full(v).clone() for k, v in again.model_state_dict().items()}
+    groups = [{"params": [p]} for p in again.parameters()]  # one group a parameter: not the saved run's count
+    other = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(groups, lr=1e-3), [lambda s: 1.0] * len(groups))
+    opt_state = repr(opt2.state_dict()["state"])[:2000]
+    out["groups"] = (len(opt2.param_groups), len(groups))
+    out["errors"]["load_checkpoint with a scheduler over other groups"] = _caught(
+        lambda: again.load_checkpoint(root / "checkpoints", optimizer=opt2, scheduler=other))
+    out["errors"]["load_checkpoint with optimizer='adamw'"] = _caught(
+        lambda: again.load_checkpoint(root / "checkpoints", optimizer="adamw"))
+    after = {k: _full(v) for k, v in again.model_state_dict().items()}
+    out["untouched"] = all(torch.equal(before[k], after[k]) for k in before) and (
+        repr(opt2.state_dict()["state"])[:2000] == opt_state) and other.last_epoch == 0
     return out
 
 
@@ -152,6 +166,14 @@ def test_api_errors_name_arguments_and_are_the_same_on_every_rank(ranks):
     assert "load_checkpoint(scheduler=...)" in got["load_checkpoint without scheduler state"][1]
     assert "save_checkpoint(root=" in got["save_checkpoint into a file"][1]
     assert got["an error on rank 1 only"] == ("ConfigError", "only rank 1 saw this")
+    saved, mine = ranks[1][0]["groups"]
+    assert saved != mine
+    kind, text = got["load_checkpoint with a scheduler over other groups"]
+    assert kind == "CheckpointError" and text.startswith(
+        f"load_checkpoint(scheduler=...): the checkpoint's scheduler ran over {saved} parameter groups")
+    kind, text = got["load_checkpoint with optimizer='adamw'"]
+    assert kind == "CheckpointError" and text.startswith("load_checkpoint(optimizer='adamw'): pass the torch optimizer")
+    assert all(res["untouched"] for res in ranks[1].values())
 
 
 @pytest.mark.slow
