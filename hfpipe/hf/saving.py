@@ -24,19 +24,30 @@ __all__ = ["find_pipeline_checkpoint", "load_trainer_checkpoint", "save_step_che
 log = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
+TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 
 
 def find_pipeline_checkpoint(folder) -> Path:
-    """hfpipe's checkpoint inside a Trainer ``checkpoint-N`` folder (or the ``step-N`` folder itself)."""
+    """hfpipe's checkpoint inside a Trainer ``checkpoint-N`` folder: what ``resume_from_checkpoint`` takes, as the
+    plain Trainer does (it reads ``trainer_state.json`` there, so a ``step-N`` folder inside is refused, naming
+    its ``checkpoint-N``)."""
     from hfpipe.checkpoint.dcp import CheckpointError, resolve_resume
 
+    call = f"train(resume_from_checkpoint={str(folder)!r})"
+    given = Path(folder)
+    if not (given / TRAINER_STATE_NAME).is_file():
+        if (given.parent / TRAINER_STATE_NAME).is_file():
+            raise ConfigError(f"{call}: pass the Trainer's checkpoint folder {given.parent}, not hfpipe's step "
+                              "folder inside it")
+        raise ConfigError(f"{call} is not a checkpoint-N folder a PipelineTrainer saved (no {TRAINER_STATE_NAME}); "
+                          "pass one, or True for the newest in output_dir")
     try:
         found = resolve_resume(str(folder), folder)
     except CheckpointError as e:
-        raise ConfigError(f"train(resume_from_checkpoint={str(folder)!r}): {e}") from None
+        raise ConfigError(f"{call}: {e}") from None
     if found is None:
-        raise ConfigError(f"train(resume_from_checkpoint={str(folder)!r}) holds no hfpipe checkpoint (step-N); "
-                          "give a checkpoint-N folder a PipelineTrainer saved")
+        raise ConfigError(f"{call} holds no hfpipe checkpoint (step-N); give a checkpoint-N folder a PipelineTrainer "
+                          "saved")
     return found
 
 

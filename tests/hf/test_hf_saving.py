@@ -60,3 +60,22 @@ def test_save_model_into_a_bad_target_is_one_error_on_every_rank_and_leaves_noth
     assert (tmp_path / "a-file").read_text() == "x"
     assert {"config.json", "training_args.bin"} <= set(got["run"])
     assert any(name.endswith(".safetensors") for name in got["run"])
+
+
+def test_resume_from_checkpoint_takes_a_checkpoint_n_folder_and_names_it_when_given_the_step_inside(tmp_path):
+    """transformers reads ``trainer_state.json`` from the folder it is handed: hfpipe's ``step-N`` inside a
+    ``checkpoint-N`` would pass hfpipe's look-up and fail in transformers' own read."""
+    import pytest
+
+    from hfpipe.errors import ConfigError
+    from hfpipe.hf.saving import find_pipeline_checkpoint
+
+    ckpt = tmp_path / "checkpoint-2"
+    (ckpt / "step-00000002").mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        find_pipeline_checkpoint(ckpt / "step-00000002")
+    assert str(e.value) == (f"train(resume_from_checkpoint={str(ckpt / 'step-00000002')!r}): pass the Trainer's "
+                            f"checkpoint folder {ckpt}, not hfpipe's step folder inside it")
+    with pytest.raises(ConfigError, match="is not a checkpoint-N folder a PipelineTrainer saved"):
+        find_pipeline_checkpoint(tmp_path)
