@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,12 +95,20 @@ def assert_same_run(got: Path, want: Path, *, final: str = "final") -> None:
     print(f"measured {got.name} vs {want.name}: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items() if v is not None))
 
 
+#: What a warning looks like in a script's output: Python's warnings, transformers' ``[transformers]`` lines,
+#: torch's glog-style ``W1127 ...`` lines and torchao's "Failed to load".
+WARNING_LINE = re.compile(r"Warning:|^\[transformers\]|^(\[rank\d+\]:)?W\d{4} |^Failed to load", re.M)
+
+
 def test_the_bar_pp2_equals_the_plain_trainer(tmp_path):
     """Trainer in one process vs PipelineTrainer(pp=2) under torchrun: 3 steps logged every step, evaluated
-    at step 2, at the end and once more after training; save_model() of both."""
+    at step 2, at the end and once more after training; save_model() of both. The pipelined script prints
+    no warning line (none of transformers' about the launch, none of torch's about pinning memory)."""
     out, plain = run_pair(tmp_path, {"eval": True}, {"pp": 2, "eval": True})
     assert len(losses(plain)) == 3 and len(losses(plain, "eval_loss")) >= 2
     assert_same_run(out, plain)
+    said = (tmp_path / "pipeline.log").read_text()
+    assert not WARNING_LINE.findall(said), [line for line in said.splitlines() if WARNING_LINE.search(line)]
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "final")  # save_model() wrote a folder from_pretrained loads

@@ -12,6 +12,7 @@ It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``ou
 import json
 import sys
 
+import hfpipe.hf  # noqa: F401 - first, as a user's script has it in place of the Trainer's import (a quiet start)
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
 
@@ -37,7 +38,7 @@ def main(spec: dict) -> None:
         eval_strategy="steps" if spec.get("eval") else "no", eval_steps=2,
         save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
         save_total_limit=spec.get("save_total_limit"),
-        gradient_checkpointing=spec.get("checkpointing", False),
+        activation_checkpointing=spec.get("checkpointing", False),
         include_num_input_tokens_seen="all" if spec.get("checkpointing") else "no",
         bf16=spec.get("bf16", False), use_cpu=spec.get("bf16", False),  # bf16 on CPU needs use_cpu
         report_to=[], disable_tqdm=True, dataloader_drop_last=True, seed=7)
