@@ -230,13 +230,21 @@ def export(
     ckpt = find_checkpoint(ckpt, "checkpoint")  # torch-free: a wrong path is named at once
     from hfpipe.progress.ticker import Ticker
 
-    bar = progress and sys.stderr.isatty()  # the bar shows progress; a log file gets the ticker's lines
-    with contextlib.nullcontext() if bar else Ticker(f"exporting {ckpt} to {out}"):
+    # The ticker speaks until the export's own bar shows (the imports and the plan come first, seconds of
+    # them); a log file gets no bar, only the ticker's lines.
+    bar = progress and sys.stderr.isatty()
+    with Ticker(lambda: None if bar and _a_bar_shows() else f"exporting {ckpt} to {out}"):
         from hfpipe.export.hf_folder import export_checkpoint
 
         written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
                                     source=source, progress=progress, merge=merge)
     typer.echo(f"exported {ckpt} -> {written}")
+
+
+def _a_bar_shows() -> bool:
+    """Whether a tqdm bar is open in this process (tqdm keeps its open bars in ``tqdm._instances``)."""
+    tqdm = sys.modules.get("tqdm")
+    return bool(tqdm is not None and getattr(tqdm.tqdm, "_instances", None))
 
 
 @app.command("verify", no_args_is_help=True)
