@@ -1,6 +1,8 @@
 """What a PipelineTrainer writes and reads: ``output_dir/checkpoint-N`` holds hfpipe's DCP checkpoint
 (``step-N``: model and optimizer, resumable at any pp) beside the Trainer's own ``scheduler.pt``,
-``rng_state_*.pth`` and ``trainer_state.json``; ``save_model()`` writes an HF folder.
+``rng_state_*.pth`` and ``trainer_state.json``, and the model's HF files (``config.json``, safetensors, the
+tokenizer; adapter files under LoRA), so that ``from_pretrained("out/checkpoint-N")`` loads it as it loads a
+plain Trainer's; ``save_model()`` writes an HF folder.
 
 Functions over the trainer (duck-typed: ``pipeline``, ``optimizer``, ``lr_scheduler``, ``args``, ``state``),
 so that :mod:`hfpipe.hf.loop` stays the list of hooks.
@@ -62,8 +64,14 @@ def load_trainer_checkpoint(trainer, folder) -> None:
 
 
 def save_step_checkpoint(trainer, folder) -> None:
-    """hfpipe's checkpoint of this step under ``folder`` (every rank writes its own stages)."""
-    trainer.pipeline.save_checkpoint(str(folder), int(trainer.state.global_step), trainer.optimizer)
+    """hfpipe's checkpoint of this step under ``folder`` (every rank writes its own stages), and beside it the
+    model as ``from_pretrained`` loads it (a PEFT adapter folder under LoRA), as the plain Trainer's
+    ``checkpoint-N`` holds it: exported from that checkpoint at export speed, one layer at a time."""
+    from hfpipe.export.hf_folder import export_checkpoint
+
+    ckpt = trainer.pipeline.save_checkpoint(str(folder), int(trainer.state.global_step), trainer.optimizer)
+    _write_beside(trainer, Path(folder), lambda tmp: export_checkpoint(ckpt, tmp, progress=False, quiet=True),
+                  call="save_model")
 
 
 def save_scheduler(trainer, folder) -> None:
@@ -74,24 +82,37 @@ def save_scheduler(trainer, folder) -> None:
 def export_model(trainer, out) -> None:
     """An HF folder (a PEFT adapter folder under LoRA) into ``out``, as ``Trainer.save_model`` writes it.
 
-    ``out`` is often the run's ``output_dir`` and holds the checkpoints: the export (model, tokenizer,
-    ``training_args.bin``) is written whole into a hidden sibling first, every name it will take in ``out``
-    is checked, and only then are its files moved in, leaving every other file of ``out`` where it was.
-    A target that cannot take them is one error on every rank, and nothing is left behind.
+    ``out`` is often the run's ``output_dir`` and holds the checkpoints: see :func:`_write_beside`.
     """
+    out = Path(out).absolute()
+    _write_beside(trainer, out, lambda tmp: trainer.pipeline.write_hf_folder(str(tmp), call="save_model"),
+                  collective=True, call="save_model")
+    if trainer.pipeline.dist.rank == 0:
+        log.info("save_model: wrote the %s of step %d to %s", "adapters" if trainer.pipeline.lora else "model",
+                 trainer.state.global_step, out)
+
+
+def _write_beside(trainer, out: Path, write, *, collective: bool = False, call: str) -> None:
+    """``write(tmp)`` an HF folder, then the tokenizer and ``training_args.bin``, into a hidden sibling of ``out``,
+    and move its files into ``out`` once every name they take there is checked, leaving every other file of
+    ``out`` where it was. A target that cannot take them is one error on every rank, and nothing is left
+    behind. ``write`` runs on every rank when ``collective``, else on rank 0."""
     out = Path(out).absolute()
     rank0 = trainer.pipeline.dist.rank == 0
     tmp = out.parent / f".{out.name}.hfpipe-export"
-    agree(lambda: _check_folder(out, tmp) if rank0 else None)
+    agree(lambda: _check_folder(out, tmp, call) if rank0 else None)
     try:
-        trainer.pipeline.write_hf_folder(str(tmp), call="save_model")
+        if collective:
+            write(tmp)
 
         def finish() -> None:
             if rank0:
+                if not collective:
+                    write(tmp)
                 if trainer.processing_class is not None:
                     trainer.processing_class.save_pretrained(str(tmp))
                 torch.save(trainer.args, tmp / "training_args.bin")  # as Trainer._save does
-                _move_in(tmp, out)
+                _move_in(tmp, out, call)
                 shutil.rmtree(tmp)  # before the ranks part: none returns while it is still there
 
         agree(finish)
@@ -99,30 +120,27 @@ def export_model(trainer, out) -> None:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if rank0:
-        log.info("save_model: wrote the %s of step %d to %s", "adapters" if trainer.pipeline.lora else "model",
-                 trainer.state.global_step, out)
 
 
-def _check_folder(out: Path, tmp: Path) -> None:
+def _check_folder(out: Path, tmp: Path, call: str) -> None:
     """``out`` must be a folder (or not exist yet) in a writable parent; a leftover of an export that died
     (our own hidden sibling) is cleared."""
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"save_model(output_dir={str(out)!r}): {out} is a file; pass a folder for the model's files")
+        raise ConfigError(f"{call}(output_dir={str(out)!r}): {out} is a file; pass a folder for the model's files")
     parent = out if out.is_dir() else out.parent
     while not parent.exists():
         parent = parent.parent
     if not os.access(parent, os.W_OK):
-        raise ConfigError(f"save_model(output_dir={str(out)!r}): {parent} is not writable; pass a writable folder")
+        raise ConfigError(f"{call}(output_dir={str(out)!r}): {parent} is not writable; pass a writable folder")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _move_in(tmp: Path, out: Path) -> None:
+def _move_in(tmp: Path, out: Path, call: str) -> None:
     """Move every file of ``tmp`` into ``out``, once every name is known to be free for a file."""
     names = sorted(f.name for f in tmp.iterdir())
     taken = [n for n in names if (out / n).is_dir() or ((out / n).exists() and not (out / n).is_file())]
     if taken:
-        raise ConfigError(f"save_model(output_dir={str(out)!r}): {out / taken[0]} is a folder where the model's "
+        raise ConfigError(f"{call}(output_dir={str(out)!r}): {out / taken[0]} is a folder where the model's "
                           f"file {taken[0]} goes; move it away or pass another folder")
     out.mkdir(parents=True, exist_ok=True)
     for name in names:

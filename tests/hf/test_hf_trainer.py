@@ -104,14 +104,17 @@ def test_the_bar_pp2_equals_the_plain_trainer(tmp_path):
     """Trainer in one process vs PipelineTrainer(pp=2) under torchrun: 3 steps logged every step, evaluated
     at step 2, at the end and once more after training; save_model() of both. The pipelined script prints
     no warning line (none of transformers' about the launch, none of torch's about pinning memory)."""
-    out, plain = run_pair(tmp_path, {"eval": True}, {"pp": 2, "eval": True})
+    out, plain = run_pair(tmp_path, {"eval": True}, {"pp": 2, "eval": True, "save_steps": 3})
     assert len(losses(plain)) == 3 and len(losses(plain, "eval_loss")) >= 2
     assert_same_run(out, plain)
-    said = (tmp_path / "pipeline.log").read_text()
-    assert not WARNING_LINE.findall(said), [line for line in said.splitlines() if WARNING_LINE.search(line)]
+    # checkpoint-3 is a model folder too, holding the weights save_model() wrote after the same step
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(out / "final")  # save_model() wrote a folder from_pretrained loads
+    saved = AutoModelForCausalLM.from_pretrained(out / "checkpoint-3").state_dict()
+    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    assert sorted(saved) == sorted(final) and all(torch.equal(saved[k], final[k]) for k in final)
+    said = (tmp_path / "pipeline.log").read_text()
+    assert not WARNING_LINE.findall(said), [line for line in said.splitlines() if WARNING_LINE.search(line)]
 
 
 @pytest.mark.parametrize("field, value", [("torch_compile", True), ("label_smoothing_factor", 0.1),
