@@ -231,7 +231,6 @@ CASES = [
           ("another batch size", "--seq-len 32 --batch-size 4", "--batch-size 2 -> 4"),
           ("another seed", "--seq-len 32 --batch-size 2 --seed 7", "--seed 0 -> 7"),
           ("another dataset", "--seq-len 32 --batch-size 2 --dataset builtin:tiny-text", "--dataset 'builtin:tiny-chat' -> 'builtin:tiny-text'"),
-          ("another microbatch shape", "--seq-len 32 --batch-size 4 --microbatches 4", "--microbatches 2 -> 4"),
           ("another grad-accum", "--seq-len 32 --batch-size 2 --grad-accum 2", "--grad-accum 1 -> 2"),
           ("no packing", "--seq-len 32 --batch-size 2 --no-packing", "--packing True -> False"),
       ]],

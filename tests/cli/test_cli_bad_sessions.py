@@ -46,9 +46,9 @@ def test_chat_answers_piped_turns(tiny, tmp_path):
 
 def test_every_config_field_is_in_exactly_one_resume_list():
     from hfpipe.config.run import FinetuneConfig
-    from hfpipe.train.resume_check import FREE, MAY_CHANGE, MUST_MATCH
+    from hfpipe.train.resume_check import FREE, MAY_CHANGE, MUST_MATCH, SUMMATION_ORDER
 
-    lists = [*MUST_MATCH, *MAY_CHANGE, *FREE]
+    lists = [*MUST_MATCH, *MAY_CHANGE, *SUMMATION_ORDER, *FREE]
     fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
     assert fields <= set(lists), f"sort these into a list of resume_check: {sorted(fields - set(lists))}"
     assert len(lists) == len(set(lists)), "a field in two lists"
@@ -93,6 +93,32 @@ def test_a_resume_that_changes_what_is_trained_is_refused(field, old, new):
     cfg = FinetuneConfig(model="m", seq_len=32, batch_size=2, **lora, **{field: new})
     with pytest.raises(ResumeMismatch, match=f"--{field.replace('_', '-')} {old!r} -> "):
         check_resume("ckpt", _saved(**lora, **{field: old}), cfg, tied=False)
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, None), (4, None), (1, 3)])
+def test_another_microbatch_count_is_said_and_resumes_where_the_objective_is_per_token(caplog, pp, microbatches):
+    """Started at --pp 1 (one microbatch by default), resumed at --pp 2 or 4 with their defaults: the same rows
+    of each step, split another way."""
+    import logging
+
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.train.resume_check import check_resume
+
+    cfg = FinetuneConfig(model="m", seq_len=32, batch_size=12, pp=pp, microbatches=microbatches)
+    with caplog.at_level(logging.INFO, logger="hfpipe.train.resume_check"):
+        assert check_resume("ckpt", _saved(batch_size=12, pp=1, microbatches=None), cfg, tied=False) == []
+    now = microbatches or pp
+    assert f"each step's 12 rows now split into {now} microbatches (were 1)" in caplog.text
+
+
+def test_another_microbatch_count_is_refused_where_each_microbatch_has_a_term_of_its_own():
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.train.resume_check import ResumeMismatch, check_resume
+
+    cfg = FinetuneConfig(model="m", seq_len=32, batch_size=4, pp=2)
+    with pytest.raises(ResumeMismatch, match=r"--microbatches 1 -> 2 \(this model's router aux loss is taken per "
+                                             r"microbatch: pass --microbatches 1 to keep it\)"):
+        check_resume("ckpt", _saved(batch_size=4, pp=1), cfg, tied=False, per_microbatch=True)
 
 
 # --- the worker error names the rank that failed first ----------------------------------------------
