@@ -7,7 +7,7 @@ lines that mention a warning; then how long each command takes to refuse a wrong
 
     python bench/first_run.py [--steps 40] [--out /tmp/hfpipe-first-run]
 
-Issue #28 asks for: no stretch over 5 s, zero warnings, a wrong path refused in under 2 s.
+The bar: no stretch over 5 s, zero warnings, a wrong path refused in under 2 s.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ fresh processes. Per mode it reports:
   far less, so the goal is judged on both;
 - checkpoint bytes: the files of one ``save_checkpoint`` (model/adapters, AdamW state, RNG).
 
-Goals (issue 9): LoRA checkpoint <= 2% of full fine-tuning's; LoRA step time <= full's.
+Goals: LoRA checkpoint <= 2% of full fine-tuning's; LoRA step time <= full's.
 
 Run:  python bench/lora.py [--hidden 1024] [--layers 4] [--vocab 16384] [--steps 4] [--keep]
 """

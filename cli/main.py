@@ -102,6 +102,23 @@ def _no_stdin() -> int | None:
     return saved
 
 
+#: The long names other tools give the parallel axes (Megatron, torchtitan, vLLM), and hfpipe's flag for each.
+_AXIS_NAMES = {f"--{long}{size}": f"--{short}" for short, long in (
+    ("pp", "pipeline-parallel"), ("dp", "data-parallel"), ("tp", "tensor-parallel"), ("cp", "context-parallel"),
+    ("ep", "expert-parallel")) for size in ("", "-size", "-degree")}
+_AXIS_NAMES.update({f"--{short}-size": f"--{short}" for short in ("pp", "dp", "tp", "cp", "ep")})
+
+
+def _axis_hint(e) -> str | None:
+    """``--tensor-parallel 2`` is ``--tp 2``: click's own guess (by spelling) would point at
+    ``--sequence-parallel``, so an axis's long name gets the flag the command really has."""
+    name, ctx = getattr(e, "option_name", None), getattr(e, "ctx", None)
+    flag = _AXIS_NAMES.get(name or "")
+    if flag is None or ctx is None or not any(flag in getattr(p, "opts", ()) for p in ctx.command.params):
+        return None
+    return f"no such option {name}; did you mean {flag}? (see '{ctx.command_path} --help')"
+
+
 def _report(e: Exception, debug: bool) -> int:
     """Print ``error: ...`` (and the traceback with --debug); return the exit code."""
     user = isinstance(e, (UsageError, HfpipeError))
@@ -109,7 +126,7 @@ def _report(e: Exception, debug: bool) -> int:
         traceback.print_exception(e, file=sys.stderr)
     if isinstance(e, UsageError):
         where = getattr(getattr(e, "ctx", None), "command_path", None)
-        message = e.format_message() + (f" (see '{where} --help')" if where else "")
+        message = _axis_hint(e) or e.format_message() + (f" (see '{where} --help')" if where else "")
     elif user:
         message = str(e)
     else:
@@ -213,13 +230,21 @@ def export(
     ckpt = find_checkpoint(ckpt, "checkpoint")  # torch-free: a wrong path is named at once
     from hfpipe.progress.ticker import Ticker
 
-    bar = progress and sys.stderr.isatty()  # the bar shows progress; a log file gets the ticker's lines
-    with contextlib.nullcontext() if bar else Ticker(f"exporting {ckpt} to {out}"):
+    # The ticker speaks until the export's own bar shows (the imports and the plan come first, seconds of
+    # them); a log file gets no bar, only the ticker's lines.
+    bar = progress and sys.stderr.isatty()
+    with Ticker(lambda: None if bar and _a_bar_shows() else f"exporting {ckpt} to {out}"):
         from hfpipe.export.hf_folder import export_checkpoint
 
         written = export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
                                     source=source, progress=progress, merge=merge)
     typer.echo(f"exported {ckpt} -> {written}")
+
+
+def _a_bar_shows() -> bool:
+    """Whether a tqdm bar is open in this process (tqdm keeps its open bars in ``tqdm._instances``)."""
+    tqdm = sys.modules.get("tqdm")
+    return bool(tqdm is not None and getattr(tqdm.tqdm, "_instances", None))
 
 
 @app.command("verify", no_args_is_help=True)

@@ -16,6 +16,7 @@ def main(model_dir: str, out_dir: str) -> None:
     ds = Dataset.from_list([
         {"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
          "completion": [{"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(64)])
+    # bf16=False: SFTConfig defaults to bf16, which TRL refuses on a machine without a GPU (drop it on one)
     args = SFTConfig(output_dir=out_dir, max_steps=8, per_device_train_batch_size=4, learning_rate=1e-3,
                      logging_steps=2, max_length=64, completion_only_loss=True, bf16=False, report_to=[])
     trainer = PipelineSFTTrainer(model_dir, args=args, pp=2,  # was: SFTTrainer(model_dir, args=args,

@@ -23,6 +23,7 @@ Every error these raise names the argument to change (the checks below the face 
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import textwrap
 
@@ -33,6 +34,8 @@ from hfpipe.pipeline import model as _model
 from hfpipe.pipeline.options import PRECISIONS, from_keywords, keyword_docs, keyword_parameters
 
 __all__ = ["PipelineModel", "load_pipeline", "PRECISIONS"]
+
+log = logging.getLogger(__name__)
 
 
 class PipelineModel(_model.RankPipeline):
@@ -98,6 +101,15 @@ class PipelineModel(_model.RankPipeline):
 
         ``overwrite=True`` replaces an earlier export at ``out`` (``force`` is its older name).
         """
+        out = self.write_hf_folder(out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite or force)
+        if self.dist.rank == 0:
+            log.info("save_pretrained: wrote an HF folder to %s", out)
+        return out
+
+    def write_hf_folder(self, out, *, dtype: str = "auto", max_shard_size: str = "5GB", overwrite: bool = False,
+                        call: str = "save_pretrained"):
+        """:meth:`save_pretrained` without its closing log line, for a caller that says what it wrote in its
+        own words (``PipelineTrainer.save_model``); errors name ``call``'s arguments."""
         import shutil
         import tempfile
         from pathlib import Path
@@ -107,22 +119,22 @@ class PipelineModel(_model.RankPipeline):
         from hfpipe.export.hf_folder import export_checkpoint
         from hfpipe.export.out_folder import check_out
 
-        overwrite = bool(overwrite or force)
+        overwrite = bool(overwrite)
         rank0 = self.dist.rank == 0
         # Rank 0 checks the folder before anything is written; every rank raises what it found.
         _in_python_words(lambda: agree(lambda: check_out(Path(out), overwrite, ()) if rank0 else None),
-                         "save_pretrained", out=out)
+                         call, out=out)
         tmp = [tempfile.mkdtemp(prefix=".hfpipe-save-", dir=Path(out).absolute().parent) if rank0 else None]
         dist.broadcast_object_list(tmp, src=0)
         try:
-            ckpt = self.save_checkpoint(tmp[0], 0)
+            ckpt = self.save_checkpoint(tmp[0], 0)  # a temporary one: its step number is not the run's
 
             def export() -> None:
                 if rank0:
                     export_checkpoint(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, force=overwrite,
-                                      progress=False)
+                                      progress=False, quiet=True)
 
-            _in_python_words(lambda: agree(export), "save_pretrained", out=out)
+            _in_python_words(lambda: agree(export), call, out=out)
         finally:
             if rank0:
                 shutil.rmtree(tmp[0], ignore_errors=True)

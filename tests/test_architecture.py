@@ -238,3 +238,37 @@ def test_a_known_circle_is_caught():
     finally:
         GRAPH.clear()
         GRAPH.update(saved)
+
+
+# ---- the suite mirrors the package ------------------------------------------------------------------------
+TESTS = ROOT / "tests"
+#: The rooms a test folder may be named for: hfpipe's packages, its top modules (``tests/api/``) and the CLI.
+TEST_ROOMS = ({p.name for p in (ROOT / "hfpipe").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+              | {p.stem for p in (ROOT / "hfpipe").glob("*.py")} | {"cli"})
+
+
+def _misplaced_tests(paths) -> list[str]:
+    """Test files outside a folder named for a room, or not named for their folder's room; a file at the top
+    of tests/ is named for a top module of hfpipe (``test_verify.py``) or for the house and its README."""
+    top = {p.stem for p in (ROOT / "hfpipe").glob("*.py")} | {"architecture", "readme", "readme_commands"}
+    bad = []
+    for path in paths:
+        rel = path.relative_to(TESTS)
+        stem = path.stem.removeprefix("test_")
+        if len(rel.parts) == 1:
+            ok = stem in top
+        else:
+            ok = len(rel.parts) == 2 and rel.parts[0] in TEST_ROOMS and stem.split("_")[0] == rel.parts[0]
+        if not ok:
+            bad.append(str(rel))
+    return bad
+
+
+def test_the_suite_has_a_folder_per_package_and_names_that_map_to_it():
+    bad = _misplaced_tests(sorted(TESTS.rglob("test_*.py")))
+    assert not bad, bad
+
+
+def test_a_test_named_for_its_history_is_caught():
+    assert _misplaced_tests([TESTS / "test_trust_round3b.py", TESTS / "plan" / "test_round_two.py"]) == [
+        "test_trust_round3b.py", "plan/test_round_two.py"]

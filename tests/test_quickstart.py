@@ -1,4 +1,4 @@
-"""Spec of the quickstart's honesty and pacing (the full run is in tests/test_e2e.py): a second
+"""Spec of the quickstart's honesty and pacing (the full run is in tests/cli/test_cli_e2e.py): a second
 run in the same folder says what it reuses and trains afresh, silent stretches get a line every
 few seconds, and its prompts are answerable from the shipped chat set with its own tokenizer."""
 

@@ -35,7 +35,7 @@ def readme_commands() -> tuple[str, list[str]]:
 def test_the_readme_states_both_commands_and_the_test_extra():
     quickstart, tests = readme_commands()
     assert quickstart == "pip install torch==2.13.0 && pip install -e . && hfpipe quickstart"
-    assert tests == ['pip install -e ".[test]"', "python -m pytest -q"]
+    assert tests == ['pip install -e ".[test,qlora,trl]"', "python -m pytest -q"]
 
 
 @pytest.mark.slow
@@ -63,7 +63,7 @@ def test_the_readme_commands_work_in_a_clean_venv(tmp_path):
     out = sh(quickstart, timeout=1500).stdout
     assert "(PASS)" in out and "after fine-tuning:" in out and "nan" not in out
     sh(tests[0], timeout=900)
-    result = sh(tests[1] + " tests/test_config.py", timeout=900)
+    result = sh(tests[1] + " tests/config/test_config_run.py", timeout=900)
     assert " passed" in result.stdout
     # A plain (non-editable) install carries the recipes: they are package data.
     sh(f"pip wheel --no-deps -q -w {tmp_path / 'wheel'} .", timeout=900)

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hfpipe.errors import CheckpointError  # noqa: F401 - raised here, and imported from here by callers
 from hfpipe.checkpoint import checksums
-from hfpipe.checkpoint.meta import read_record
+from hfpipe.checkpoint.meta import check_record_objects, read_record
 from hfpipe.parallel.agree import agree
 from hfpipe.parallel.lock import write_new
 from hfpipe.checkpoint.safe_metadata import UnsafeMetadataError, check_byte_items, read_metadata, safe_load
@@ -323,7 +323,9 @@ def read_meta(path: str | Path) -> dict:
     """The ``hfpipe.json`` of a complete checkpoint."""
     path = Path(path)
     check_complete(path)
-    return read_record(path / "hfpipe.json", CheckpointError, "resume from an earlier checkpoint")
+    meta = read_record(path / "hfpipe.json", CheckpointError, "resume from an earlier checkpoint")
+    check_record_objects(meta, path / "hfpipe.json", CheckpointError, "resume from an earlier checkpoint")
+    return meta
 
 
 def _load_plan(path: Path, view: nn.Module, optimizer) -> tuple[dict, dict, list, str]:

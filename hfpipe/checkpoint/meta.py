@@ -17,7 +17,7 @@ import torch
 from hfpipe.errors import ExportError
 from hfpipe.files import INDEX, SINGLE, SideFileError, read_side_json
 
-__all__ = ["EXPORT_RECORD", "copy_side_files", "side_files", "read_checkpoint_meta", "read_record",
+__all__ = ["EXPORT_RECORD", "check_record_objects", "copy_side_files", "side_files", "read_checkpoint_meta", "read_record",
            "resolve_source"]
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,13 @@ _MODEL_FILES = frozenset({
     "processor_config.json"})
 _DOC_PREFIXES = ("README", "LICENSE", "LICENCE", "NOTICE", "USE_POLICY")
 _META_FIELDS = {"format": int, "step": int, "source": str, "source_dtype": str, "tied": bool, "config": dict}
+#: Fields of ``hfpipe.json`` that hold a JSON object when present (null only where :data:`_MAY_BE_NULL` says):
+#: a string there would pass every ``.get`` as far as the first one and end a resume in an AttributeError.
+_OBJECT_FIELDS = ("config", "world", "train", "lora", "base", "quantize_base", "checksums", "eval", "data")
+_TRAIN_OBJECTS = ("position", "scheduler")
+#: Object fields whose null has a meaning of its own: no adapters, no quantized base, and checksums whose
+#: entry was set to null (damage :mod:`hfpipe.checkpoint.checksums` names in its own words).
+_MAY_BE_NULL = ("lora", "quantize_base", "checksums")
 
 
 def read_checkpoint_meta(ckpt: str | Path) -> dict:
@@ -50,6 +57,7 @@ def read_checkpoint_meta(ckpt: str | Path) -> dict:
             raise ExportError(f"checkpoint {ckpt} is incomplete: {name} missing; pick an earlier checkpoint")
     path = ckpt / "hfpipe.json"
     meta = read_record(path, ExportError, "pick an earlier checkpoint")
+    check_record_objects(meta, path, ExportError, "pick an earlier checkpoint")
     for name, kind in _META_FIELDS.items():
         value = meta.get(name)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -60,6 +68,22 @@ def read_checkpoint_meta(ckpt: str | Path) -> dict:
     if meta["format"] != 1:
         raise ExportError(f"{path}: format {meta['format']} is not supported (expected 1); upgrade hfpipe")
     return meta
+
+
+def check_record_objects(meta: dict, path: Path, error: type[Exception], fix: str) -> None:
+    """Refuse a run record whose object fields (:data:`_OBJECT_FIELDS`, and ``train``'s own) hold another
+    JSON type, in one line naming the file and the field."""
+    fields = [(k, meta.get(k)) for k in _OBJECT_FIELDS if k in meta]
+    train = meta.get("train")
+    fields += [(f"train.{k}", train.get(k)) for k in _TRAIN_OBJECTS if isinstance(train, dict) and k in train]
+    for name, value in fields:
+        if value is not None and not isinstance(value, dict) or value is None and name not in _MAY_BE_NULL:
+            raise error(f"{path}: field {name!r} must be a JSON object, got {_json_type(value)}; {fix}")
+
+
+def _json_type(value) -> str:
+    return {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def read_record(path: Path, error: type[Exception], fix: str) -> dict:

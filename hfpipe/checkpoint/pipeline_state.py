@@ -123,10 +123,11 @@ class Resumed:
 def load_pipeline_checkpoint(pm, path: str, *, optimizer=None, scheduler=None) -> Resumed:
     """Load ``path`` (or the newest checkpoint in it) into ``pm``, ``optimizer`` and ``scheduler``.
 
-    Every rank calls it; an error (no such checkpoint, another model, no scheduler state) is raised
-    on every rank alike. The RNG state is restored too where the world size is the same.
+    Every rank calls it; an error (no such checkpoint, another model, no scheduler state, an optimizer
+    or scheduler that the saved state does not fit) is raised on every rank alike, before any state is
+    applied. The RNG state is restored too where the world size is the same.
     """
-    found = agree(lambda: _find(path, scheduler))
+    found = agree(lambda: _find(path, optimizer, scheduler))
     meta = load_checkpoint(found, pipeline_view(pm), optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(meta["train"]["scheduler"])
@@ -135,9 +136,10 @@ def load_pipeline_checkpoint(pm, path: str, *, optimizer=None, scheduler=None) -
     return Resumed(found, step, int(position.get("epoch", 0)), int(position.get("batch_in_epoch", step)), meta)
 
 
-def _find(path, scheduler) -> Path:
+def _find(path, optimizer, scheduler) -> Path:
     from hfpipe.checkpoint.dcp import read_meta
 
+    _check_kinds(optimizer, scheduler)
     given = Path(path)
     found = given if (given / ".metadata").is_file() else latest_checkpoint(given)
     if found is None:
@@ -148,4 +150,31 @@ def _find(path, scheduler) -> Path:
     if scheduler is not None and "scheduler" not in (meta.get("train") or {}):
         raise CheckpointError(f"load_checkpoint(scheduler=...): {found} holds no scheduler state (it was saved "
                               "without save_checkpoint(scheduler=...)); leave scheduler out or resume another")
+    if scheduler is not None:
+        _check_scheduler_fits(scheduler, meta["train"]["scheduler"], found)
     return found
+
+
+def _check_kinds(optimizer, scheduler) -> None:
+    """An optimizer and a scheduler are torch's objects (a name such as ``"adamw"`` is not one)."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"load_checkpoint(optimizer={optimizer!r}): pass the torch optimizer built over "
+                              "pm.parameters() (or None to load the weights only)")
+    if scheduler is not None and not all(callable(getattr(scheduler, m, None)) for m in ("state_dict", "load_state_dict")):
+        raise CheckpointError(f"load_checkpoint(scheduler={scheduler!r}): pass a torch LR scheduler (it has "
+                              "state_dict() and load_state_dict()), or None")
+
+
+def _check_scheduler_fits(scheduler, saved: dict, found: Path) -> None:
+    """The saved schedule has one entry per parameter group in each of its lists (``base_lrs``, LambdaLR's
+    ``lr_lambdas``): a scheduler over another number of groups would fail in torch's own load, after the
+    weights and the optimizer were already loaded."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"load_checkpoint(scheduler=...): {found}'s scheduler state is not an object; "
+                              "resume another checkpoint")
+    mine = scheduler.state_dict()
+    for key, value in saved.items():
+        if isinstance(value, list) and isinstance(mine.get(key), list) and len(value) != len(mine[key]):
+            raise CheckpointError(f"load_checkpoint(scheduler=...): the checkpoint's scheduler ran over {len(value)} "
+                                  f"parameter groups ({key}), this one over {len(mine[key])}; build the scheduler over "
+                                  "an optimizer with the same groups as the saved run's")

@@ -62,6 +62,7 @@ def export_checkpoint(
     progress: bool = True,
     merge: bool = False,
     chat_template: str | Path | None = None,
+    quiet: bool = False,
 ) -> Path:
     """Write the model of a training checkpoint as a folder ``from_pretrained`` loads.
 
@@ -79,6 +80,8 @@ def export_checkpoint(
         progress: Show a progress bar.
         merge: For a LoRA checkpoint, merge the adapters into the base weights.
         chat_template: A template file the run trained with, written as ``chat_template.jinja``.
+        quiet: Log what was exported at DEBUG only: a caller that exports a temporary checkpoint (the
+            Python API, the Trainer) says what it wrote in its own words.
 
     Returns:
         The output folder.
@@ -87,13 +90,14 @@ def export_checkpoint(
     meta = read_checkpoint_meta(ckpt)
     extra = {"chat_template.jinja": Path(chat_template).expanduser()} if chat_template else None
     if "lora" in meta or merge:  # adapters only: PEFT's adapter folder, or merged into the base
-        return _export_lora(ckpt, out, meta, merge=merge, force=force, source=source, dtype=dtype, extra=extra)
+        return _export_lora(ckpt, out, meta, merge=merge, force=force, source=source, dtype=dtype, extra=extra,
+                            quiet=quiet)
     src = resolve_source(meta, source)
     want = _parse_dtype(dtype)
     max_bytes = _parse_size(max_shard_size)
     with locked_out(out, force, (ckpt, src)):
         try:
-            return _export_locked(ckpt, out, meta, src, want, max_bytes, progress, extra)
+            return _export_locked(ckpt, out, meta, src, want, max_bytes, progress, extra, quiet)
         except FileNotFoundError as e:  # the folder (or a data file) went away under the reader
             if Path(e.filename or "").is_relative_to(ckpt) or not ckpt.is_dir():
                 raise ExportError(f"checkpoint {ckpt} was deleted while it was being exported (pruned by "
@@ -103,7 +107,7 @@ def export_checkpoint(
 
 
 def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
-                 source: str | Path | None, dtype: str, extra: dict | None = None) -> Path:
+                 source: str | Path | None, dtype: str, extra: dict | None = None, quiet: bool = False) -> Path:
     """A LoRA checkpoint as a PEFT adapter folder, or with ``merge`` as a full HF folder.
 
     Raises:
@@ -134,12 +138,14 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
             nbytes = sum(t.nbytes for t in adapters.values())
             build_folder(out, lambda tmp: write_adapter(tmp, config, adapters, base_name(meta, src)), nbytes, record,
                          extra=extra)
-    log.info("exported the %s of step %d to %s", "merged model" if merge else "adapter", meta["step"], out)
+    (log.debug if quiet else log.info)("exported the %s of step %d to %s", "merged model" if merge else "adapter",
+                                       meta["step"], out)
     return out
 
 
 def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes: int, progress: bool,
-                   extra: dict | None) -> Path:
+                   extra: dict | None, quiet: bool = False) -> Path:
+    say = log.debug if quiet else log.info
     cfg_json = guard.source_config_json(src)
     fp8 = _source_quantization(src, cfg_json)
     model = meta_model(src)
@@ -151,7 +157,7 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
     cross_check([k for g in groups for k in g.out], src_dtypes, model, fp8, src)
     set_out_dtypes(groups, want, src_dtypes or {}, meta["source_dtype"])
     shards = assign_shards(groups, max_bytes)
-    log.info("exporting %s -> %s: %d tensors in %d shard(s)", ckpt, out, len(flat(groups)), len(shards))
+    say("exporting %s -> %s: %d tensors in %d shard(s)", ckpt, out, len(flat(groups)), len(shards))
 
     def fill(tmp: Path) -> None:
         _write_weights(tmp, reader, model, groups, shards, progress)
@@ -159,7 +165,7 @@ def _export_locked(ckpt: Path, out: Path, meta: dict, src: Path, want, max_bytes
 
     build_folder(out, fill, sum(nbytes(*spec) for spec in flat(groups).values()),
                  {"kind": "model", "checkpoint": str(ckpt), "step": meta["step"]}, side_from=src, extra=extra)
-    log.info("exported step %d to %s", meta["step"], out)
+    say("exported step %d to %s", meta["step"], out)
     return out
 
 

@@ -1,11 +1,16 @@
-"""transformers' ``Trainer`` and TRL's ``SFTTrainer`` running hfpipe's pipeline (issue #26).
+"""transformers' ``Trainer`` and TRL's ``SFTTrainer`` running hfpipe's pipeline.
 
 ``from hfpipe.hf import PipelineTrainer`` in place of ``Trainer``, ``pp=2`` beside the usual arguments,
 and the script runs under ``torchrun``. Lazy, like ``hfpipe/__init__.py``: importing the package loads
-neither transformers' Trainer nor TRL.
+neither transformers' Trainer nor TRL. Importing it first (as the Trainer's import was) also keeps the
+script's start quiet: see :func:`hfpipe.hf.process.prepare_process`.
 """
 
+from hfpipe.hf.process import prepare_process as _prepare_process
+
 __all__ = ["PipelineTrainer", "PipelineSFTTrainer"]
+
+_prepare_process()
 
 
 def __getattr__(name):

@@ -101,9 +101,14 @@ def see_the_world(args) -> None:
     rank would then believe it is rank 0, and each would log, write ``trainer_state.json`` and rotate
     checkpoints. On accelerators (and with ``use_cpu``) it sees the world already; this changes nothing.
     """
+    import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1 or args.world_size > 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if not torch.accelerator.is_available():
+        args.dataloader_pin_memory = False  # nothing to pin for: torch would warn so once per rank
+    if args.world_size > 1:
         return
     if args.device.type != "cpu":
         raise ConfigError(f"TrainingArguments sees one process on {args.device} while {dist.get_world_size()} "

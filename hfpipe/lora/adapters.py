@@ -91,7 +91,27 @@ def resolve_config(config, meta_model: nn.Module):
         _drop_grouped_linears(config, meta_model)
     names = [n for n, _ in meta_model.named_modules()]
     _check_targets(config, names, meta_model)
+    _check_rank(config, meta_model)
     return config
+
+
+def _check_rank(config, meta_model: nn.Module) -> None:
+    """A rank PEFT can build and the layers can hold: a positive integer no wider than the widest layer it
+    adapts (a larger one only adds numbers, and an absurd one would ask for terabytes in every worker)."""
+    r = config.r  # the user's rank (PEFT's rank_pattern may double it on fused gate/up experts)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise LoraError(f"--lora-rank (LoraConfig.r) must be an integer >= 1, got {r!r}")
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    widths = [max(m.weight.shape[-2:]) for n, m in meta_model.named_modules()
+              if config.target_modules and isinstance(getattr(m, "weight", None), torch.Tensor)
+              and m.weight.dim() >= 2 and check_target_module_exists(config, n)]
+    widths += [max(p.shape[-2:]) for n, p in meta_model.named_parameters()
+               if p.dim() >= 2 and any(n == t or n.endswith("." + t) for t in config.target_parameters or ())]
+    widest = max(widths, default=None)
+    if widest is not None and r > widest:
+        raise LoraError(f"--lora-rank {r} is wider than every layer it adapts (the widest is {widest}): "
+                        f"pass at most {widest}")
 
 
 def _check_targets(config, names: list[str], meta_model: nn.Module) -> None:

@@ -23,7 +23,7 @@ is exactly transformers' ``load_balancing_loss_func`` on that microbatch's rows,
 router term is their mean over every microbatch of the step (all accumulation batches and dp ranks):
 ``loss = sum(CE) / tokens + coef * mean_m aux_m``. With one microbatch (and dp 1) that is
 transformers' own loss on the whole batch; otherwise it equals transformers run microbatch by
-microbatch with that mean (the oracle of tests/test_pipeline_router_loss.py). Exact over the whole batch
+microbatch with that mean (the oracle of tests/pipeline/test_pipeline_router_loss.py). Exact over the whole batch
 would need every microbatch's counts before the first backward: a second forward pass per step.
 The language-model part stays exact over the whole batch as before. Evaluation losses are the
 language-model loss only (``eval_ppl`` = exp of it).

@@ -7,7 +7,7 @@ is torchtitan's and picotron's order. Expert parallelism is carved out of dp: ``
 with ep innermost, so an ep group is ``ep`` consecutive dp ranks at one (pp, cp, tp) coordinate.
 
 Everything here is arithmetic on ranks (no process group), so the layout of any mesh is unit-tested
-(``tests/test_parallel_dims.py``). Nothing else in hfpipe turns coordinates into ranks or back: the
+(``tests/parallel/test_parallel_dims.py``). Nothing else in hfpipe turns coordinates into ranks or back: the
 process groups are built from these lists by :mod:`hfpipe.parallel.mesh`.
 """
 
@@ -32,8 +32,8 @@ class ParallelDims:
     Attributes:
         pp: Pipeline ranks (stages are spread over them).
         dp: Data-parallel replicas (FSDP2 shards over them).
-        cp: Context-parallel ranks (one sequence split over them); 1 until it lands.
-        tp: Tensor-parallel ranks (each matrix split over them); 1 until it lands.
+        cp: Context-parallel ranks (one sequence split over them); 1 by default.
+        tp: Tensor-parallel ranks (each matrix split over them); 1 by default.
         ep: Expert-parallel ranks, carved out of dp (routed experts sharded over them).
     """
 

@@ -26,7 +26,7 @@ holds its ep shard of whole experts (the tp plan leaves them out, :func:`hfpipe.
 of its tokens over ep, and the outputs are all-gathered back over tp, so no token is computed twice. Hence the
 experts' gradient sum over tp above. The router runs whole on every tp rank, and the all-gather's backward
 hands each the whole routing-weight gradient: its gradient is whole and equal on every tp rank, as
-one-process transformers has it (tests/test_tensor_expert_parallel.py checks both against it).
+one-process transformers has it (tests/parallel/test_parallel_tensor_expert.py checks both against it).
 """
 
 from __future__ import annotations

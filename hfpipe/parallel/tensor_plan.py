@@ -6,7 +6,7 @@ plus what transformers leaves out: the embedding and the head split over the voc
 DeepSeek-V3's attention (MLA), and sequence parallelism. Every stage takes and returns plain, whole
 tensors, so nothing tp-sharded crosses a pipeline boundary.
 
-Only families whose plan was checked against one-process transformers (tests/test_parallel_tensor.py)
+Only families whose plan was checked against one-process transformers (tests/parallel/test_parallel_tensor.py)
 are planned; any other is refused in one line rather than run approximately.
 """
 

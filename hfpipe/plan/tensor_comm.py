@@ -37,7 +37,7 @@ Under ``--ep`` the experts stay whole on each tp rank: transformers' ``AllToAllE
 the tp ranks (no collective) and gathers the outputs back, on the expert mesh's tp group.
 
 Every count above was measured at torch's dispatcher against this module, byte for byte
-(``tests/test_plan_tp_measured.py``, ``bench/tp.py --family``), the ``--ep`` row at dp 2 x ep 2 x tp 2.
+(``tests/plan/test_plan_tensor_measured.py``, ``bench/tp.py --family``), the ``--ep`` row at dp 2 x ep 2 x tp 2.
 
 Once per step (per microbatch when FSDP2 reshards every microbatch), a parameter whose gradient is a
 pending partial sum over tp is all-reduced (:mod:`hfpipe.parallel.grads` reduces it first): the layer

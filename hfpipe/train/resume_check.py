@@ -1,7 +1,7 @@
 """What a resumed run must share with the run that saved the checkpoint, and what it may change.
 
 A checkpoint records the run's settings (``hfpipe.json``'s ``config``). Every FinetuneConfig field
-is in exactly one of three lists (a test holds them to it, so a new field cannot slip by unsorted):
+is in exactly one of four lists (a test holds them to it, so a new field cannot slip by unsorted):
 
 - :data:`MUST_MATCH`: the model, the data stream (dataset, its rows, their loss masks, the order)
   and the adapters. Another value would continue a different run from the middle of this one:
@@ -9,6 +9,10 @@ is in exactly one of three lists (a test holds them to it, so a new field cannot
 - :data:`MAY_CHANGE`: the learning-rate schedule, the step budget and AdamW's hyperparameters.
   They apply from the resumed step on, said in one line (the checkpoint's optimizer state would
   otherwise bring back the old ones while ``hfpipe.json`` recorded the new).
+- :data:`SUMMATION_ORDER`: how each step's rows are split into microbatches. Another split sums the
+  same tokens' losses in another order (a change within float rounding), said in one line; refused
+  only where the objective itself is taken per microbatch (a MoE router aux loss). Its default
+  follows the layout (pp x vpp), so a run moves to another pipeline size with default settings.
 - :data:`FREE`: how the run is laid out, logged, saved and evaluated; DCP reshards by name.
 """
 
@@ -18,16 +22,18 @@ import logging
 
 from hfpipe.errors import HfpipeError
 
-__all__ = ["ResumeMismatch", "check_resume", "apply_schedule_changes", "MUST_MATCH", "MAY_CHANGE", "FREE",
-           "template_digest"]
+__all__ = ["ResumeMismatch", "check_resume", "apply_schedule_changes", "MUST_MATCH", "MAY_CHANGE",
+           "SUMMATION_ORDER", "FREE", "template_digest"]
 
 log = logging.getLogger(__name__)
 
 #: Settings that define the model, the data stream and the adapters: a resumed run must keep them.
-MUST_MATCH = ("model", "seq_len", "batch_size", "microbatches", "grad_accum", "dp", "seed", "dataset",
+MUST_MATCH = ("model", "seq_len", "batch_size", "grad_accum", "dp", "seed", "dataset",
               "dataset_config", "split", "format", "packing", "columns", "roles", "chat_template",
               "train_on_prompt", "eval_fraction", "lora_rank", "lora_alpha", "lora_dropout",
               "lora_targets", "quantize_base", "quantize_block_size")
+#: Settings that split each step's rows another way: only the order of the loss sums changes.
+SUMMATION_ORDER = ("microbatches",)
 #: Settings whose change applies from the resumed step on (the last three to AdamW's groups).
 MAY_CHANGE = ("lr", "min_lr", "lr_schedule", "warmup_steps", "max_steps", "epochs", "max_grad_norm",
               "weight_decay", "betas", "eps")
@@ -52,7 +58,7 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_resume(path, saved: dict, cfg, tied: bool) -> list[str]:
+def check_resume(path, saved: dict, cfg, tied: bool, per_microbatch: bool = False) -> list[str]:
     """Refuse a resume that changes the run's meaning; return the names of changed MAY_CHANGE fields.
 
     Args:
@@ -60,13 +66,14 @@ def check_resume(path, saved: dict, cfg, tied: bool) -> list[str]:
         saved: Its ``hfpipe.json``.
         cfg: This run's FinetuneConfig.
         tied: Whether this run's model ties its head to the embedding.
+        per_microbatch: Whether the objective is taken per microbatch (a MoE router aux loss), so that
+            another microbatch count would change what is trained.
     """
     old = _recorded(path, saved)
     now = cfg.to_dict()
-    old = {**old, "microbatches": old.get("microbatches") or old.get("pp", 1) * old.get("vpp", 1)}
-    now = {**now, "microbatches": cfg.num_microbatches}
     diffs = [f"{_flag(k)} {old.get(k)!r} -> {now.get(k)!r}" for k in MUST_MATCH
              if _norm(k, old.get(k)) != _norm(k, now.get(k))]
+    diffs += _microbatches_changed(path, old, cfg, per_microbatch)
     digest = (saved.get("data") or {}).get("chat_template_sha256")
     if digest and "--chat-template" not in " ".join(diffs) and digest != template_digest(cfg.chat_template):
         diffs.append(f"--chat-template {cfg.chat_template}: the file changed since the checkpoint")
@@ -79,6 +86,21 @@ def check_resume(path, saved: dict, cfg, tied: bool) -> list[str]:
     return [k for k in MAY_CHANGE if k in old and _norm(k, old.get(k)) != _norm(k, now.get(k))]
 
 
+def _microbatches_changed(path, old: dict, cfg, per_microbatch: bool) -> list[str]:
+    """Another microbatch count than the checkpoint's run: said (the same rows, summed in another order), or
+    refused with the reason where each microbatch carries a term of its own."""
+    was = old.get("microbatches") or old.get("pp", 1) * old.get("vpp", 1)  # the default then: pp x vpp
+    now = cfg.num_microbatches
+    if was == now:
+        return []
+    if per_microbatch:
+        return [f"--microbatches {was!r} -> {now!r} (this model's router aux loss is taken per microbatch: pass "
+                f"--microbatches {was} to keep it)"]
+    log.info("--resume %s: each step's %d rows now split into %d microbatches (were %d): the same tokens, "
+             "their losses summed in another order", path, cfg.batch_size, now, was)
+    return []
+
+
 def _recorded(path, saved: dict) -> dict:
     """The run settings ``hfpipe.json`` recorded, with every field that must match present.
 
@@ -88,7 +110,7 @@ def _recorded(path, saved: dict) -> dict:
     old = saved.get("config")
     if not isinstance(old, dict):
         old = {}
-    missing = [_flag(k) for k in MUST_MATCH if k not in old and k != "microbatches"]
+    missing = [_flag(k) for k in MUST_MATCH if k not in old]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise ResumeMismatch(f"--resume {path}: its hfpipe.json does not record the run's {shown} (damaged, or "

@@ -1,0 +1,100 @@
+"""One Trainer script, run in one process with transformers' Trainer (the oracle) or under torchrun with
+hfpipe's PipelineTrainer; ``tests/hf/test_hf_trainer.py`` compares the two.
+
+    python train_lm.py SPEC.json            # {"trainer": "plain", ...}
+    torchrun --nproc-per-node 2 train_lm.py SPEC.json   # {"trainer": "pipeline", "pp": 2, ...}
+
+SPEC keys: model, out, trainer, pp, dp, tp, ep, cp, microbatches, batch, eval_batch, ga, max_steps, clip, lora,
+eval, save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted), bf16.
+It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``out/final``.
+"""
+
+import json
+import sys
+
+import hfpipe.hf  # noqa: F401 - first, as a user's script has it in place of the Trainer's import (a quiet start)
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
+
+
+def dataset(tok, n: int, seed: int) -> Dataset:
+    texts = [f"Sample {i} {'of the pipeline ' * (1 + (i * 7 + seed) % 5)}end." for i in range(n)]
+    return Dataset.from_dict({"text": texts}).map(
+        lambda b: tok(b["text"], truncation=True, max_length=40), batched=True, remove_columns=["text"])
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def main(spec: dict) -> None:
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    args = TrainingArguments(
+        output_dir=spec["out"], max_steps=spec.get("max_steps", 3), logging_steps=1,
+        per_device_train_batch_size=spec.get("batch", 4), per_device_eval_batch_size=spec.get("eval_batch", 4),
+        gradient_accumulation_steps=spec.get("ga", 1), learning_rate=1e-3, max_grad_norm=spec.get("clip", 1.0),
+        eval_strategy="steps" if spec.get("eval") else "no", eval_steps=2,
+        save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
+        save_total_limit=spec.get("save_total_limit"),
+        activation_checkpointing=spec.get("checkpointing", False),
+        include_num_input_tokens_seen="all" if spec.get("checkpointing") else "no",
+        bf16=spec.get("bf16", False), use_cpu=spec.get("bf16", False),  # bf16 on CPU needs use_cpu
+        report_to=[], disable_tqdm=True, dataloader_drop_last=True, seed=7)
+    collator = DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=8)
+    data = {"train_dataset": dataset(tok, 64, 0), "data_collator": collator, "processing_class": tok}
+    if spec.get("eval"):
+        data["eval_dataset"] = dataset(tok, 8, 3)
+    peft = lora_config() if spec.get("lora") else None
+    if spec["trainer"] == "plain":
+        from transformers import Trainer
+
+        model = AutoModelForCausalLM.from_pretrained(spec["model"])
+        if peft is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft)
+            seed_like_hfpipe(model, peft)
+        trainer = Trainer(model=model, args=args, **data)
+    else:
+        from hfpipe.hf import PipelineTrainer
+
+        axes = {k: spec[k] for k in ("dp", "tp", "ep", "cp") if k in spec}
+        trainer = PipelineTrainer(spec["model"], args=args, pp=spec.get("pp"), microbatches=spec.get("microbatches"),
+                                  peft_config=peft, **axes, **data)
+    if spec.get("stop_at"):
+        from transformers import TrainerCallback
+
+        class Stop(TrainerCallback):  # an interrupted run: stops after step N, its checkpoint-N written
+            def on_step_end(self, args, state, control, **kw):
+                control.should_training_stop = state.global_step >= spec["stop_at"]
+
+        trainer.add_callback(Stop())
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    history = trainer.state.log_history
+    if spec.get("eval"):
+        history = history + [trainer.evaluate()]
+    trainer.save_model(f"{spec['out']}/final")
+    if trainer.is_world_process_zero():
+        with open(f"{spec['out']}/log_history.json", "w") as f:
+            json.dump(history, f)
+
+
+def seed_like_hfpipe(model, peft, seed: int = 7) -> None:
+    """The oracle's adapters initialised as hfpipe initialises them: each from the run seed and its
+    module name (hfpipe.lora.adapters.add_adapters), so that they do not depend on the pipeline size."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from hfpipe.lora.adapters import _name_seed
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, BaseTunerLayer) and "default" in layer.lora_A:
+            torch.manual_seed(_name_seed(seed, name.removeprefix("base_model.model.")))
+            layer.reset_lora_parameters("default", peft.init_lora_weights)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        main(json.load(f))
