@@ -107,9 +107,10 @@ class PipelineModel(_model.RankPipeline):
         return out
 
     def write_hf_folder(self, out, *, dtype: str = "auto", max_shard_size: str = "5GB", overwrite: bool = False,
-                        call: str = "save_pretrained"):
+                        checkpoint=None, call: str = "save_pretrained"):
         """:meth:`save_pretrained` without its closing log line, for a caller that says what it wrote in its
-        own words (``PipelineTrainer.save_model``); errors name ``call``'s arguments."""
+        own words (``PipelineTrainer.save_model``); errors name ``call``'s arguments. With ``checkpoint`` (one
+        :meth:`save_checkpoint` just wrote) the folder is exported from it, not from a temporary one."""
         import shutil
         import tempfile
         from pathlib import Path
@@ -124,10 +125,13 @@ class PipelineModel(_model.RankPipeline):
         # Rank 0 checks the folder before anything is written; every rank raises what it found.
         _in_python_words(lambda: agree(lambda: check_out(Path(out), overwrite, ()) if rank0 else None),
                          call, out=out)
-        tmp = [tempfile.mkdtemp(prefix=".hfpipe-save-", dir=Path(out).absolute().parent) if rank0 else None]
-        dist.broadcast_object_list(tmp, src=0)
+        tmp = [None]
+        if checkpoint is None:
+            tmp = [tempfile.mkdtemp(prefix=".hfpipe-save-", dir=Path(out).absolute().parent) if rank0 else None]
+            dist.broadcast_object_list(tmp, src=0)
         try:
-            ckpt = self.save_checkpoint(tmp[0], 0)  # a temporary one: its step number is not the run's
+            # a temporary checkpoint's step number is not the run's: the export says nothing of it (quiet)
+            ckpt = checkpoint if checkpoint is not None else self.save_checkpoint(tmp[0], 0)
 
             def export() -> None:
                 if rank0:
@@ -136,7 +140,7 @@ class PipelineModel(_model.RankPipeline):
 
             _in_python_words(lambda: agree(export), call, out=out)
         finally:
-            if rank0:
+            if rank0 and tmp[0] is not None:
                 shutil.rmtree(tmp[0], ignore_errors=True)
         return Path(out)
 

@@ -67,11 +67,10 @@ def save_step_checkpoint(trainer, folder) -> None:
     """hfpipe's checkpoint of this step under ``folder`` (every rank writes its own stages), and beside it the
     model as ``from_pretrained`` loads it (a PEFT adapter folder under LoRA), as the plain Trainer's
     ``checkpoint-N`` holds it: exported from that checkpoint at export speed, one layer at a time."""
-    from hfpipe.export.hf_folder import export_checkpoint
-
-    ckpt = trainer.pipeline.save_checkpoint(str(folder), int(trainer.state.global_step), trainer.optimizer)
-    _write_beside(trainer, Path(folder), lambda tmp: export_checkpoint(ckpt, tmp, progress=False, quiet=True),
-                  call="save_model")
+    pipeline = trainer.pipeline
+    ckpt = pipeline.save_checkpoint(str(folder), int(trainer.state.global_step), trainer.optimizer)
+    _write_beside(trainer, Path(folder), lambda tmp: pipeline.write_hf_folder(str(tmp), checkpoint=ckpt,
+                                                                               call="save_model"))
 
 
 def save_scheduler(trainer, folder) -> None:
@@ -85,30 +84,26 @@ def export_model(trainer, out) -> None:
     ``out`` is often the run's ``output_dir`` and holds the checkpoints: see :func:`_write_beside`.
     """
     out = Path(out).absolute()
-    _write_beside(trainer, out, lambda tmp: trainer.pipeline.write_hf_folder(str(tmp), call="save_model"),
-                  collective=True, call="save_model")
+    _write_beside(trainer, out, lambda tmp: trainer.pipeline.write_hf_folder(str(tmp), call="save_model"))
     if trainer.pipeline.dist.rank == 0:
         log.info("save_model: wrote the %s of step %d to %s", "adapters" if trainer.pipeline.lora else "model",
                  trainer.state.global_step, out)
 
 
-def _write_beside(trainer, out: Path, write, *, collective: bool = False, call: str) -> None:
+def _write_beside(trainer, out: Path, write, call: str = "save_model") -> None:
     """``write(tmp)`` an HF folder, then the tokenizer and ``training_args.bin``, into a hidden sibling of ``out``,
     and move its files into ``out`` once every name they take there is checked, leaving every other file of
     ``out`` where it was. A target that cannot take them is one error on every rank, and nothing is left
-    behind. ``write`` runs on every rank when ``collective``, else on rank 0."""
+    behind. ``write`` runs on every rank (it is :meth:`hfpipe.api.PipelineModel.write_hf_folder`)."""
     out = Path(out).absolute()
     rank0 = trainer.pipeline.dist.rank == 0
     tmp = out.parent / f".{out.name}.hfpipe-export"
     agree(lambda: _check_folder(out, tmp, call) if rank0 else None)
     try:
-        if collective:
-            write(tmp)
+        write(tmp)
 
         def finish() -> None:
             if rank0:
-                if not collective:
-                    write(tmp)
                 if trainer.processing_class is not None:
                     trainer.processing_class.save_pretrained(str(tmp))
                 torch.save(trainer.args, tmp / "training_args.bin")  # as Trainer._save does
