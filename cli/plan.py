@@ -57,7 +57,7 @@ def plan(
 
         require_matplotlib()
     config = load_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    if given.get("seq_len") is not None:  # past the model's context: refused here as finetune refuses it (#27)
+    if given.get("seq_len") is not None:  # past the model's context: refused here as finetune refuses it
         from hfpipe.data.config import check_seq_len
 
         check_seq_len(given["seq_len"], config)
