@@ -46,28 +46,35 @@ def plan(
     """Plan the pipeline stages of a finetune run and print each rank's parameters, memory
     (weights, gradients, AdamW state, activations; dp and cp sharding counted), the balance and the
     schedule's bubble; with --gpu-memory, whether each rank fits and what would make it fit."""
-    from hfpipe.plan.fit import format_fit, parse_memory, report_for, suggest
-    from hfpipe.plan.report import format_report, load_model_config
+    from hfpipe.progress.ticker import Ticker
 
     given = {k: v for k, v in {"model": model, **flags}.items() if v is not None}
     cfg = build_config(recipe, given)
-    limit = parse_memory(gpu_memory) if gpu_memory is not None else None
-    if png is not None:
-        from hfpipe.cli.plot import require_matplotlib, save_png
+    doing = [f"planning {cfg.model}: loading torch and transformers"]  # what the ticker says, stretch by stretch
+    with Ticker(lambda: doing[0]):
+        from hfpipe.plan.fit import format_fit, parse_memory, report_for, suggest
+        from hfpipe.plan.report import format_report, load_model_config
 
-        require_matplotlib()
-    config = load_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    if given.get("seq_len") is not None:  # past the model's context: refused here as finetune refuses it
-        from hfpipe.data.config import check_seq_len
+        limit = parse_memory(gpu_memory) if gpu_memory is not None else None
+        if png is not None:
+            from hfpipe.cli.plot import require_matplotlib, save_png
 
-        check_seq_len(given["seq_len"], config)
-    report = report_for(config, cfg)
+            require_matplotlib()
+        doing[0] = f"planning {cfg.model}: reading its config"
+        config = load_model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        if given.get("seq_len") is not None:  # past the model's context: refused here as finetune refuses it
+            from hfpipe.data.config import check_seq_len
+
+            check_seq_len(given["seq_len"], config)
+        doing[0] = f"planning {cfg.model}: measuring a layer's activations, pricing each rank"
+        report = report_for(config, cfg)
+        fits = limit is None or all(r.total_bytes <= limit for r in report.ranks)
+        doing[0] = f"planning {cfg.model}: searching the layouts that fit {gpu_memory}"
+        found = None if fits else suggest(config, cfg, limit, gpus_per_node=gpus_per_node)
     if png is not None:
         save_png(report, png, gpu_memory=limit)
     typer.echo(format_report(report))
     if limit is not None:
-        fits = all(r.total_bytes <= limit for r in report.ranks)
-        found = None if fits else suggest(config, cfg, limit, gpus_per_node=gpus_per_node)
         typer.echo("\n" + format_fit(report, limit, found))
     if png is not None:
         typer.echo(f"wrote {png}")
