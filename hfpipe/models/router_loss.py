@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["RouterLossSpec", "router_loss_spec", "RouterSums", "finish_router_loss", "layer_sums"]
+__all__ = ["RouterLossSpec", "router_loss_on", "router_loss_spec", "RouterSums", "finish_router_loss", "layer_sums"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,12 @@ class RouterLossSpec:
     def size(self) -> int:
         """Length of the carried tensor: counts, then probability sums."""
         return 2 * self.num_experts
+
+
+def router_loss_on(config) -> bool:
+    """Whether a model of this config adds a router aux loss to its objective (taken per microbatch here), from
+    the config alone: it asks for router logits and its causal LM weighs them (``router_aux_loss_coef``)."""
+    return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
 
 def router_loss_spec(model: nn.Module) -> RouterLossSpec | None:

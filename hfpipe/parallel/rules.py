@@ -5,8 +5,9 @@ so a layout gets the same message, in the same order, wherever it is given: the 
 (:class:`~hfpipe.parallel.dims.ParallelDims`), the schedule and its stages per rank, the
 microbatches, the batch, the schedules FSDP cannot run, what --tp and --cp do not compose with (and
 the sequence split cp needs), then what the model allows (--ep over its routed experts, --tp over its
-heads and sizes, --cp over its attention). The schedule names live here too, the one table the config,
-the planner and the pipeline read.
+heads and sizes, --cp over its attention). The schedule names and the stages each rank holds under each
+(:func:`required_vpp`, :func:`default_vpp`) live here too, the one table the config, the planner and the
+pipeline read.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from hfpipe.errors import ParallelError
 from hfpipe.models.moe import routed_experts
 from hfpipe.parallel.dims import ParallelDims
 
-__all__ = ["INTERLEAVED_SCHEDULES", "Layout", "SCHEDULES", "SINGLE_STAGE", "SPLIT_BACKWARD",
-           "V_SCHEDULES", "check_layout", "count_experts", "default_vpp", "schedule_style"]
+__all__ = ["INTERLEAVED_SCHEDULES", "Layout", "SCHEDULES", "SINGLE_STAGE", "SPLIT_BACKWARD", "STYLES",
+           "V_SCHEDULES", "check_layout", "count_experts", "default_vpp", "required_vpp", "schedule_style",
+           "style_vpp"]
 
 #: Every pipeline schedule, as spelled in ``--schedule``.
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
@@ -30,6 +32,8 @@ INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
 V_SCHEDULES = ("zbv", "dualpipev")
 #: Schedules whose backward splits into input and weight passes (zero bubble).
 SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
+#: How stages sit on ranks: a loop (rank r holds stages r, r+pp, ...) or a V (rank r holds r and 2*pp-1-r).
+STYLES = ("loop", "v")
 
 
 def schedule_style(schedule: str) -> str:
@@ -37,9 +41,19 @@ def schedule_style(schedule: str) -> str:
     return "v" if schedule in V_SCHEDULES else "loop"
 
 
+def style_vpp(style: str) -> int | None:
+    """Stages per rank a pipeline style fixes: two in a V; ``None`` in a loop, which holds any number."""
+    return 2 if style == "v" else None
+
+
+def required_vpp(schedule: str) -> int | None:
+    """Stages per rank ``schedule`` must run: 1 (gpipe, 1f1b), 2 (a V), or ``None`` where any number runs."""
+    return 1 if schedule in SINGLE_STAGE else style_vpp(schedule_style(schedule))
+
+
 def default_vpp(schedule: str) -> int:
-    """Stages per rank a schedule runs unless told otherwise."""
-    return 1 if schedule in SINGLE_STAGE else 2
+    """Stages per rank a schedule runs unless told otherwise: its required count, else two."""
+    return required_vpp(schedule) or 2
 
 
 def count_experts(config) -> int | None:
@@ -117,12 +131,13 @@ def _fit_vpp(schedule: str, vpp: int | None) -> int:
         return default_vpp(schedule)
     if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
         raise ParallelError(f"--vpp must be >= 1, got {vpp!r}")
-    if schedule in V_SCHEDULES and vpp != 2:
-        raise ParallelError(f"--vpp must be 2 for --schedule {schedule} (a V of two stages), got {vpp}")
-    if schedule in SINGLE_STAGE and vpp != 1:
-        raise ParallelError(f"--vpp must be 1 for --schedule {schedule}, got {vpp}; "
-                            "use --schedule interleaved-1f1b for several stages per rank")
-    return vpp
+    need = required_vpp(schedule)
+    if need is None or vpp == need:
+        return vpp
+    if schedule_style(schedule) == "v":
+        raise ParallelError(f"--vpp must be {need} for --schedule {schedule} (a V of two stages), got {vpp}")
+    raise ParallelError(f"--vpp must be {need} for --schedule {schedule}, got {vpp}; "
+                        "use --schedule interleaved-1f1b for several stages per rank")
 
 
 def _check_microbatches(schedule: str, pp: int, vpp: int, microbatches: int) -> None:

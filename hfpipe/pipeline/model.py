@@ -1,7 +1,7 @@
 """This rank's part of a pipelined model: :class:`RankPipeline` runs and saves it
 (:func:`hfpipe.pipeline.build.load_pipeline` builds it).
 
-The run loop (:mod:`hfpipe.train.runner`) and ``verify`` stand on this module; the public face,
+The run loop (:mod:`hfpipe.train.loop`) and ``verify`` stand on this module; the public face,
 :mod:`hfpipe.api`, adds ``trainer`` (:mod:`hfpipe.train.step`, a floor above) and ``save_pretrained``.
 """
 

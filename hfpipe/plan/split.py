@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hfpipe.errors import PlanError
 from hfpipe.parallel.dims import check_degrees
-from hfpipe.parallel.rules import SCHEDULES, SINGLE_STAGE, V_SCHEDULES
+from hfpipe.parallel.rules import SCHEDULES, STYLES, V_SCHEDULES, required_vpp, schedule_style, style_vpp
 from hfpipe.plan.cost import CostModel, layer_costs
 from hfpipe.models.spec import StageSpec
 
@@ -24,7 +24,6 @@ __all__ = [
 ]
 
 METHODS = ("balanced", "even", "weighted", "layout")
-STYLES = ("loop", "v")
 
 
 @dataclass(frozen=True)
@@ -108,9 +107,10 @@ def _check_shape(pp: int, vpp: int, style: str) -> None:
         raise PlanError(f"--vpp must be >= 1, got {vpp}")
     if style not in STYLES:
         raise PlanError(f"unknown pipeline style {style!r}; choose one of {', '.join(STYLES)}")
-    if style == "v" and vpp != 2:
-        raise PlanError(f"the V style (--schedule zbv or dualpipev) puts two stages on each rank; "
-                        f"use --vpp 2 (got --vpp {vpp})")
+    need = style_vpp(style)
+    if need is not None and vpp != need:
+        raise PlanError(f"the V style (--schedule {' or '.join(V_SCHEDULES)}) puts two stages on each rank; "
+                        f"use --vpp {need} (got --vpp {vpp})")
 
 
 def _layer_counts(method: str, costs: CostModel, pp: int, vpp: int, embed_weight: float | None,
@@ -333,12 +333,12 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, microbatches: int) -> floa
     for flag, value in (("--vpp", vpp), ("--microbatches", microbatches)):
         if value < 1:
             raise PlanError(f"{flag} must be >= 1, got {value}")
-    # Explicit stages per rank (no "1 means the default" here): a formula's domain, in the rules' words.
-    if schedule in SINGLE_STAGE and vpp != 1:
-        raise PlanError(f"--schedule {schedule} runs one stage per rank; use --vpp 1 or "
-                        "--schedule interleaved-1f1b")
-    if schedule in V_SCHEDULES and vpp != 2:
-        raise PlanError(f"--schedule {schedule} runs two stages per rank in a V; use --vpp 2")
+    # The stages per rank the rules fix, given explicitly (no "1 means the default" here): a formula's domain.
+    need = required_vpp(schedule)
+    if need is not None and vpp != need:
+        raise PlanError(f"--schedule {schedule} runs " + (
+            f"two stages per rank in a V; use --vpp {need}" if schedule_style(schedule) == "v" else
+            f"one stage per rank; use --vpp {need} or --schedule interleaved-1f1b"))
     idle = {"gpipe": pp - 1, "1f1b": pp - 1, "interleaved-1f1b": (pp - 1) / vpp,
             "looped-bfs": (pp - 1) / vpp, "interleaved-zb": (pp - 1) / (3 * vpp), "zbv": 0.0,
             "dualpipev": (pp - 1) / 3}[schedule]

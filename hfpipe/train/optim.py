@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch import nn
 
+from hfpipe.errors import ConfigError
 from hfpipe.pipeline.params import by_mesh, unique_parameters
 
 __all__ = ["unique_parameters", "param_groups", "build_optimizer", "lr_lambda", "build_scheduler"]
@@ -46,8 +48,6 @@ def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
     elif schedule == "cosine":
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
-        from hfpipe.config.names import ConfigError
-
         raise ConfigError(f"--lr-schedule {schedule!r} is unknown; choose cosine, linear or constant")
     return min_ratio + (1.0 - min_ratio) * shape
 
@@ -55,8 +55,6 @@ def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
 def build_scheduler(optimizer, *, warmup_steps: int, total_steps: int, schedule: str = "cosine",
                     lr: float, min_lr: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR following :func:`lr_lambda` (its state dict checkpoints the step)."""
-    from functools import partial
-
     fn = partial(lr_lambda, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule,
                  min_ratio=(min_lr / lr) if lr else 0.0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

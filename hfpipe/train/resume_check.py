@@ -18,8 +18,11 @@ is in exactly one of four lists (a test holds them to it, so a new field cannot 
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from pathlib import Path
 
+from hfpipe.checkpoint.base_record import base_difference
 from hfpipe.errors import HfpipeError
 
 __all__ = ["ResumeMismatch", "check_resume", "apply_schedule_changes", "MUST_MATCH", "MAY_CHANGE",
@@ -123,10 +126,6 @@ def _base_changed(saved: dict, model: str) -> list[str]:
     """A LoRA run's base folder, against what its checkpoint recorded of it (same name, other weights:
     the adapters would go on training on another model). Local folders only: a hub snapshot's
     revision names its content."""
-    from pathlib import Path
-
-    from hfpipe.checkpoint.base_record import base_difference
-
     folder = Path(model).expanduser()
     problem = base_difference(saved, folder) if "base" in saved and folder.is_dir() else None
     return [problem] if problem else []
@@ -142,8 +141,6 @@ def _norm(key: str, value):
     if isinstance(value, tuple):
         return list(value)
     if key in _PATHS and isinstance(value, str) and value:
-        from pathlib import Path
-
         path = Path(value).expanduser()
         if path.exists():
             return str(path.resolve())
@@ -152,9 +149,6 @@ def _norm(key: str, value):
 
 def template_digest(path: str | None) -> str | None:
     """sha256 of a ``--chat-template`` file (None without one): the masks a run trained with."""
-    import hashlib
-    from pathlib import Path
-
     if not path:
         return None
     try:

@@ -277,7 +277,7 @@ def test_dynamic_rope_runs_beyond_max_position_embeddings(tiny, tmp_path):
     from hfpipe.config.run import FinetuneConfig
     from hfpipe.data.config import context_limit
     from hfpipe.source.folder import ModelSource
-    from hfpipe.train.runner import preflight
+    from hfpipe.train.preflight import preflight
 
     dynamic = shutil.copytree(tiny, tmp_path / "dynamic")
     edit_json(dynamic / "config.json", lambda c: {**c, "rope_parameters": {

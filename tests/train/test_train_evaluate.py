@@ -166,12 +166,12 @@ def test_eval_fraction_with_dp_and_packing_equals_transformers(tmp_path):
 
 
 def test_the_eval_set_is_the_eval_dataset_or_another_split_with_the_training_options():
-    from hfpipe.train.runner import _data_config
+    from hfpipe.train.preflight import data_config
 
     base = dict(model="m", dataset="org/data", dataset_config="en", columns="q=prompt,a=response")
-    split = _data_config(FinetuneConfig(**base, eval_split="test"), held_out=True)
+    split = data_config(FinetuneConfig(**base, eval_split="test"), held_out=True)
     assert (split.dataset, split.dataset_config, split.split) == ("org/data", "en", "test")
-    other = _data_config(FinetuneConfig(**base, eval_dataset="valid.jsonl"), held_out=True)
+    other = data_config(FinetuneConfig(**base, eval_dataset="valid.jsonl"), held_out=True)
     assert (other.dataset, other.dataset_config, other.split) == ("valid.jsonl", None, "train")
     assert other.columns == split.columns == {"q": "prompt", "a": "response"}
-    assert _data_config(FinetuneConfig(**base), held_out=True) is None
+    assert data_config(FinetuneConfig(**base), held_out=True) is None
