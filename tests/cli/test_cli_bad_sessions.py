@@ -310,3 +310,19 @@ def test_verify_of_a_dynamic_rope_model_beyond_its_positions_passes(tiny, tmp_pa
     result = CliRunner().invoke(app, ["verify", str(dynamic), "--pp", "2", "--seq-len", "300"])
     assert result.exit_code == 0, result.stderr[-2000:]
     assert "PASS" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("kind, logits, on", [("qwen3_moe", True, True), ("qwen3_moe", False, False),
+                                              ("llama", True, False)])
+def test_the_resume_checks_know_from_the_config_which_models_take_a_loss_per_microbatch(kind, logits, on):
+    """The config says it as the model does: router logits asked for, and a coefficient to weigh them."""
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.models.router_loss import router_loss_on, router_loss_spec
+    from hfpipe.tiny import tiny_config
+
+    config = tiny_config(kind)
+    config.output_router_logits = logits
+    assert router_loss_on(config) is on
+    with torch.device("meta"):
+        assert (router_loss_spec(AutoModelForCausalLM.from_config(config)) is not None) is on
