@@ -177,7 +177,7 @@ def build_pipeline(model: str, *, pp: int | None = None, dp: int = 1, ep: int = 
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     # one rank holding both ends already shares one parameter between them
     group = dist.tied_group(first, last) if tied and first != last else None
-    pipe = Pipeline(modules, len(plan.stages), schedule, checked.microbatches, dist.pp_group, dist.device,
+    pipe = Pipeline(modules, plan.owners, schedule, checked.microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=loss_chunk_tokens, reduce_every_microbatch=options.reshard_per_microbatch,
                     context=modules[0].context if modules else None)
     return (model_class or RankPipeline)(source, plan, dist, modules, pipe, group, lora, quantize, ep, stats)
