@@ -16,7 +16,9 @@ says the four things such a loss is made of:
 SFT's :class:`TokenMean` is the default. Another objective (per sequence, per preference pair) is a new
 subclass handed to ``Pipeline(..., objective=...)``: the schedules call it through :class:`StageLoss`,
 which adds what is not the objective's, a MoE router aux loss, and hands it the chunked :class:`Head`.
-An objective may keep per-microbatch records of its own (rewards, accuracies) for its caller to read.
+An objective may keep per-microbatch records of its own (rewards, accuracies) for its caller to read; torch
+calls the loss once more when it builds a training schedule (``PipelineStage`` infers the gradients' shapes by
+running it on the first microbatch's targets), so a record counts that call or tells it apart.
 """
 
 from __future__ import annotations
