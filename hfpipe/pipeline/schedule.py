@@ -76,7 +76,7 @@ class Pipeline:
         self.microbatches = microbatches
         self.group = group
         self.device = device
-        self.objective = objective or TokenMean()
+        self.objective = objective if objective is not None else TokenMean()
         self.loss = StageLoss(self.objective)
         self.context = context
         self._schedules: dict = {}  # (kwargs, mode, chunked head) -> (shape, schedule), most recent last
