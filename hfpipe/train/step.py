@@ -34,7 +34,7 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
-    tokens: int
+    tokens: int  # the step's count (StepEngine.step_count): its loss tokens under SFT's TokenMean
 
 
 def _as_list(batches: list[dict] | dict) -> list[dict]:
@@ -66,7 +66,6 @@ class StepEngine:
     def __init__(self, pipe: Pipeline, dist_info, optimizer, *, scheduler=None, max_grad_norm=None,
                  tied_group=None, loss_rank: int, vocab_size: int | None = None) -> None:
         self.pipe, self.dist, self.optimizer, self.scheduler = pipe, dist_info, optimizer, scheduler
-        self.objective = pipe.objective
         self.vocab_size = vocab_size
         self.max_grad_norm = max_grad_norm
         self.tied_group = tied_group
@@ -76,6 +75,11 @@ class StepEngine:
         self._tied = [p for n, p in named if n in ("model.embed_tokens.weight", "lm_head.weight")]
         # The head copy of a tied embedding is counted in the norm on the embedding's rank only.
         self._norm_params = [p for n, p in named if not (tied_group is not None and n == "lm_head.weight")]
+
+    @property
+    def objective(self):
+        """The pipeline's :class:`hfpipe.loss.objective.Objective`: what a batch counts, what its loss is."""
+        return self.pipe.objective
 
     def step(self, batches: list[dict] | dict) -> StepResult:
         """One optimizer step over ``batches`` (accumulated), in the one order every face follows.
