@@ -1,9 +1,9 @@
-"""Benchmark: the last stage's loss with and without token chunks (hfpipe.pipeline.head_loss), on CPU.
+"""Benchmark: the last stage's loss with and without token chunks (hfpipe.loss.chunked), on CPU.
 
 Builds hfpipe's own last stage (``model.norm`` + ``lm_head``, no decoder layers, so the head is
 all there is to measure) of a random Llama with a Llama-3 vocabulary (128256) and runs one
 microbatch of 1 x 4096 tokens through it the way the pipeline does: the stage's forward, the
-output kept until backward (as torch's ``PipelineStage`` keeps it), :class:`hfpipe.pipeline.schedule.TokenLoss`,
+output kept until backward (as torch's ``PipelineStage`` keeps it), :class:`hfpipe.loss.objective.StageLoss`,
 backward. Two figures, each variant against the other:
 
 - peak memory of the head's loss computation: peak RSS during the step minus RSS just before it,
@@ -57,14 +57,16 @@ def _stage(a):
     return stage
 
 
-def _step(stage, loss_fn, hidden, labels, chunk: int) -> tuple[float, float]:
+def _step(stage, loss_fn, hidden, targets, chunk: int) -> tuple[float, float]:
     """One microbatch through the last stage as the schedule runs it; wall and CPU seconds."""
+    from hfpipe.loss.objective import Head
+
     stage.head_in_loss = chunk > 0
-    loss_fn.head, loss_fn.chunk = (stage if chunk else None), chunk
+    loss_fn.head = Head(stage.logits, chunk) if chunk else None
     x = hidden.detach().requires_grad_()  # as received from the previous stage
     start, cpu = time.perf_counter(), time.process_time()
     out = stage(x)  # the schedule keeps the output until the backward
-    loss = loss_fn(out, labels)
+    loss = loss_fn(out, targets)
     loss.backward()
     seconds = (time.perf_counter() - start, time.process_time() - cpu)
     del out, loss
@@ -74,26 +76,27 @@ def _step(stage, loss_fn, hidden, labels, chunk: int) -> tuple[float, float]:
 def _child(a) -> dict:
     import torch
 
-    from hfpipe.pipeline.head_loss import chunk_tokens
-    from hfpipe.pipeline.schedule import TokenLoss
+    from hfpipe.loss.budget import chunk_tokens
+    from hfpipe.loss.objective import StageLoss, TokenMean
+    from hfpipe.loss.tokens import shift_labels
 
     torch.set_num_threads(a.threads)
     stage = _stage(a)
     hidden = torch.randn(1, a.seq, a.hidden)
-    labels = torch.randint(0, a.vocab, (1, a.seq))
-    loss_fn = TokenLoss()
+    targets = shift_labels(torch.randint(0, a.vocab, (1, a.seq)))
+    loss_fn = StageLoss(TokenMean())
     loss_fn.denominator = float(a.seq)
     chunk = chunk_tokens(a.vocab, a.chunk)
     if a.mode in ("plain", "chunked"):
         before = rss()
-        _step(stage, loss_fn, hidden, labels, chunk if a.mode == "chunked" else 0)
+        _step(stage, loss_fn, hidden, targets, chunk if a.mode == "chunked" else 0)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
         return {"peak": peak, "chunk": chunk}
     times = {"plain": [], "chunked": []}
     for r in range(a.warmup + a.repeats):
         order = ("plain", "chunked") if r % 2 else ("chunked", "plain")
         for name in order:
-            t = _step(stage, loss_fn, hidden, labels, chunk if name == "chunked" else 0)
+            t = _step(stage, loss_fn, hidden, targets, chunk if name == "chunked" else 0)
             if r >= a.warmup:
                 times[name].append(t)
     return times

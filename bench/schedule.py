@@ -151,7 +151,7 @@ def _stage_train(module, batch: dict, a: dict, denominator: float):
     """A function running this stage's module alone: forward+backward of each microbatch."""
     import torch
 
-    from hfpipe.pipeline.schedule import token_loss_sum
+    from hfpipe.loss.tokens import shift_labels, token_loss_sum
 
     chunks, xs = _microbatches(module, batch, a)
     grads = None if module.is_last else [torch.randn(a["microbatch"], a["seq"], module.config.hidden_size)
@@ -161,7 +161,7 @@ def _stage_train(module, batch: dict, a: dict, denominator: float):
         for i, c in enumerate(chunks):
             out = module(xs[i], attention_mask=c["attention_mask"])
             if module.is_last:
-                (token_loss_sum(out, c["labels"]) / denominator).backward()
+                (token_loss_sum(out, shift_labels(c["labels"])) / denominator).backward()
             else:
                 out.backward(grads[i])
             xs[i].grad = None
@@ -173,7 +173,7 @@ def _stage_train(module, batch: dict, a: dict, denominator: float):
 def _train_fns(pm, batch: dict, a: dict) -> dict:
     import torch
 
-    from hfpipe.pipeline.schedule import count_tokens
+    from hfpipe.loss.tokens import count_tokens
 
     denominator = count_tokens(batch["labels"])
     trainer = pm.trainer(torch.optim.AdamW(pm.parameters(), lr=1e-5), max_grad_norm=1.0)
@@ -193,7 +193,7 @@ def _shape_fns(pm, a: dict) -> dict:
     """Two 1F1B steps at seq -/+ seq/4 (a new shape every step) vs two at seq: the same tokens."""
     import torch
 
-    from hfpipe.pipeline.schedule import count_tokens
+    from hfpipe.loss.tokens import count_tokens
 
     short, long = a["seq"] - a["seq"] // 4, a["seq"] + a["seq"] // 4
     batches = {n: _batch({**a, "seq": n}) for n in (short, a["seq"], long)}

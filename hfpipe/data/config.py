@@ -11,10 +11,9 @@ from pathlib import Path
 
 from hfpipe.errors import HfpipeError
 
-__all__ = ["BUILTIN_DATASETS", "COLUMNS", "FORMATS", "IGNORE_INDEX", "ROLES", "DataConfig",
+__all__ = ["BUILTIN_DATASETS", "COLUMNS", "FORMATS", "ROLES", "DataConfig",
            "DataError", "check_seq_len", "context_limit", "parse_mapping"]
 
-IGNORE_INDEX = -100
 COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask")
 FORMATS = ("auto", "alpaca", "sharegpt", "chat", "instruction", "text")
 #: Roles a chat template is given; ``--roles`` maps other names onto these.

@@ -6,7 +6,8 @@ segment is masked, padding is trailing).
 
 from __future__ import annotations
 
-from hfpipe.data.config import COLUMNS, IGNORE_INDEX
+from hfpipe.data.config import COLUMNS
+from hfpipe.loss.tokens import IGNORE_INDEX
 
 __all__ = ["pack_batch", "pad_batch"]
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from hfpipe.data.config import IGNORE_INDEX, DataError
+from hfpipe.data.config import DataError
 from hfpipe.data.formats import alpaca_prompt, document
 from hfpipe.data.template import render_chat, template_file
+from hfpipe.loss.tokens import IGNORE_INDEX
 
 __all__ = ["Tokenise", "assistant_spans"]
 

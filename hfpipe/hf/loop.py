@@ -6,12 +6,14 @@ What differs under a pipeline is answered here, each where the Trainer asks:
 
 - the data: every rank of one pipeline sees the same batches, the dp replicas disjoint shards
   (accelerate's own sharding, over dp instead of over every process);
-- ``training_step``: the pipeline schedule's forward and backward, the loss divided by the step's
-  token count over every accumulation batch and dp replica (``num_items_in_batch``, as transformers
-  does for a causal LM), and returned equal on every rank. Under cp every rank of a replica is handed
-  the same whole rows and keeps its own tokens of them (``Pipeline.local``, labels shifted before the
-  split): the count is taken on those, so summed over dp x cp it is the plain Trainer's;
-- clipping: the global norm over all stages (:meth:`hfpipe.train.step.StepEngine.clip_gradients`);
+- the step: the order of :meth:`hfpipe.train.step.StepEngine.step`, run piece by piece where the Trainer
+  asks. ``_get_num_items_in_batch`` is the step's count (``StepEngine.step_count``: loss tokens over every
+  accumulation batch and dp replica, as transformers counts them for a causal LM); ``training_step`` is
+  one accumulation batch's ``StepEngine.backward``, its loss returned equal on every rank; clipping is
+  ``StepEngine.clip_gradients`` (the tied halves summed, the global norm over all stages). Under cp every
+  rank of a replica is handed the same whole rows and keeps its own tokens of them (``Pipeline.local``,
+  labels shifted before the split): the count is taken on those, so summed over dp x cp it is the plain
+  Trainer's;
 - the model is never wrapped (no DDP) and the optimizer never handed to accelerate;
 - evaluation: the mean of each batch's token-mean loss weighted by its rows, as ``evaluation_loop`` does
   (rows counted over dp: the cp ranks of a replica hold the same rows).
@@ -29,7 +31,6 @@ from hfpipe.hf.options import PipelineOptions, check_layout_args, load_kwargs, s
 from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_step_checkpoint,
                                save_scheduler)
 from hfpipe.hf.stages import PipelineStages
-from hfpipe.pipeline.inputs import check_batches
 
 __all__ = ["PipelineLoop"]
 
@@ -109,7 +110,7 @@ class PipelineLoop:
         """The step's loss tokens over every accumulation batch and dp (x cp) shard (not over every process)."""
         if not batch_samples:
             return None
-        return torch.tensor(self._steps.global_tokens([self._local(b) for b in batch_samples]), device=device)
+        return torch.tensor(self._steps.step_count([self._local(b) for b in batch_samples]), device=device)
 
     def _local(self, inputs: dict) -> dict:
         """This rank's tokens of a batch of whole rows under cp (labels shifted first); else the batch."""
@@ -128,10 +129,8 @@ class PipelineLoop:
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One accumulation batch through the schedule; the loss returned is the same on every rank."""
         model.train()
-        inputs = self._prepare_inputs(inputs)
-        check_batches([inputs], self.pipeline.vocab_size, "PipelineTrainer.train")
-        inputs = self._local(inputs)
-        tokens = self._steps.global_tokens([inputs]) if num_items_in_batch is None else int(num_items_in_batch)
+        [inputs] = self._steps.local_batches([self._prepare_inputs(inputs)], "PipelineTrainer.train", self._local)
+        tokens = self._steps.step_count([inputs]) if num_items_in_batch is None else int(num_items_in_batch)
         # A MoE router aux loss: transformers' model adds ``coef * aux`` of its whole batch to each forward's
         # loss and the Trainer sums those over the accumulation batches (it divides by num_items_in_batch
         # only). So one batch here counts as a step of its own for the router term (the mean over its

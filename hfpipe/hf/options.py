@@ -36,6 +36,10 @@ _REFUSED_ARGS = (
     ("activation_offloading", bool, "drop it"),
 )
 _REFUSED_SAMPLING = ("batch_rebalance",)  # its sampler shards over every rank, not over the dp replicas
+_LAST_STAGE = "the loss is computed on the last stage only, from its logits and the labels; drop it"
+#: A loss of the whole model's outputs has nowhere to run: the pipeline's objective is hfpipe.loss.objective's.
+_WHY_REFUSED = {"compute_loss_func": "the last stage computes the pipeline's objective (the token mean) one "
+                                     "microbatch at a time, never from the whole model's outputs; drop it"}
 
 
 def refuse_unsupported(args, **callables) -> None:
@@ -51,8 +55,7 @@ def refuse_unsupported(args, **callables) -> None:
                           "every rank, not over the dp replicas; use 'random', 'sequential' or 'group_by_length'")
     for name, value in callables.items():
         if value is not None:
-            raise ConfigError(f"PipelineTrainer({name}=...) is not supported: the loss is computed on the last "
-                              "stage only, from its logits and the labels; drop it")
+            raise ConfigError(f"PipelineTrainer({name}=...) is not supported: {_WHY_REFUSED.get(name, _LAST_STAGE)}")
 
 
 def check_optimizers(optimizers) -> None:

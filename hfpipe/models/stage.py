@@ -59,7 +59,7 @@ class PipelineStageModule(nn.Module):
             setattr(self.model, name, getattr(full.model, name) if spec.head else None)
         self.activation_checkpointing = "none"
         # When set (training on the last stage), forward stops at the final hidden states and the
-        # loss applies :meth:`logits` chunk by chunk (hfpipe.pipeline.head_loss), never holding (B, T, V).
+        # loss applies :meth:`logits` chunk by chunk (hfpipe.loss.chunked), never holding (B, T, V).
         self.head_in_loss = False
         self.hidden_dtype = full.dtype  # dtype of the hidden states it receives (the compute dtype)
         if self.lm_head is not None and self.model.embed_tokens is None and getattr(config, "tie_word_embeddings", False):
@@ -135,7 +135,7 @@ class PipelineStageModule(nn.Module):
         """Final norm -> lm_head -> the family's logit transforms (last stage only).
 
         Every step is per token, so ``logits(h[:, a:b]) == logits(h)[:, a:b]``: the chunked loss
-        (:mod:`hfpipe.pipeline.head_loss`) calls it on slices of the hidden states.
+        (:mod:`hfpipe.loss.chunked`) calls it on slices of the hidden states.
         """
         before = [getattr(self.model, name) for name in self.adapter.head_modules]
         return self.adapter.head(self.config, self.model.norm, self.lm_head, hidden, before)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hfpipe.errors import ParallelError
+from hfpipe.loss.tokens import shift_labels
 
 __all__ = ["ATTENTION", "ContextMask", "ContextParallel", "apply_cp", "chunk_index", "context_attention",
            "document_ids", "register_attention", "split_sequence", "unsplit_sequence"]
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 #: The ``attn_implementation`` name the stages run under with cp > 1.
 ATTENTION = "hfpipe_context"
-IGNORE_INDEX = -100
 
 
 def chunk_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -114,8 +114,7 @@ class ContextParallel:
         cut = lambda t: split_sequence(t, self.cp, self.rank)  # noqa: E731
         out = {"input_ids": cut(ids), "position_ids": cut(pos.expand(ids.shape)), "context_keys": keys}
         if batch.get("labels") is not None:
-            labels = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T): token t predicts t+1
-            out["shift_labels"] = cut(labels)
+            out["shift_labels"] = cut(shift_labels(batch["labels"]))  # (B, T): token t predicts t+1
         return out
 
     def gather_sequence(self, t: torch.Tensor) -> torch.Tensor:

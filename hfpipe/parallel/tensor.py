@@ -6,8 +6,8 @@ the split parameters are DTensors on the tp mesh and each stage still takes and 
 tensors. Attention needs no change: transformers' attention reshapes its projections with ``-1``
 heads (``view(*input_shape, -1, head_dim)``), so it runs on the heads its rank holds.
 
-The head's logits stay split over the vocabulary; :func:`vocab_parallel_loss_sum` takes the cross
-entropy on them without gathering (B, T, V). :func:`shard_ranges`, :func:`local_slice` and
+The head's logits stay split over the vocabulary; :func:`hfpipe.loss.vocab_parallel.vocab_parallel_loss_sum`
+takes the cross entropy on them without gathering (B, T, V). :func:`shard_ranges`, :func:`local_slice` and
 :func:`as_dtensor` (in :mod:`hfpipe.parallel.tensor_slices`, a floor below) let a loader read only
 its rank's bytes and wrap them as the parameter's DTensor (``parallelize_module``'s own
 ``distribute_tensor`` needs the whole tensor on every rank).

@@ -1,19 +1,16 @@
-"""A tensor-parallel rank's part of a whole tensor, and the cross entropy on vocabulary-split logits.
+"""A tensor-parallel rank's part of a whole tensor.
 
-A floor module (torch only): the loader (:mod:`hfpipe.pipeline.load`) and the chunked head loss
-(:mod:`hfpipe.pipeline.head_loss`) use these without pulling in the plans of
-:mod:`hfpipe.parallel.tensor_plan`.
+A floor module (torch only): the loader (:mod:`hfpipe.pipeline.load`) and an FP8 base's split
+(:mod:`hfpipe.quant.tensor`) use these without pulling in the plans of :mod:`hfpipe.parallel.tensor_plan`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["as_dtensor", "local_slice", "shard_ranges", "vocab_parallel_loss_sum"]
+__all__ = ["as_dtensor", "local_slice", "shard_ranges"]
 
 
 def shard_ranges(shape, placement: Placement, tp_rank: int, tp_size: int) -> tuple[int, list[tuple[int, int]]] | None:
@@ -52,59 +49,3 @@ def as_dtensor(local: torch.Tensor, tp_mesh, placement: Placement, shape) -> DTe
     shape = torch.Size(shape)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, tp_mesh, [placement], run_check=False, shape=shape, stride=stride)
-
-
-def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """``cross_entropy(logits, targets, reduction="sum")`` on vocabulary-split logits, never gathered.
-
-    Args:
-        logits: (..., V) as the tp head returns them: a DTensor sharded on its last dim (a plain
-            tensor is taken as whole logits).
-        targets: (...) token ids, ``ignore_index`` where no loss is taken.
-
-    Returns:
-        A float32 scalar, the same on every tp rank: the summed (not averaged) loss, so the
-        pipeline's division by the global token count stays as it is. Each rank's gradient goes
-        to its own slice of the logits.
-    """
-    targets = targets.flatten().to(logits.device)
-    if not isinstance(logits, DTensor):
-        return F.cross_entropy(logits.float().flatten(0, -2), targets, ignore_index=ignore_index, reduction="sum")
-    (placement,) = logits.placements
-    if not isinstance(placement, Shard) or placement.dim % logits.ndim != logits.ndim - 1:
-        raise ValueError(f"vocab-parallel loss needs logits split on the vocabulary, got {placement}")
-    mesh = logits.device_mesh
-    local = logits.to_local().float().flatten(0, -2)  # (N, V/tp)
-    start = shard_ranges(logits.shape, placement, mesh.get_local_rank(), mesh.size())[1][0][0]
-    return _VocabParallelCrossEntropy.apply(local, targets, start, ignore_index, mesh.get_group())
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Megatron's vocab-parallel cross entropy: max and sum of exp all-reduced over tp, the target
-    logit taken on the rank that holds it; the backward is local (softmax - one-hot, on this slice)."""
-
-    @staticmethod
-    def forward(ctx, local, targets, start, ignore_index, group):
-        valid = targets != ignore_index
-        idx = targets - start
-        mine = valid & (idx >= 0) & (idx < local.shape[-1])
-        idx = torch.where(mine, idx, torch.zeros_like(idx))
-        top = local.detach().amax(-1) if local.shape[0] else local.new_zeros(0)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        shifted = local - top.unsqueeze(-1)  # (N, V/tp), <= 0: exp cannot overflow
-        exp = shifted.exp()
-        total = exp.sum(-1)
-        dist.all_reduce(total, group=group)
-        picked = torch.where(mine, shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(total))
-        dist.all_reduce(picked, group=group)
-        loss = torch.where(valid, total.log() - picked, torch.zeros_like(total)).sum()
-        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), idx, mine, valid)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, idx, mine, valid = ctx.saved_tensors
-        out = softmax.clone()
-        out.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(out.dtype).unsqueeze(-1))
-        out.mul_(valid.to(out.dtype).unsqueeze(-1) * grad)
-        return out, None, None, None, None

@@ -1,1 +1,1 @@
-"""The pipeline: stage modules built from transformers classes, their shard-by-shard load, the schedules that run them, and the last stage's loss."""
+"""The pipeline: stage modules built from transformers classes, their shard-by-shard load, and the schedules that run them (handed the last stage's loss by hfpipe.loss)."""

@@ -92,7 +92,7 @@ def build_pipeline(model: str, layout: PipelineLayout, stages: StageOptions, *, 
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     # one rank holding both ends already shares one parameter between them
     group = dist.tied_group(first, last) if tied and first != last else None
-    pipe = Pipeline(modules, len(plan.stages), layout.schedule, checked.microbatches, dist.pp_group, dist.device,
+    pipe = Pipeline(modules, plan.owners, layout.schedule, checked.microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=stages.loss_chunk_tokens, reduce_every_microbatch=stages.reshard_per_microbatch,
                     context=modules[0].context if modules else None)
     return (model_class or RankPipeline)(source, plan, dist, modules, pipe, group, lora, stages.quantize, layout.ep,

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from hfpipe.errors import HfpipeError
+from hfpipe.loss.tokens import IGNORE_INDEX
 
 __all__ = ["BatchError", "check_batches"]
 
@@ -19,7 +20,7 @@ def check_batches(batches: list, vocab_size: int | None, call: str, *, labels: b
     """Refuse batches the schedule would crash on (or, on a GPU, read past the embedding with).
 
     Each must hold ``input_ids`` (and ``labels``) as integer ``[batch, seq]`` tensors of the same
-    shape with at least one token; ids within the vocabulary, labels too or -100.
+    shape with at least one token; ids within the vocabulary, labels too or ``IGNORE_INDEX`` (-100).
     """
     if not batches:
         raise BatchError(f"{call}: no batch given; pass a dict with input_ids and labels, or a list of them")
@@ -43,11 +44,11 @@ def _check_ids(t, key: str, where: str, vocab: int | None, ids) -> None:
     if key == "labels" and t.shape != ids.shape:
         raise BatchError(f"{where}: labels shape {list(t.shape)} differs from input_ids {list(ids.shape)}")
     if vocab:
-        valid = (t >= 0) & (t < vocab) if key == "input_ids" else ((t >= 0) & (t < vocab)) | (t == -100)
+        valid = (t >= 0) & (t < vocab) if key == "input_ids" else ((t >= 0) & (t < vocab)) | (t == IGNORE_INDEX)
         if not bool(valid.all()):
             bad = int(t[~valid][0])
             raise BatchError(f"{where}: {key} holds {bad}, outside the model's vocabulary of {vocab} tokens "
-                             f"(0 .. {vocab - 1}{', or -100' if key == 'labels' else ''})")
+                             f"(0 .. {vocab - 1}{f', or {IGNORE_INDEX}' if key == 'labels' else ''})")
 
 
 def pad_rows(batch: dict, microbatches: int) -> tuple[dict, int]:
@@ -56,7 +57,7 @@ def pad_rows(batch: dict, microbatches: int) -> tuple[dict, int]:
     A DataLoader's last batch is often smaller (``drop_last=False``), and torch's schedules split a
     batch into equal microbatches only. The rows added copy the last row's inputs (so attention,
     positions and masks stay as in real rows, never an all-masked row whose softmax is NaN) with
-    every label (``shift_labels`` too, under --cp) ``-100``: they add no loss and no token, so their gradient is exactly zero and the
+    every label (``shift_labels`` too, under --cp) ``IGNORE_INDEX``: they add no loss and no token, so their gradient is exactly zero and the
     step equals the one-process step on the real rows. Logits of added rows are dropped by the caller.
     """
     rows = batch["input_ids"].shape[0]
@@ -66,7 +67,7 @@ def pad_rows(batch: dict, microbatches: int) -> tuple[dict, int]:
     out = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == rows:
-            fill = torch.full_like(value[-1:], -100) if key in ("labels", "shift_labels") else value[-1:]
+            fill = torch.full_like(value[-1:], IGNORE_INDEX) if key in ("labels", "shift_labels") else value[-1:]
             value = torch.cat([value, fill.expand(extra, *value.shape[1:])])
         out[key] = value
     return out, rows

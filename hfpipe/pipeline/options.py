@@ -116,7 +116,7 @@ class StageOptions:
             ``parameters()`` then yields only the adapters.
         seed: Seeds the LoRA adapters' initialisation (per adapter, whatever the pipeline size).
         loss_chunk_tokens: Tokens per chunk of the last stage's loss (default: sized so that one
-            chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.pipeline.head_loss`.
+            chunk's fp32 logits stay near 256 MiB; 0: full logits). See :mod:`hfpipe.loss.chunked`.
         quantize_base: ``nf4`` or ``fp8``: keep a LoRA run's frozen base quantized on the device
             (:mod:`hfpipe.quant`); every decoder-layer linear dequantizes just in time.
         quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the

@@ -1,9 +1,9 @@
 """Run stage modules through torch.distributed.pipelining schedules.
 
 torch's schedules do the ordering, the send/recv and the backward; this module only chooses the
-schedule (its counts are checked up front by hfpipe.parallel.rules), keeps the loss exact (summed
-cross-entropy over a known global token count, ``scale_grads=False``), and resizes the stages
-when the batch shape changes (hfpipe.pipeline.shapes), since torch's stages size their receive
+schedule (its counts are checked up front by hfpipe.parallel.rules), hands the last stage the objective's
+loss (hfpipe.loss.objective: a sum divided by the step's count, ``scale_grads=False``), and resizes the
+stages when the batch shape changes (hfpipe.pipeline.shapes), since torch's stages size their receive
 buffers on first use.
 """
 
@@ -12,56 +12,27 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from hfpipe.errors import HfpipeError
-from hfpipe.pipeline.head_loss import chunk_tokens, chunked_loss_sum
+from hfpipe.loss.budget import chunk_tokens
+from hfpipe.loss.objective import Head, Objective, StageLoss, TokenMean
 from hfpipe.pipeline.inputs import pad_rows
 from hfpipe.pipeline.shapes import resize_schedule
 from hfpipe.pipeline.stage_sync import ReducingStage
-from hfpipe.parallel.rules import SINGLE_STAGE, V_SCHEDULES
+from hfpipe.parallel.rules import SINGLE_STAGE
 from hfpipe.parallel.schedules import schedule_class
 
-__all__ = ["PipelineError", "Pipeline", "TokenLoss", "batch_tokens", "count_tokens"]
+__all__ = ["PipelineError", "Pipeline"]
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 _KEEP_SCHEDULES = 4
 
 
 class PipelineError(HfpipeError):
     """A schedule / microbatch / batch combination that cannot run (message names the option)."""
-
-
-class TokenLoss:
-    """Causal-LM cross-entropy summed over valid tokens, divided by a *global* token count.
-
-    Dividing every microbatch by the same global count (all microbatches, all dp ranks) makes
-    the summed gradient equal the single-process full-batch mean, whatever the padding.
-
-    With ``head`` set (the last stage module, whose forward then stops at the final hidden
-    states), the loss applies ``head.logits`` ``chunk`` tokens at a time (hfpipe.pipeline.head_loss).
-    """
-
-    def __init__(self) -> None:
-        self.denominator = 1.0
-        self.router_denominator = 1.0
-        self.head = None
-        self.chunk = 0
-        self.shifted = False  # --cp: the labels were shifted before the sequence split
-
-    def __call__(self, out, labels: torch.Tensor) -> torch.Tensor:
-        router = None
-        if isinstance(out, tuple):  # (hidden or logits, coef * aux of the microbatch): hfpipe.models.router_loss
-            out, router = out
-        if self.head is not None:
-            targets = labels if self.shifted else _shift(labels)
-            loss = chunked_loss_sum(self.head.logits, out, targets, self.chunk, self.denominator, IGNORE_INDEX)
-        else:
-            loss = token_loss_sum(out, labels, self.shifted) / self.denominator
-        return loss if router is None else loss + router.to(loss.device) / self.router_denominator
 
 
 def _vocab_split(last) -> bool:
@@ -71,64 +42,42 @@ def _vocab_split(last) -> bool:
     return "tp" in names and weight.placements[names.index("tp")].is_shard()
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
-    """Sum of next-token cross-entropy (fp32) over labels != -100; labels are unshifted unless ``shifted``."""
-    targets = labels if shifted else _shift(labels)
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten().to(logits.device),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def _shift(labels: torch.Tensor) -> torch.Tensor:
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T): predict token t+1 at t
-
-
-def count_tokens(labels: torch.Tensor) -> int:
-    """Tokens that carry loss after the causal shift."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
-
-def batch_tokens(batch: dict) -> int:
-    """Tokens that carry loss in a batch: of its ``labels``, or of a cp rank's ``shift_labels``."""
-    if "shift_labels" in batch:
-        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
-    return count_tokens(batch["labels"])
-
-
-def _targets(batch: dict) -> torch.Tensor:
-    return batch["shift_labels"] if "shift_labels" in batch else batch["labels"]
-
-
 class Pipeline:
     """This rank's stages driven by a torch schedule.
 
     Args:
         stages: This rank's stage modules, in increasing stage index (materialised on ``device``).
-        num_stages: Stages in the whole pipeline.
+        owners: The pipeline rank of every stage of the whole pipeline, in stage order
+            (:meth:`hfpipe.plan.split.Plan.rank_of_stage`).
         schedule: A name from :data:`hfpipe.parallel.rules.SCHEDULES`.
         microbatches: Microbatches per step.
         group: The pipeline process group.
         device: This rank's device.
-        loss_chunk_tokens: Tokens per chunk of the last stage's loss (hfpipe.pipeline.head_loss); ``None``
+        loss_chunk_tokens: Tokens per chunk of the last stage's loss (hfpipe.loss.chunked); ``None``
             sizes chunks to a logits budget and chunks only microbatches larger than one chunk;
             0 computes the full logits in the last stage's forward.
         reduce_every_microbatch: FSDP2 reduce-scatters and reshards after every microbatch
             (hfpipe.pipeline.stage_sync), instead of once a step.
         context: Under ``--cp``, the stages' :class:`hfpipe.parallel.context.ContextParallel`: every method
             takes whole rows and runs this rank's tokens of them (:meth:`local`).
+        objective: What the last stage computes of each microbatch and what a step divides it by
+            (:class:`hfpipe.loss.objective.Objective`; default SFT's :class:`~hfpipe.loss.objective.TokenMean`).
     """
 
-    def __init__(self, stages, num_stages: int, schedule: str, microbatches: int, group, device,
+    def __init__(self, stages, owners: list[int], schedule: str, microbatches: int, group, device,
                  loss_chunk_tokens: int | None = None, reduce_every_microbatch: bool = False,
-                 context=None) -> None:
+                 context=None, objective: Objective | None = None) -> None:
         self.modules = stages
         self.stage_class = ReducingStage if reduce_every_microbatch else PipelineStage
         self.loss_chunk_tokens = loss_chunk_tokens
-        self.num_stages = num_stages
+        self.owners = list(owners)
+        self.num_stages = len(self.owners)
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.group = group
         self.device = device
-        self.loss = TokenLoss()
+        self.objective = objective if objective is not None else TokenMean()
+        self.loss = StageLoss(self.objective)
         self.context = context
         self._schedules: dict = {}  # (kwargs, mode, chunked head) -> (shape, schedule), most recent last
         self.builds = 0  # schedules (and torch stages) built so far
@@ -191,7 +140,7 @@ class Pipeline:
             last.head_in_loss = chunk > 0
         for m in self.modules:  # router sums ride along in training only (hfpipe.models.router_loss)
             m.carry_router_sums = mode == "train"
-        self.loss.head, self.loss.chunk = (last if chunk else None), chunk
+        self.loss.head = Head(last.logits, chunk) if chunk else None
         return chunk > 0
 
     def local(self, batch: dict) -> dict:
@@ -217,7 +166,7 @@ class Pipeline:
             batch: ``input_ids`` and ``labels`` [B, T], optional ``attention_mask``/``position_ids``;
                 every rank passes the same batch (only the first stage reads the ids, only the
                 last the labels).
-            denominator: The global count of loss tokens the loss is divided by.
+            denominator: What the objective's loss is divided by: the step's count (loss tokens for SFT).
             router_denominator: What each microbatch's router aux loss is divided by (MoE models
                 with ``output_router_logits``): the step's microbatch count over every
                 accumulation batch and dp rank, divided by dp as ``denominator`` is (default: the
@@ -232,9 +181,8 @@ class Pipeline:
         schedule = self._get_schedule(shape, kwargs, "train")
         self.loss.denominator = float(denominator)
         self.loss.router_denominator = float(router_denominator or self.microbatches)
-        self.loss.shifted = "shift_labels" in batch
         losses: list = []
-        target = _targets(batch).to(self.device) if self.has_loss else None
+        target = self.objective.targets(batch).to(self.device) if self.has_loss else None
         schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not self.has_loss:
             return None
@@ -267,21 +215,19 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_loss(self, batch: dict, denominator: float) -> torch.Tensor | None:
-        """Summed loss / ``denominator`` of a batch without backward (on the loss rank)."""
+        """The objective's loss / ``denominator`` of a batch without backward (on the loss rank)."""
         batch = self.local(batch)
-        shifted = "shift_labels" in batch
         if self._local_hops:
             logits = self._local_logits(batch)
             if logits is None:
                 return None
-            return token_loss_sum(logits, _targets(batch).to(self.device), shifted) / float(denominator)
+            return self.objective.eval_loss(logits, self.objective.targets(batch).to(self.device), float(denominator))
         batch = self._whole_microbatches(batch)[0]
         shape, args, kwargs = self._inputs(batch)
         schedule = self._get_schedule(shape, kwargs, "loss")
         self.loss.denominator = float(denominator)
-        self.loss.shifted = shifted
         losses: list = []
-        target = _targets(batch).to(self.device) if self.has_loss else None
+        target = self.objective.targets(batch).to(self.device) if self.has_loss else None
         schedule.eval(*args, target=target, losses=losses, **kwargs)
         return torch.stack([x.float() for x in losses]).sum() if self.has_loss else None
 
@@ -295,20 +241,10 @@ class Pipeline:
                                 "multiple of the microbatch count (a DataLoader with drop_last=True)")
         return padded, rows
 
-    def _owners(self) -> list[int]:
-        """Pipeline rank of every stage (loop: s mod pp; V: s, then back down)."""
-        import torch.distributed as dist
-
-        pp = dist.get_world_size(self.group)
-        if self.schedule_name in V_SCHEDULES:
-            return [s if s < pp else 2 * pp - 1 - s for s in range(self.num_stages)]
-        return [s % pp for s in range(self.num_stages)]
-
     @property
     def _local_hops(self) -> bool:
         """Whether some stage feeds the next one on the same rank (V turn, or pp=1 with vpp>1)."""
-        owner = self._owners()
-        return any(a == b for a, b in zip(owner, owner[1:]))
+        return any(a == b for a, b in zip(self.owners, self.owners[1:]))
 
     def _forward_in_order(self, batch: dict) -> torch.Tensor | None:
         """Run every stage in index order with plain send/recv, whole batch at once.
@@ -317,11 +253,9 @@ class Pipeline:
         the next stage on the same rank (their eval still steals backward inputs and fails), and
         evaluation needs no overlap, so those pipelines evaluate this way.
         """
-        import torch.distributed as dist
-
         _, args, kwargs = self._inputs(batch)
         local = {m.spec.index: m for m in self.modules}
-        owner = self._owners()
+        owner = self.owners
         me = dist.get_rank(self.group)
         h = args[0] if args else None
         for s in range(self.num_stages):
@@ -334,8 +268,6 @@ class Pipeline:
         return h if self.has_loss else None
 
     def _recv_hidden(self, batch: dict, src: int) -> torch.Tensor:
-        import torch.distributed as dist
-
         # The stage says what it receives: an empty stage has no parameter to read a dtype from,
         # and some families pass hidden states of another shape (DeepSeek-V4's streams).
         m = self.modules[0]

@@ -23,7 +23,7 @@ class ReducingStage(PipelineStage):
     """A :class:`torch.distributed.pipelining.PipelineStage` whose FSDP2 module reduces every microbatch.
 
     On the last stage the stage's own unit (final norm and head) stays gathered from its forward to its
-    backward: the chunked head loss (:mod:`hfpipe.pipeline.head_loss`) runs them after the stage's
+    backward: the chunked head loss (:mod:`hfpipe.loss.chunked`) runs them after the stage's
     forward, outside it, where resharded weights would be dp shards. It is resharded after each backward.
     """
 

@@ -2,15 +2,11 @@
 
 The one place these formulas live, below the full-run report (:mod:`hfpipe.plan.report`), the
 LoRA pricing (:mod:`hfpipe.plan.lora`), expert parallelism's (:mod:`hfpipe.plan.experts`) and a
-quantized base's (:mod:`hfpipe.plan.quant`), which all price parameters with them; and the last
-stage's loss chunk (:func:`chunk_tokens`), which the chunked head loss runs and the report prices.
+quantized base's (:mod:`hfpipe.plan.quant`), which all price parameters with them. (The last stage's
+loss chunk, which the report prices too, is the loss room's: :func:`hfpipe.loss.budget.chunk_tokens`.)
 """
 
-import os
-
-from hfpipe.errors import PlanError
-
-__all__ = ["ACT_BYTES", "AUTO_CHUNK_BYTES", "BYTES_PER_PARAM", "chunk_tokens", "fsdp_bytes", "param_bytes"]
+__all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "fsdp_bytes", "param_bytes"]
 
 #: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
@@ -40,25 +36,3 @@ def param_bytes(dtype: str, dp: int = 1, reshard: bool = False) -> tuple[float, 
     if reshard:
         return master / dp + compute / dp, grad / dp, optim / dp
     return master / dp + compute, grad + grad / dp, optim / dp
-
-
-#: Default budget of one chunk's fp32 logits (523 tokens at a 128k vocabulary). A chunk's logits,
-#: log-softmax and their gradients then take about 1 GB, whatever the microbatch; the chunk's
-#: matmuls stay large enough to run at full speed.
-AUTO_CHUNK_BYTES = 256 * 2**20
-
-
-def chunk_tokens(vocab_size: int, setting: int | None = None) -> int:
-    """Tokens per chunk: ``setting`` if given (0 turns chunking off), else fit the byte budget.
-
-    ``HFPIPE_LOSS_CHUNK_TOKENS`` stands in for an unset ``setting`` (e.g. to run the exactness
-    suite with tiny chunks on tiny models, where the budget would never chunk).
-    """
-    env = os.environ.get("HFPIPE_LOSS_CHUNK_TOKENS")
-    if setting is None and env:
-        if not env.strip().isdigit():
-            raise PlanError(f"HFPIPE_LOSS_CHUNK_TOKENS={env!r} must be a whole number of tokens (0: off)")
-        setting = int(env)
-    if setting is not None:
-        return max(0, int(setting))
-    return max(1, AUTO_CHUNK_BYTES // (4 * vocab_size))

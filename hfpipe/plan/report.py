@@ -33,7 +33,7 @@ a time; ``selective`` checkpoints every other layer of a stage (the first, third
 :class:`hfpipe.models.stage.PipelineStageModule` does. The stage with the
 head also keeps, per token, the logits in the compute dtype and cross-entropy's fp32
 log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32), unless the microbatch is larger
-than one chunk of :mod:`hfpipe.pipeline.head_loss`: then it keeps the gradient of its hidden states
+than one chunk of :mod:`hfpipe.loss.chunked`: then it keeps the gradient of its hidden states
 (``h`` per token) and of the head (``vocab * h`` per microbatch). MTP layers cost nothing: the
 loader skips them (transformers has no module to run them); a layout places them only by name.
 
@@ -63,7 +63,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from hfpipe.plan.memory import chunk_tokens
+from hfpipe.loss.budget import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import layer_bytes_per_token
 from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as price_ep
@@ -313,7 +313,7 @@ def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_laye
     logits = config.vocab_size * (act + 4) / tp  # vocabulary-parallel
     h = config.hidden_size
     if stage.head and 0 < chunk_tokens(config.vocab_size) < tokens:
-        # hfpipe.pipeline.head_loss: no logits kept, but the hidden states' gradient and the head's
+        # hfpipe.loss.chunked: no logits kept, but the hidden states' gradient and the head's
         # (vocab x hidden) gradient wait for the backward (one chunk's logits are transient)
         kept = tokens * h * act / residual + config.vocab_size * h * act / tp
         return int(layers * tokens + kept)

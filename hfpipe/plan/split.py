@@ -49,6 +49,11 @@ class Plan:
             return 2 * self.pp - 1 - index
         return index % self.pp
 
+    @property
+    def owners(self) -> list[int]:
+        """The pipeline rank of every stage, in stage order (what the schedules' send and receive follow)."""
+        return [self.rank_of_stage(s.index) for s in self.stages]
+
     def stages_of_rank(self, rank: int) -> list[StageSpec]:
         """The stages rank ``rank`` runs, in increasing stage index."""
         if not 0 <= rank < self.pp:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from hfpipe.data.config import COLUMNS, IGNORE_INDEX
+from hfpipe.data.config import COLUMNS
+from hfpipe.loss.tokens import IGNORE_INDEX, count_tokens
 
 __all__ = ["Evaluator", "eval_batches"]
 
@@ -63,7 +64,7 @@ def eval_tokens(rows, *, batch_size: int, dp_size: int, limit: int | None) -> in
     n = len(rows) if limit is None else min(len(rows), limit * g)
     view, tokens = rows.with_format("numpy", columns=["labels"]), 0
     for a in range(0, n, 1024):  # a slice at a time: the eval set may be large
-        tokens += int((view[a : min(a + 1024, n)]["labels"][:, 1:] != IGNORE_INDEX).sum())
+        tokens += count_tokens(view[a : min(a + 1024, n)]["labels"])
     return tokens
 
 
@@ -117,7 +118,7 @@ class Evaluator:
 
     def _chunk_sum(self, chunk: list[dict]) -> float:
         """The summed token loss of a chunk: its token-mean times its token count (all dp ranks)."""
-        n = torch.tensor(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in chunk))
+        n = torch.tensor(sum(count_tokens(b["labels"]) for b in chunk))
         if self.dist.batch_group is not None:
             n = n.to(self.dist.device)
             torch.distributed.all_reduce(n, group=self.dist.batch_group)

@@ -1,8 +1,9 @@
 """One optimizer step over a pipeline, equal to the single-process full-batch step.
 
 Three things make a pipelined step differ from the plain one unless handled here:
-- the loss must be divided by the token count of the *whole* step (every microbatch, every
-  accumulation batch, every dp rank), not per microbatch;
+- the loss must be divided by the count of the *whole* step (every microbatch, every accumulation
+  batch, every dp rank), not per microbatch: for SFT its loss tokens; what is counted is the
+  pipeline's objective's (:class:`hfpipe.loss.objective.Objective`);
 - a tied embedding lives on two ranks, so its two gradient halves must be summed;
 - gradient clipping needs the norm over all stages (and dp shards), the tied weight counted once.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hfpipe.pipeline.schedule import Pipeline, batch_tokens
+from hfpipe.pipeline.schedule import Pipeline
 from hfpipe.pipeline.inputs import BatchError, check_batches
 from hfpipe.pipeline.params import by_mesh, unique_parameters
 from hfpipe.parallel.grads import squared_norm
@@ -33,7 +34,11 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
-    tokens: int
+    tokens: int  # the step's count (StepEngine.step_count): its loss tokens under SFT's TokenMean
+
+
+def _as_list(batches: list[dict] | dict) -> list[dict]:
+    return [batches] if isinstance(batches, Mapping) else list(batches)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -52,6 +57,10 @@ class StepEngine:
         max_grad_norm: Clip to this global norm; ``None`` or 0 disables clipping (norm still reported).
         tied_group: From :meth:`hfpipe.parallel.mesh.Dist.tied_group`.
         loss_rank: Pipeline rank that holds the last stage (where the loss is computed).
+        vocab_size: Token ids a batch may hold (checked before a schedule runs), or ``None``.
+
+    What the step's loss is divided by is the pipeline's objective's (``pipe.objective``): one object says
+    both what the last stage computes and how the step normalises it.
     """
 
     def __init__(self, pipe: Pipeline, dist_info, optimizer, *, scheduler=None, max_grad_norm=None,
@@ -67,41 +76,59 @@ class StepEngine:
         # The head copy of a tied embedding is counted in the norm on the embedding's rank only.
         self._norm_params = [p for n, p in named if not (tied_group is not None and n == "lm_head.weight")]
 
+    @property
+    def objective(self):
+        """The pipeline's :class:`hfpipe.loss.objective.Objective`: what a batch counts, what its loss is."""
+        return self.pipe.objective
+
     def step(self, batches: list[dict] | dict) -> StepResult:
-        """Forward/backward over ``batches`` (accumulated), then clip and step the optimizer.
+        """One optimizer step over ``batches`` (accumulated), in the one order every face follows.
+
+        This rank's part of each batch (:meth:`local_batches`), the step's count (:meth:`step_count`), the
+        backward of each batch (:meth:`backward`), the tied halves summed and the gradients clipped
+        (:meth:`clip_gradients`), then the optimizer and the scheduler (:meth:`optimizer_step`).
+        ``hfpipe.hf``'s Trainer runs the same pieces, one accumulation batch at a time.
 
         Args:
             batches: One batch, or ``grad_accum`` batches for one optimizer step. Every rank of a
                 pipeline passes the same batches; dp ranks pass their own shards.
         """
-        batches = [batches] if isinstance(batches, Mapping) else list(batches)
-        check_batches(batches, self.vocab_size, "trainer.step")
-        batches = [self.pipe.local(b) for b in batches]  # --cp: this rank's tokens, labels shifted first
-        tokens = self.global_tokens(batches)
+        batches = self.local_batches(_as_list(batches), "trainer.step")
+        count = self.step_count(batches)
         loss = torch.zeros((), dtype=torch.float64)
         for batch in batches:
-            loss += self.backward(batch, tokens, len(batches))
+            loss += self.backward(batch, count, len(batches))
         norm = self.clip_gradients()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(self.share_loss(loss), norm, lr, tokens)
+        lr = self.optimizer_step()
+        return StepResult(self.share_loss(loss), norm, lr, count)
 
-    def backward(self, batch: dict, tokens: int, batches_in_step: int) -> torch.Tensor:
+    def local_batches(self, batches: list[dict], call: str, split=None) -> list[dict]:
+        """``batches`` checked (ids and labels within the vocabulary, named by ``call``), then each cut to
+        this rank's part by ``split`` (default ``Pipeline.local``: under --cp its tokens, labels shifted first)."""
+        check_batches(batches, self.vocab_size, call)
+        return [(split or self.pipe.local)(b) for b in batches]
+
+    def step_count(self, batches: list[dict]) -> int:
+        """What the step's loss is divided by: the objective's count of ``batches`` (this rank's parts; loss
+        tokens for SFT) summed over the batch group (every dp and cp shard), at least 1."""
+        count = torch.tensor(sum(self.objective.count(b) for b in batches), dtype=torch.int64)
+        if self.dist.batch_group is not None:
+            count = count.to(self.dist.device)
+            dist.all_reduce(count, group=self.dist.batch_group)
+        return max(1, int(count))
+
+    def backward(self, batch: dict, count: int, batches_in_step: int) -> torch.Tensor:
         """Forward/backward of one accumulation batch; returns this rank's part of the step loss (float64).
 
-        ``tokens`` is the step's global loss-token count (:meth:`global_tokens`), ``batches_in_step`` its
-        accumulation batches: the pieces of :meth:`step` that ``hfpipe.hf``'s Trainer drives one by one.
+        ``count`` is the step's :meth:`step_count`, ``batches_in_step`` its accumulation batches.
         """
         # FSDP averages gradients over its ranks (gloo has no pre-scaled sum), so each rank's loss is
-        # scaled up by as much, to leave the sum over all tokens / global token count.
+        # scaled up by as much, to leave the sum over the batch group / the step's count.
         dp = self.dist.dims.grad_divide_factor
         # A microbatch's router aux loss counts 1 / (all microbatches of the step), scaled up by dp
         # like the token loss (hfpipe.models.router_loss).
         router_denominator = batches_in_step * self.pipe.microbatches
-        part = self.pipe.train_step(batch, tokens / dp, router_denominator)
+        part = self.pipe.train_step(batch, count / dp, router_denominator)
         return torch.zeros((), dtype=torch.float64) if part is None else part.double().cpu() / dp
 
     def clip_gradients(self) -> float:
@@ -109,27 +136,26 @@ class StepEngine:
         self._sync_tied_grads()
         return self._clip()
 
+    def optimizer_step(self) -> float:
+        """Step the optimizer and the scheduler, then drop the gradients; returns the learning rate stepped with."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
     @torch.no_grad()
     def eval_loss(self, batches: list[dict] | dict) -> float:
-        """Token-mean loss over ``batches`` without gradients (same value on every rank)."""
-        batches = [batches] if isinstance(batches, Mapping) else list(batches)
-        check_batches(batches, self.vocab_size, "trainer.eval_loss")
-        batches = [self.pipe.local(b) for b in batches]
-        tokens = self.global_tokens(batches)
+        """The objective's loss over ``batches`` without gradients (same value on every rank)."""
+        batches = self.local_batches(_as_list(batches), "trainer.eval_loss")
+        count = self.step_count(batches)
         loss = torch.zeros((), dtype=torch.float64)
         for batch in batches:
-            part = self.pipe.eval_loss(batch, tokens)
+            part = self.pipe.eval_loss(batch, count)
             if part is not None:
                 loss += part.double().cpu()
         return self.share_loss(loss)
-
-    def global_tokens(self, batches: list[dict]) -> int:
-        """The loss tokens of ``batches`` summed over the batch group (every dp and cp shard), at least 1."""
-        count = torch.tensor(sum(batch_tokens(b) for b in batches), dtype=torch.int64)
-        if self.dist.batch_group is not None:
-            count = count.to(self.dist.device)
-            dist.all_reduce(count, group=self.dist.batch_group)
-        return max(1, int(count))
 
     def _sync_tied_grads(self) -> None:
         if self.tied_group is None:

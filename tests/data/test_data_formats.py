@@ -10,7 +10,8 @@ import re
 import datasets
 import pytest
 
-from hfpipe.data.config import IGNORE_INDEX, DataConfig, DataError
+from hfpipe.data.config import DataConfig, DataError
+from hfpipe.loss.tokens import IGNORE_INDEX
 from hfpipe.data.load import load_examples, load_splits
 from hfpipe.data.formats import FIELDS, detect_format
 from hfpipe.tiny import make_tiny_tokenizer

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from hfpipe.data.batches import batches_per_epoch, iterate_batches
-from hfpipe.data.config import BUILTIN_DATASETS, COLUMNS, IGNORE_INDEX, DataConfig, DataError, check_seq_len
+from hfpipe.data.config import BUILTIN_DATASETS, COLUMNS, DataConfig, DataError, check_seq_len
 from hfpipe.data.load import load_examples
+from hfpipe.loss.tokens import IGNORE_INDEX
 from hfpipe.tiny import make_tiny_tokenizer, tiny_config
 
 BOS, EOS, PAD = 1, 2, 0  # the tiny tokenizer's specials

@@ -23,6 +23,7 @@ IGNORE = -100
 def _cp_loop(cp: int, rank: int):
     """A PipelineLoop whose pipeline is cp rank ``rank`` of ``cp``, alone in its process (no group)."""
     from hfpipe.hf.loop import PipelineLoop
+    from hfpipe.loss.objective import TokenMean
     from hfpipe.parallel.context import ContextParallel
     from hfpipe.pipeline.schedule import Pipeline
     from hfpipe.train.step import StepEngine
@@ -31,8 +32,8 @@ def _cp_loop(cp: int, rank: int):
     pipe = SimpleNamespace(context=ContextParallel(None, cp, rank))
     pipe.local = lambda batch: Pipeline.local(pipe, batch)
     loop.pipeline = SimpleNamespace(pipe=pipe, dist=SimpleNamespace(dims=SimpleNamespace(cp=cp)))
-    steps = SimpleNamespace(dist=SimpleNamespace(batch_group=None))
-    loop._steps = SimpleNamespace(global_tokens=lambda batches: StepEngine.global_tokens(steps, batches))
+    steps = SimpleNamespace(dist=SimpleNamespace(batch_group=None), objective=TokenMean())
+    loop._steps = SimpleNamespace(step_count=lambda batches: StepEngine.step_count(steps, batches))
     return loop
 
 

@@ -9,7 +9,7 @@ every parameter's gradient must equal the oracle's within 1e-5, with and without
 parallelism; each split parameter's local tensor must be exactly the slice :func:`local_slice` names.
 A third copy is split on the meta device and filled from each rank's slices only (the loader's way,
 :func:`as_dtensor`), then run under sequence parallelism, full activation checkpointing and the
-chunked head loss (hfpipe.pipeline.head_loss with its cross entropy swapped for the vocab-parallel one).
+chunked head loss (hfpipe.loss.chunked with its cross entropy swapped for the vocab-parallel one).
 
 Also here: the vocab-parallel loss alone against ``F.cross_entropy(reduction="sum")`` (targets on
 both ranks' halves, ignored positions, an all-ignored row), and the refusals. The default suite runs
@@ -147,15 +147,17 @@ def _fill(stages, whole: dict, mesh):
 
 def _chunked_vocab_parallel_loss(logits_fn, hidden, targets, tokens):
     """The pipeline's chunked head loss itself: it takes vocabulary-split logits as they come."""
-    from hfpipe.pipeline import head_loss
+    from hfpipe.loss.chunked import chunked_loss_sum
 
-    return head_loss.chunked_loss_sum(logits_fn, hidden, targets, 5, float(tokens))
+    return chunked_loss_sum(logits_fn, hidden, targets, 5, float(tokens))
 
 
 def _run(stages, mesh, oracle, chunked: bool = False) -> dict:
     """Logits, then a loss step through the two stages as the pipeline runs them; diffs to the oracle."""
     from hfpipe.parallel.tensor import param_layouts
-    from hfpipe.parallel.tensor_slices import local_slice, vocab_parallel_loss_sum
+    from hfpipe.loss.tokens import IGNORE_INDEX
+    from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum
+    from hfpipe.parallel.tensor_slices import local_slice
 
     ids, targets, tokens, ref_logits, ref_loss, ref_params = oracle
     last = stages[-1]
@@ -176,7 +178,7 @@ def _run(stages, mesh, oracle, chunked: bool = False) -> dict:
     if chunked:  # the chunked head loss with its cross entropy swapped for the vocab-parallel one
         loss = _chunked_vocab_parallel_loss(last.logits, hidden, targets, tokens)
     else:
-        loss = vocab_parallel_loss_sum(last.logits(hidden), targets) / tokens
+        loss = vocab_parallel_loss_sum(last.logits(hidden), targets, IGNORE_INDEX) / tokens
     loss.backward()
     for h, x in reversed(sends):
         h.backward(x.grad)
@@ -228,7 +230,7 @@ def test_a_sequence_that_tp_does_not_divide_is_split_exactly_too():
 def _loss_worker() -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from hfpipe.parallel.tensor_slices import vocab_parallel_loss_sum
+    from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum
 
     mesh = _init_tp()
     g = torch.Generator().manual_seed(2)
@@ -239,7 +241,7 @@ def _loss_worker() -> dict:
     ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten(), reduction="sum")
     ref_loss.backward()
     split = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_()
-    loss = vocab_parallel_loss_sum(split, targets)
+    loss = vocab_parallel_loss_sum(split, targets, -100)
     loss.backward()
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": (split.grad.full_tensor() - ref.grad).abs().max().item(),
             "value": loss.item()}
@@ -250,6 +252,20 @@ def test_vocab_parallel_loss_equals_summed_cross_entropy():
     assert results[0]["value"] == results[1]["value"]  # the same loss on every tp rank
     for rank, r in results.items():
         assert r["loss"] <= TOL and r["grad"] <= TOL, f"rank {rank}: {r}"
+
+
+def test_the_vocab_parallel_loss_finds_its_slice_where_the_loader_cut_it():
+    """The loss takes a rank's first vocabulary id from the DTensor's rule, the loader cuts by ``shard_ranges``:
+    the same start for every vocabulary, tp size and rank, uneven splits included."""
+    from torch.distributed.tensor import Shard
+
+    from hfpipe.parallel.tensor_slices import shard_ranges
+
+    for vocab in range(1, 40):
+        for tp in range(1, 9):
+            for rank in range(tp):
+                (start, _), = shard_ranges((vocab,), Shard(0), rank, tp)[1]
+                assert Shard.local_shard_size_and_offset(vocab, tp, rank)[1] == start, (vocab, tp, rank)
 
 
 def test_heads_that_do_not_divide_are_refused_in_one_line():

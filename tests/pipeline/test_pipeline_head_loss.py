@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _dist import run_ranks, tiny_checkpoint
-from hfpipe.pipeline.head_loss import chunk_tokens, chunked_loss_sum
+from hfpipe.loss.budget import chunk_tokens
+from hfpipe.loss.chunked import chunked_loss_sum
 from test_train_equivalence import check_equal, pipeline_worker, reference_run
 
 B, T, H, V = 2, 64, 8, 1000
@@ -119,16 +120,16 @@ def test_chunks_follow_a_logits_budget_and_can_be_turned_off(monkeypatch):
 
 def chunked_worker(*args) -> dict:
     """:func:`pipeline_worker`, failing unless the loss really ran in chunks."""
-    import hfpipe.pipeline.schedule as pipeline
+    import hfpipe.loss.objective as objective
 
     calls = []
-    plain = pipeline.chunked_loss_sum
+    plain = objective.chunked_loss_sum
 
     def counted(*a, **k):
         calls.append(a[3])
         return plain(*a, **k)
 
-    pipeline.chunked_loss_sum = counted
+    objective.chunked_loss_sum = counted
     out = pipeline_worker(*args)
     out["chunk calls"] = calls
     return out
@@ -162,7 +163,7 @@ def test_plan_counts_the_chunked_head(monkeypatch):
     """Llama-3 8B at 4096 tokens: the head stage keeps hidden and head gradients, not the logits."""
     from transformers import LlamaConfig
 
-    import hfpipe.plan.memory as memory  # the chunk budget the head loss and the plan share
+    import hfpipe.loss.budget as budget  # the chunk budget the head loss and the plan share
     from hfpipe.plan.report import plan_report
 
     monkeypatch.delenv("HFPIPE_LOSS_CHUNK_TOKENS", raising=False)
@@ -173,7 +174,7 @@ def test_plan_counts_the_chunked_head(monkeypatch):
         return plan_report(cfg, 4, seq_len=4096, batch_size=4, dtype="bf16-mixed").stages[-1]
 
     chunked = head_stage().activation_bytes_per_microbatch
-    monkeypatch.setattr(memory, "AUTO_CHUNK_BYTES", 1 << 62)  # one chunk: the plain head
+    monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 1 << 62)  # one chunk: the plain head
     plain = head_stage().activation_bytes_per_microbatch
     tokens, v, h = 4096, 128256, 4096
     assert plain - chunked == tokens * v * (2 + 4) - (tokens * h * 2 + v * h * 2)

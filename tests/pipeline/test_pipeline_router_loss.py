@@ -241,7 +241,8 @@ def test_a_microbatch_of_padding_only_adds_zero_with_finite_gradients():
 def test_stage_chain_equals_transformers_loss_and_gradients(kind):
     """Three stage modules run in one process (no schedule): HF's loss and every gradient, exactly."""
     from hfpipe.models.support import get_adapter
-    from hfpipe.pipeline.schedule import TokenLoss
+    from hfpipe.loss.objective import StageLoss, TokenMean
+    from hfpipe.loss.tokens import shift_labels
     from hfpipe.models.stage import PipelineStageModule
     from hfpipe.models.spec import StageSpec
 
@@ -260,9 +261,9 @@ def test_stage_chain_equals_transformers_loss_and_gradients(kind):
         x = stage(*x, attention_mask=batch["attention_mask"], input_ids=batch["input_ids"])  # V4's layers read ids
         x = x if isinstance(x, tuple) else (x,)
     assert len(x) == (1 if kind == "deepseek_v2" else 2)  # DeepSeek-V2 adds no aux loss, as in HF
-    loss_fn = TokenLoss()
+    loss_fn = StageLoss(TokenMean())
     loss_fn.denominator = float(_tokens(batch))
-    loss = loss_fn(x if len(x) == 2 else x[0], batch["labels"])
+    loss = loss_fn(x if len(x) == 2 else x[0], shift_labels(batch["labels"]))
     loss.backward()
     assert abs(float(loss.detach()) - float(out.loss.detach())) <= TOL
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

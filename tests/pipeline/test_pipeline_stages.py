@@ -71,7 +71,7 @@ def _logits_worker(paths: dict[str, str], pp: int) -> dict:
         for label, kwargs, schedule in _cases(pp):
             plan = plan_pipeline(src.config, pp, **kwargs)
             modules, _ = load_rank_stages(src, plan, dist.pp_rank, dist.device)
-            pipe = Pipeline(modules, len(plan.stages), schedule, 4, dist.pp_group, dist.device)
+            pipe = Pipeline(modules, plan.owners, schedule, 4, dist.pp_group, dist.device)
             for bname, batch in batches.items():
                 out = pipe.forward(batch)
                 if out is not None:

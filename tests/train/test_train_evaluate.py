@@ -21,7 +21,8 @@ import torch
 
 from _dist import tiny_checkpoint
 from hfpipe.config.run import ConfigError, FinetuneConfig
-from hfpipe.data.config import COLUMNS, IGNORE_INDEX, DataConfig
+from hfpipe.data.config import COLUMNS, DataConfig
+from hfpipe.loss.tokens import IGNORE_INDEX
 from hfpipe.data.load import load_examples, load_splits
 from hfpipe.train.evaluate import eval_batches, eval_tokens
 

@@ -10,7 +10,8 @@ the next chunk starts, and no logits are recomputed later (a per-chunk checkpoin
 more head matmul, a third of the head's time). What is kept for the backward is the gradient of
 the hidden states (B, T, H) and one summed gradient per head parameter (V, H), the same size as
 the gradient the plain loss makes. Everything is plain torch autograd over the stage's own
-modules, so it runs on CPU and CUDA, under FSDP2 mixed precision, and with any ``logits``.
+modules, so it runs on CPU and CUDA, under FSDP2 mixed precision, and with any ``logits``. How many
+tokens a chunk holds is :func:`hfpipe.loss.budget.chunk_tokens`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hfpipe.plan.memory import AUTO_CHUNK_BYTES, chunk_tokens  # the planner prices the same chunks
+from hfpipe.loss.tokens import IGNORE_INDEX
+from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum
 
-__all__ = ["AUTO_CHUNK_BYTES", "chunk_tokens", "chunked_loss_sum"]
+__all__ = ["chunked_loss_sum"]
 
 
 def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
-                     denominator: float, ignore_index: int = -100) -> torch.Tensor:
+                     denominator: float, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Sum of cross-entropy / ``denominator`` over ``targets`` != ``ignore_index``, chunk by chunk.
 
     Args:
@@ -51,8 +53,6 @@ def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chu
 def _chunk_loss(logits_fn, hidden, targets, ignore_index) -> torch.Tensor:
     logits = logits_fn(hidden)  # (B, t, V), the only logits alive at a time
     if getattr(logits, "device_mesh", None) is not None:  # --tp: split over the vocabulary, never gathered
-        from hfpipe.parallel.tensor_slices import vocab_parallel_loss_sum
-
         return vocab_parallel_loss_sum(logits, targets, ignore_index)
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
                            reduction="sum")

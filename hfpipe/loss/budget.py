@@ -1,0 +1,32 @@
+"""How many tokens one chunk of the last stage's loss holds (:mod:`hfpipe.loss.chunked`).
+
+Apart from the loss itself and free of torch: the planner (:mod:`hfpipe.plan.report`) prices the same chunks
+the pipeline runs, and ``hfpipe plan`` should not wait for torch's distributed tensors to import.
+"""
+
+import os
+
+from hfpipe.errors import PlanError
+
+__all__ = ["AUTO_CHUNK_BYTES", "chunk_tokens"]
+
+#: Default budget of one chunk's fp32 logits (523 tokens at a 128k vocabulary). A chunk's logits,
+#: log-softmax and their gradients then take about 1 GB, whatever the microbatch; the chunk's
+#: matmuls stay large enough to run at full speed.
+AUTO_CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_tokens(vocab_size: int, setting: int | None = None) -> int:
+    """Tokens per chunk: ``setting`` if given (0 turns chunking off), else fit the byte budget.
+
+    ``HFPIPE_LOSS_CHUNK_TOKENS`` stands in for an unset ``setting`` (e.g. to run the exactness
+    suite with tiny chunks on tiny models, where the budget would never chunk).
+    """
+    env = os.environ.get("HFPIPE_LOSS_CHUNK_TOKENS")
+    if setting is None and env:
+        if not env.strip().isdigit():
+            raise PlanError(f"HFPIPE_LOSS_CHUNK_TOKENS={env!r} must be a whole number of tokens (0: off)")
+        setting = int(env)
+    if setting is not None:
+        return max(0, int(setting))
+    return max(1, AUTO_CHUNK_BYTES // (4 * vocab_size))
