@@ -117,12 +117,9 @@ class Evaluator:
         return {"step": step, "eval_loss": loss, "eval_ppl": _ppl(loss), "eval_tokens": tokens}
 
     def _chunk_sum(self, chunk: list[dict]) -> float:
-        """The summed token loss of a chunk: its token-mean times its token count (all dp ranks)."""
-        n = torch.tensor(sum(count_tokens(b["labels"]) for b in chunk))
-        if self.dist.batch_group is not None:
-            n = n.to(self.dist.device)
-            torch.distributed.all_reduce(n, group=self.dist.batch_group)
-        return self.trainer.eval_loss(chunk) * int(n) if int(n) else 0.0
+        """The summed token loss of a chunk over every dp and cp shard, as the step engine counts it (whole rows
+        counted here and summed over the cp ranks too would count each token cp times)."""
+        return self.trainer.eval_sum(chunk)[0]
 
 
 def _ppl(loss: float) -> float:

@@ -148,6 +148,15 @@ class StepEngine:
     @torch.no_grad()
     def eval_loss(self, batches: list[dict] | dict) -> float:
         """The objective's loss over ``batches`` without gradients (same value on every rank)."""
+        return self._eval(batches)[0]
+
+    def eval_sum(self, batches: list[dict] | dict) -> tuple[float, int]:
+        """``(loss x count, count)`` over ``batches``: the summed loss and what it is divided by, both over the
+        batch group (every dp and cp shard), for a caller that adds several calls up (an evaluation set)."""
+        loss, count = self._eval(batches)
+        return loss * count, count
+
+    def _eval(self, batches) -> tuple[float, int]:
         batches = self.local_batches(_as_list(batches), "trainer.eval_loss")
         count = self.step_count(batches)
         loss = torch.zeros((), dtype=torch.float64)
@@ -155,7 +164,7 @@ class StepEngine:
             part = self.pipe.eval_loss(batch, count)
             if part is not None:
                 loss += part.double().cpu()
-        return self.share_loss(loss)
+        return self.share_loss(loss), count
 
     def _sync_tied_grads(self) -> None:
         if self.tied_group is None:

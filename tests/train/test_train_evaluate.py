@@ -176,3 +176,21 @@ def test_the_eval_set_is_the_eval_dataset_or_another_split_with_the_training_opt
     assert (other.dataset, other.dataset_config, other.split) == ("valid.jsonl", None, "train")
     assert other.columns == split.columns == {"q": "prompt", "a": "response"}
     assert data_config(FinetuneConfig(**base), held_out=True) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis", [("--cp", 2), ("--dp", 2)])
+def test_the_eval_loss_is_the_same_with_the_sequence_or_the_batch_split_over_ranks(tmp_path, axis):
+    """Under --cp each rank holds part of every row: the loss sum and the token count are both taken over the
+    dp x cp ranks, once (the count of whole rows summed over cp once made the eval loss cp times too large).
+    The learning rate is 0, so both evaluate the same weights whatever rows each layout trained on."""
+    from hfpipe.train.runner import run_finetune
+
+    tiny = tiny_checkpoint("llama", num_hidden_layers=2)
+    common = dict(model=str(tiny), max_steps=1, seq_len=32, batch_size=4, eval_fraction=0.2, eval_every=1,
+                  lr=0.0, min_lr=0.0, threads_per_rank=1)
+    one = run_finetune(FinetuneConfig(output_dir=str(tmp_path / "one"), pp=1, **common))["evals"][-1]
+    split = run_finetune(FinetuneConfig(output_dir=str(tmp_path / "split"), pp=1, **{axis[0][2:]: axis[1]},
+                                        **common))["evals"][-1]
+    assert split["eval_tokens"] == one["eval_tokens"]
+    assert abs(split["eval_loss"] - one["eval_loss"]) <= 1e-5, (split, one)
