@@ -79,6 +79,7 @@ def chat(
 
     check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     gen = load_generator(model, dtype=dtype, source=source, trust_remote_code=trust_remote_code)
+    gen.check_can_chat()  # the refusal alone, without a banner above it
     _take_back_stdin((ctx.obj or {}).get("stdin"))
     typer.echo("chatting with " + str(model) + " (/reset forgets, /exit or Ctrl-D ends)", err=True)
     gen.chat(_read, _write, system=system, max_new_tokens=max_new_tokens, temperature=temperature,

@@ -49,9 +49,17 @@ class _OneLineErrors(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         console = args is None  # a real `hfpipe ...` process, not a test runner's call
         args = list(sys.argv[1:] if console else args)
+        was_debug = os.environ.get("HFPIPE_DEBUG")
         if "--debug" in args:  # accepted after the subcommand too: it is a global option
             args = ["--debug"] + [a for a in args if a != "--debug"]
             os.environ["HFPIPE_DEBUG"] = "1"  # workers' failures then keep torch's full report
+        try:
+            return self._main(args, console, prog_name, complete_var, standalone_mode, **extra)
+        finally:
+            if not console and was_debug is None:  # a call in a process that goes on (a test, a script)
+                os.environ.pop("HFPIPE_DEBUG", None)  # leaves its environment as it was
+
+    def _main(self, args, console, prog_name, complete_var, standalone_mode, **extra):
         stdin = _no_stdin() if console else None
         extra.setdefault("obj", {"console": console, "stdin": stdin})
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hfpipe.errors import HfpipeError
+from hfpipe.progress.logs import quiet_transformers
 
 __all__ = ["GenerateError", "Generator", "load_generator"]
 
@@ -74,7 +75,8 @@ def _from_folder_or_adapter(name: str, dtype: str, trust_remote_code: bool):
     base = adapter[0]
     net = _from_folder(base, dtype, trust_remote_code)
     check_adapter_weights(name, adapter[1], net.config)  # keys and ranks from the headers, before PEFT allocates
-    net = PeftModel.from_pretrained(net, name)
+    with quiet_transformers():
+        net = PeftModel.from_pretrained(net, name)
     has_tokenizer = any((Path(name) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     return net, name if has_tokenizer else base
 
@@ -89,8 +91,9 @@ def _from_folder(name: str, dtype: str, trust_remote_code: bool):
     if local.is_dir():
         check_folder(local)
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=_DTYPES[dtype],
-                                                    trust_remote_code=trust_remote_code)
+        with quiet_transformers():  # its loading bar would break the ticker's lines
+            return AutoModelForCausalLM.from_pretrained(name, dtype=_DTYPES[dtype],
+                                                        trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # missing files, unknown repo, remote code refused
         where = "" if local.is_dir() else f" is no folder here{did_you_mean(local)}, and as a hub id"
         raise GenerateError(f"MODEL {name}{where}: {str(e).splitlines()[0]}") from None
@@ -216,6 +219,12 @@ class Generator:
                                 f"the model's context of {limit} tokens; use --max-new-tokens {limit - prompt} "
                                 "or less")
 
+    def check_can_chat(self) -> None:
+        """Raise :class:`GenerateError` if the tokenizer has no chat template (before any banner or prompt)."""
+        if not self.has_chat_template:
+            raise GenerateError("this tokenizer has no chat template, so it cannot chat; use "
+                                "hfpipe generate --no-chat-template --prompt ...")
+
     def chat(self, read: Callable[[str], str], write: Callable[[str], None], *, system: str | None = None,
              **options) -> list[dict]:
         """A conversation: user turns from ``read(prompt)`` until it raises EOFError or the user
@@ -224,9 +233,7 @@ class Generator:
         Returns:
             The conversation, as chat messages.
         """
-        if not self.has_chat_template:
-            raise GenerateError("this tokenizer has no chat template, so it cannot chat; use "
-                                "hfpipe generate --no-chat-template --prompt ...")
+        self.check_can_chat()
         start = [{"role": "system", "content": system}] if system else []
         messages = list(start)
         while True:

@@ -82,10 +82,12 @@ def quickstart(out: str | Path = "hfpipe-quickstart", *, steps: int = 120, pp: i
 
 
 def _build_base(base: Path) -> None:
+    from hfpipe.progress.logs import quiet_transformers
     from hfpipe.tiny import make_tiny_checkpoint, make_tiny_tokenizer
 
-    make_tiny_checkpoint(base, "llama", max_shard_size="200KB", tokenizer=False, **_MODEL)
-    make_tiny_tokenizer(_MODEL["vocab_size"], _chat_corpus()).save_pretrained(base)
+    with quiet_transformers():  # transformers' writing bars would break the quickstart's own lines
+        make_tiny_checkpoint(base, "llama", max_shard_size="200KB", tokenizer=False, **_MODEL)
+        make_tiny_tokenizer(_MODEL["vocab_size"], _chat_corpus()).save_pretrained(base)
 
 
 def _chat_corpus() -> list[str]:

@@ -12,7 +12,6 @@ the microbatch rules) is checked here first, so a broken folder fails in a secon
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
@@ -156,22 +155,6 @@ def _sample_batch(config, batch: int, seq_len: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """transformers' load report and progress bars off; our own error says what went wrong."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 @torch.no_grad()
 def _reference_logits(folder: Path, inputs: dict, trust_remote_code: bool,
                       adapter_dir: str | None = None) -> torch.Tensor:
@@ -179,8 +162,9 @@ def _reference_logits(folder: Path, inputs: dict, trust_remote_code: bool,
     from transformers import AutoModelForCausalLM
 
     from hfpipe.pipeline.load import LoadError
+    from hfpipe.progress.logs import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         model, info = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, trust_remote_code=trust_remote_code,
             ignore_mismatched_sizes=True, output_loading_info=True)

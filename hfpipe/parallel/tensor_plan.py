@@ -12,6 +12,8 @@ are planned; any other is refused in one line rather than run approximately.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -185,8 +187,10 @@ def check_tp_config(config, tp_size: int) -> None:
         sizes["moe_intermediate_size"] = config.moe_intermediate_size
     for field, size in sizes.items():
         if size % tp_size:
+            common = math.gcd(*sizes.values())
+            fits = [t for t in range(1, common + 1) if common % t == 0]
             raise TensorParallelError(f"--tp {tp_size}: {family} has {field}={size}, which {tp_size} tp ranks "
-                                      f"cannot split evenly; choose a --tp that divides it")
+                                      f"cannot split evenly; the --tp this model takes: {', '.join(map(str, fits))}")
 
 
 def stage_tp_plan(config, stage_module_names, sequence_parallel: bool, tp_size: int,

@@ -10,6 +10,7 @@ evaluation keys (``eval_loss``, ``eval_ppl``, ``eval_tokens``). Sinks:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -19,7 +20,7 @@ from pathlib import Path
 from hfpipe.errors import ConfigError
 
 __all__ = ["IMPORT_NOISE", "LINES", "check_sinks", "default_handler", "duration", "format_line", "log_formatter",
-           "log_line", "open_sinks", "quiet_import_noise", "rank_level"]
+           "log_line", "open_sinks", "quiet_import_noise", "quiet_transformers", "rank_level"]
 
 log = logging.getLogger(__name__)
 #: Logger of the plain progress lines; the reporting rank raises it to INFO (see Reporter).
@@ -75,6 +76,23 @@ def log_line(text: str) -> str:
     record = LINES.makeRecord(LINES.name, logging.INFO, __file__, 0, text, None, None)
     handlers = [h for h in logging.getLogger("hfpipe").handlers if h.formatter is not None]
     return (handlers[0].formatter if handlers else log_formatter()).format(record)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' load reports and progress bars off while a command loads or writes a model it says
+    its own words about (verify, generate, the quickstart's tiny model); both restored after."""
+    from transformers.utils import logging as hf_logging  # here: this module is imported before transformers
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def quiet_import_noise(level: str) -> None:

@@ -124,8 +124,10 @@ def test_another_microbatch_count_is_refused_where_each_microbatch_has_a_term_of
 # --- the worker error names the rank that failed first ----------------------------------------------
 
 
-def test_the_first_failure_is_named_not_its_echoes(tmp_path):
+def test_the_first_failure_is_named_not_its_echoes(tmp_path, monkeypatch):
     from hfpipe.parallel.worker_errors import WorkerFailed, raise_from_failures
+
+    monkeypatch.delenv("HFPIPE_DEBUG", raising=False)  # --debug re-raises the launcher's own error instead
 
     records = [  # rank 0 only lost its peer; rank 1 failed first, with an error of its own
         {"rank": 0, "kind": "crash", "type": "RuntimeError", "time": 2.0, "echo": True,
@@ -326,3 +328,23 @@ def test_the_resume_checks_know_from_the_config_which_models_take_a_loss_per_mic
     assert router_loss_on(config) is on
     with torch.device("meta"):
         assert (router_loss_spec(AutoModelForCausalLM.from_config(config)) is not None) is on
+
+
+def test_chat_without_a_chat_template_is_the_refusal_alone(tiny, tmp_path):
+    """No "chatting with ..." banner above the one line saying why it cannot chat."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from hfpipe.cli.main import app
+
+    model = Path(shutil.copytree(tiny, tmp_path / "plain"))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(app, ["chat", str(model)])
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "hfpipe.progress.ticker" not in line]
+    assert result.exit_code == 2 and lines == ["error: this tokenizer has no chat template, so it cannot chat; use "
+                                               "hfpipe generate --no-chat-template --prompt ..."], result.stderr

@@ -176,8 +176,10 @@ def test_the_fit_search_proposes_resharding_when_dp_alone_cannot_fit():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(tp=3), "--tp 3: llama has num_attention_heads=4, which 3 tp ranks cannot split evenly"),
-    (dict(tp=4), "--tp 4: llama has num_key_value_heads=2, which 4 tp ranks cannot split evenly"),
+    (dict(tp=3), "--tp 3: llama has num_attention_heads=4, which 3 tp ranks cannot split evenly; "
+                 "the --tp this model takes: 1, 2"),
+    (dict(tp=4), "--tp 4: llama has num_key_value_heads=2, which 4 tp ranks cannot split evenly; "
+                 "the --tp this model takes: 1, 2"),
     (dict(reshard_per_microbatch=True), "--reshard-per-microbatch shards over the data-parallel ranks"),
     (dict(dp=2, reshard_per_microbatch=True, lora_rank=8), "--reshard-per-microbatch prices full fine-tuning"),
     (dict(tp=0), "--tp must be >= 1"),
