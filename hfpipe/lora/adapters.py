@@ -30,7 +30,7 @@ from torch import nn
 
 from hfpipe.errors import HfpipeError
 
-__all__ = ["LoraError", "ADAPTER", "PEFT_PREFIX", "lora_config", "resolve_config", "add_adapters",
+__all__ = ["check_lora_config", "LoraError", "ADAPTER", "PEFT_PREFIX", "lora_config", "resolve_config", "add_adapters",
            "adapter_view", "peft_key", "config_to_dict", "config_from_dict", "from_finetune_config"]
 
 #: PEFT's name for the one adapter hfpipe trains.
@@ -69,13 +69,11 @@ def resolve_config(config, meta_model: nn.Module):
     Raises:
         LoraError: a setting PEFT or a pipeline cannot train exactly, or targets matching nothing.
     """
-    from peft import LoraConfig
     from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
     from peft.utils.transformers_weight_conversion import (convert_peft_config_for_transformers,
                                                            get_model_conversion_mapping)
 
-    if not isinstance(config, LoraConfig):
-        raise LoraError(f"lora= takes a peft.LoraConfig, got {type(config).__name__}")
+    check_lora_config(config)
     config = copy.deepcopy(config)
     if config.target_modules is None and not config.target_parameters:
         from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
@@ -95,12 +93,22 @@ def resolve_config(config, meta_model: nn.Module):
     return config
 
 
-def _check_rank(config, meta_model: nn.Module) -> None:
-    """A rank PEFT can build and the layers can hold: a positive integer no wider than the widest layer it
-    adapts (a larger one only adds numbers, and an absurd one would ask for terabytes in every worker)."""
+def check_lora_config(config) -> None:
+    """What can be checked without the model, before anything loads: a ``peft.LoraConfig`` whose rank is a
+    positive integer (PEFT itself would refuse 0 only when it builds the adapters, in its own words)."""
+    from peft import LoraConfig
+
+    if not isinstance(config, LoraConfig):
+        raise LoraError(f"lora= takes a peft.LoraConfig, got {type(config).__name__}")
     r = config.r  # the user's rank (PEFT's rank_pattern may double it on fused gate/up experts)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise LoraError(f"--lora-rank (LoraConfig.r) must be an integer >= 1, got {r!r}")
+
+
+def _check_rank(config, meta_model: nn.Module) -> None:
+    """A rank the layers can hold: no wider than the widest layer it adapts (a larger one only adds numbers,
+    and an absurd one would ask for terabytes in every worker)."""
+    r = config.r
     from peft.tuners.tuners_utils import check_target_module_exists
 
     widths = [max(m.weight.shape[-2:]) for n, m in meta_model.named_modules()

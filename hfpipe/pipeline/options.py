@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfpipe.lora.adapters import from_finetune_config
+from hfpipe.lora.adapters import check_lora_config, from_finetune_config
 from hfpipe.parallel.dims import ParallelDims, check_degrees
 from hfpipe.pipeline.schedule import PipelineError
 from hfpipe.quant.linear import QuantSpec
@@ -141,8 +141,13 @@ class StageOptions:
         self._check_quantize()
         if self.dtype not in PRECISIONS:
             raise PipelineError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(PRECISIONS)}")
-        for switch in ("sequence_parallel", "reshard_per_microbatch"):  # a switch given as 1 or 0
-            object.__setattr__(self, switch, bool(getattr(self, switch)))
+        for switch in ("sequence_parallel", "reshard_per_microbatch"):  # a switch given as 1 or 0 is one
+            value = getattr(self, switch)
+            if value not in (True, False):  # a string such as "no" would read as True
+                raise PipelineError(f"{_CALL}({switch}={value!r}): {switch} must be True or False")
+            object.__setattr__(self, switch, bool(value))
+        if self.lora is not None:
+            check_lora_config(self.lora)  # before anything loads, not in PEFT's words when it builds adapters
 
     def _check_quantize(self) -> None:
         block = self.quantize_block_size

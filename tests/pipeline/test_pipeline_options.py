@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 
 import pytest
+from peft import LoraConfig
 import torch
 
 from hfpipe.api import load_pipeline
@@ -52,6 +53,12 @@ def test_an_unknown_keyword_is_refused_in_one_line_naming_the_closest_field():
                                 "base; add lora=LoraConfig(r=R) (e.g. 16)"),
     (dict(quantize_block_size=64), "load_pipeline(model='any/model'): quantize_block_size applies with "
                                    "quantize_base nf4|fp8 only"),
+    # a string switch would read as True; PEFT would refuse r=0 only once it builds adapters, in its words
+    (dict(tp=2, sequence_parallel="no"), "load_pipeline(sequence_parallel='no'): sequence_parallel must be True "
+                                         "or False"),
+    (dict(lora=LoraConfig(r=0)), "load_pipeline(model='any/model'): lora (LoraConfig.r) must be an integer >= 1, "
+                                 "got 0"),
+    (dict(lora="r=8"), "load_pipeline(model='any/model'): lora= takes a peft.LoraConfig, got str"),
 ])
 def test_a_bad_value_is_refused_before_anything_loads_naming_the_argument(kwargs, message):
     with pytest.raises(HfpipeError) as info:
@@ -70,7 +77,7 @@ def test_the_checks_run_in_the_order_load_pipeline_ran_them():
 
 
 def test_stage_options_resolve_the_precision_and_the_quantized_base():
-    stages = StageOptions(dtype="bf16-mixed", lora=object(), quantize_base="fp8", reshard_per_microbatch=1)
+    stages = StageOptions(dtype="bf16-mixed", lora=LoraConfig(r=4), quantize_base="fp8", reshard_per_microbatch=1)
     assert (stages.param_dtype, stages.compute_dtype) == (torch.float32, torch.bfloat16)
     assert stages.quantize.to_dict() == {"kind": "fp8", "block": None, "dtype": "float32"}
     assert stages.reshard_per_microbatch is True
