@@ -215,7 +215,8 @@ def format_line(row: dict, total: int, eta_s: float | None = None) -> str:
         return (f"eval step {row['step']}/{total} eval_loss {row['eval_loss']:.4f} "
                 f"ppl {row['eval_ppl']:.3f} tokens {row['eval_tokens']}")
     text = (f"step {row['step']}/{total} loss {row['loss']:.4f} grad_norm "
-            f"{row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s {row['tokens_per_s']:.0f}")
+            f"{row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s seen {row.get('tokens_seen_per_s', 0):.0f} "
+            f"trained {row['tokens_per_s']:.0f}")
     if eta_s is not None:
         text += f" eta {duration(eta_s)}"
     return text

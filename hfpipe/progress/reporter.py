@@ -40,7 +40,7 @@ class Reporter:
                  tty: bool | None = None) -> None:
         self.enabled, self.total, self.start, self.log_every = enabled, total, start, log_every
         self.t0 = time.perf_counter()
-        self.tokens = 0
+        self.tokens = self.seen = 0  # trained (loss) tokens and input positions read, since the start
         self.window: list = []  # step results since the last row
         self.bar, self.sinks, self.postfix = None, [], {}
         if not enabled:
@@ -59,11 +59,12 @@ class Reporter:
         A row goes to the sinks when ``step`` is a multiple of ``log_every`` or the last step.
         """
         self.tokens += result.tokens
+        self.seen += getattr(result, "seen", 0)
         self.window.append(result)
         elapsed = time.perf_counter() - self.t0
         row = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
                "tokens": result.tokens, "tokens_per_s": self.tokens / max(elapsed, 1e-9),
-               "elapsed_s": elapsed}
+               "tokens_seen_per_s": self.seen / max(elapsed, 1e-9), "elapsed_s": elapsed}
         if self.bar is not None:
             self.bar.update(1)
         if step % self.log_every == 0 or step == self.total:
@@ -85,7 +86,8 @@ class Reporter:
         eta = elapsed / done * (self.total - row["step"]) if done > 0 else None
         if self.bar is not None:
             self.postfix.update(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3f}",
-                                lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+                                lr=f"{row['lr']:.2e}", seen_tok_s=f"{row['tokens_seen_per_s']:.0f}",
+                                trained_tok_s=f"{row['tokens_per_s']:.0f}")
             self.bar.set_postfix(self.postfix)
         else:
             LINES.info("%s", format_line(row, self.total, eta))

@@ -35,6 +35,7 @@ class StepResult:
     grad_norm: float
     lr: float
     tokens: int  # the step's count (StepEngine.step_count): its loss tokens under SFT's TokenMean
+    seen: int = 0  # the input positions the step read over its dp replicas (rows x length, padding included)
 
 
 def _as_list(batches: list[dict] | dict) -> list[dict]:
@@ -93,14 +94,16 @@ class StepEngine:
             batches: One batch, or ``grad_accum`` batches for one optimizer step. Every rank of a
                 pipeline passes the same batches; dp ranks pass their own shards.
         """
-        batches = self.local_batches(_as_list(batches), "trainer.step")
+        batches = _as_list(batches)
+        seen = sum(int(b["input_ids"].numel()) for b in batches) * self.dist.dims.dp  # each replica: its shard
+        batches = self.local_batches(batches, "trainer.step")
         count = self.step_count(batches)
         loss = torch.zeros((), dtype=torch.float64)
         for batch in batches:
             loss += self.backward(batch, count, len(batches))
         norm = self.clip_gradients()
         lr = self.optimizer_step()
-        return StepResult(self.share_loss(loss), norm, lr, count)
+        return StepResult(self.share_loss(loss), norm, lr, count, seen)
 
     def local_batches(self, batches: list[dict], call: str, split=None) -> list[dict]:
         """``batches`` checked (ids and labels within the vocabulary, named by ``call``), then each cut to

@@ -20,7 +20,7 @@ STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
 
 def results(n):
     """Step results with distinct losses and token counts, so a weighted mean shows."""
-    return [StepResult(loss=1.0 + i, grad_norm=0.5, lr=1e-3, tokens=10 * (i + 1)) for i in range(n)]
+    return [StepResult(loss=1.0 + i, grad_norm=0.5, lr=1e-3, tokens=10 * (i + 1), seen=64) for i in range(n)]
 
 
 def read_rows(out):
@@ -51,8 +51,11 @@ def test_off_a_terminal_each_row_is_one_plain_timestamped_line(tmp_path, caplog)
     lines = [log_formatter(1).format(r) for r in caplog.records if r.name == LINES.name]
     assert len(lines) == 3 and not any("\r" in line for line in lines)
     head = rf"{STAMP} INFO \[rank1\] hfpipe\.train\.lines: "
-    assert re.fullmatch(rf"{head}step 2/4 loss 1\.6667 grad_norm 0\.500 lr 1\.00e-03 tok/s \d+ "
-                        rf"eta \d\d:\d\d:\d\d", lines[0])
+    # the input positions read and the loss tokens trained, each named (trained alone once read as 11 tok/s)
+    seen, trained = map(float, re.fullmatch(
+        rf"{head}step 2/4 loss 1\.6667 grad_norm 0\.500 lr 1\.00e-03 tok/s seen (\d+) trained (\d+) "
+        rf"eta \d\d:\d\d:\d\d", lines[0]).groups())
+    assert seen == pytest.approx(trained * 128 / 30, rel=0.02)  # 2 x 64 positions, 10 + 20 loss tokens
     assert re.match(rf"{head}step 4/4 loss 3\.5714", lines[1])
     assert re.fullmatch(rf"{head}eval step 4/4 eval_loss 1\.2500 ppl 3\.490 tokens 99", lines[2])
     assert not (tmp_path / "metrics.jsonl").exists()  # report_to none
