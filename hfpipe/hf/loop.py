@@ -31,6 +31,7 @@ from hfpipe.hf.options import PipelineOptions, check_layout_args, load_kwargs, s
 from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_step_checkpoint,
                                save_scheduler)
 from hfpipe.hf.stages import PipelineStages
+from hfpipe.models.meta import build_meta_model
 
 __all__ = ["PipelineLoop"]
 
@@ -144,6 +145,16 @@ class PipelineLoop:
         # accelerate sums over every process: each dp replica's batch was counted by all its pp (x tp) ranks
         copies = dist.get_world_size() // self.pipeline.dist.dp if dist.is_initialized() else 1
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // copies
+
+    def floating_point_ops(self, inputs) -> float:
+        """This process's share of the batch's 6 x tokens x parameters (the Trainer's ``total_flos``, as
+        ``PreTrainedModel.floating_point_ops`` counts it: embeddings left out): the Trainer sums every
+        process's count, and each dp replica's batch passes through all its pp x tp x cp ranks."""
+        if getattr(self, "_flop_params", None) is None:
+            meta = build_meta_model(self.pipeline.source.config)
+            self._flop_params = meta.num_parameters(exclude_embeddings=True)
+        copies = dist.get_world_size() // self.pipeline.dist.dp if dist.is_initialized() else 1
+        return 6 * inputs["input_ids"].numel() * self._flop_params / copies
 
     def _clip_grad_norm(self, model):
         return torch.tensor(self._steps.clip_gradients())

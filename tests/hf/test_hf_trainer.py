@@ -87,6 +87,8 @@ def assert_same_run(got: Path, want: Path, *, final: str = "final") -> None:
         for (step, a), (_, b) in zip(g, w):
             assert abs(a - b) <= ATOL, f"{key} at step {step}: {a} vs the plain Trainer's {b}"
         worst[key] = max((abs(a - b) for (_, a), (_, b) in zip(g, w)), default=None)
+    flos = [[h["total_flos"] for h in history(out) if "total_flos" in h] for out in (got, want)]
+    assert flos[0] == pytest.approx(flos[1], rel=1e-9), f"total_flos {flos[0]} vs the plain Trainer's {flos[1]}"
     g, w = folder_tensors(got / final), folder_tensors(want / final)
     assert sorted(g) == sorted(w), f"exported keys differ: {sorted(set(g) ^ set(w))[:5]}"
     for k in w:
