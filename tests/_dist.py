@@ -13,6 +13,15 @@ from hfpipe.parallel.launch import launch
 TIMEOUT_S = 300
 
 
+def caught(fn) -> tuple[str, str] | None:
+    """``(class name, message)`` of what ``fn()`` raised, or None: ranks' errors compared as data."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the caller compares what each rank raised
+        return type(e).__name__, str(e)
+    return None
+
+
 def run_ranks(fn, nprocs: int, *args) -> dict[int, object]:
     """Run module-level ``fn(*args)`` in ``nprocs`` spawned processes; return rank -> result."""
     return launch(fn, nprocs, *args, threads_per_rank=1, timeout_s=TIMEOUT_S)

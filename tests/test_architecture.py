@@ -53,12 +53,13 @@ MODS = _modules()
 GRAPH = {name: _imports(name, path, MODS) for name, path in MODS.items()}
 
 
-def _cycle_from(start: str) -> list[str] | None:
-    """A path start -> ... -> start, if the graph has one."""
+def _cycle_from(start: str, graph: dict | None = None) -> list[str] | None:
+    """A path start -> ... -> start, if the graph (modules by default, or rooms) has one."""
+    graph = GRAPH if graph is None else graph
     stack, seen = [(start, [start])], set()
     while stack:
         node, path = stack.pop()
-        for nxt in GRAPH[node]:
+        for nxt in sorted(graph[node]):
             if nxt == start:
                 return path + [start]
             if nxt not in seen:
@@ -170,18 +171,7 @@ def _longest_chain(rooms: dict[str, set[str]]) -> list[str]:
 
 
 def _room_cycle(rooms: dict[str, set[str]]) -> list[str] | None:
-    for start in sorted(rooms):
-        stack = [(start, [start])]
-        seen = set()
-        while stack:
-            node, path = stack.pop()
-            for nxt in sorted(rooms[node]):
-                if nxt == start:
-                    return path + [start]
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append((nxt, path + [nxt]))
-    return None
+    return next((c for c in (_cycle_from(r, rooms) for r in sorted(rooms)) if c), None)
 
 
 def test_the_rooms_have_no_circle_and_at_most_nine_floors():

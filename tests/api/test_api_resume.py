@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from _dist import run_ranks, tiny_checkpoint
+from _dist import caught, run_ranks, tiny_checkpoint
 from test_train_equivalence import HP, _full, _optimizer, check_equal, first_gradients, train_reference
 
 ROWS = (4, 4, 3)  # the last batch is partial: 3 rows over 2 microbatches
@@ -32,14 +32,6 @@ def batches(vocab: int) -> list[dict]:
         labels[:, :2] = -100
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
-
-
-def _caught(fn) -> tuple[str, str] | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
-        return type(e).__name__, str(e)
-    return None
 
 
 def _fail_on_rank_1(rank: int) -> None:
@@ -88,13 +80,13 @@ def api_worker(path: str, root: str) -> dict:
     pm.save_checkpoint(root / "plain", 1)  # no scheduler state
     (root / "a-file").write_text("x")
     out["errors"] = {
-        "save_pretrained into an earlier export": _caught(lambda: pm.save_pretrained(root / "hf")),
-        "save_pretrained with overwrite=True": _caught(lambda: pm.save_pretrained(root / "hf", overwrite=True)),
-        "load_checkpoint of no such folder": _caught(lambda: again.load_checkpoint(root / "nope")),
-        "load_checkpoint without scheduler state": _caught(
+        "save_pretrained into an earlier export": caught(lambda: pm.save_pretrained(root / "hf")),
+        "save_pretrained with overwrite=True": caught(lambda: pm.save_pretrained(root / "hf", overwrite=True)),
+        "load_checkpoint of no such folder": caught(lambda: again.load_checkpoint(root / "nope")),
+        "load_checkpoint without scheduler state": caught(
             lambda: again.load_checkpoint(root / "plain", optimizer=opt2, scheduler=sched2)),
-        "save_checkpoint into a file": _caught(lambda: pm.save_checkpoint(root / "a-file", 3)),
-        "an error on rank 1 only": _caught(lambda: agree(lambda: _fail_on_rank_1(dist.rank))),
+        "save_checkpoint into a file": caught(lambda: pm.save_checkpoint(root / "a-file", 3)),
+        "an error on rank 1 only": caught(lambda: agree(lambda: _fail_on_rank_1(dist.rank))),
     }
     # All or nothing: a scheduler over other parameter groups, or an optimizer given by name, is refused
     # before the weights, the optimizer's state or the schedule move.
@@ -103,9 +95,9 @@ def api_worker(path: str, root: str) -> dict:
     other = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(groups, lr=1e-3), [lambda s: 1.0] * len(groups))
     opt_state = repr(opt2.state_dict()["state"])[:2000]
     out["groups"] = (len(opt2.param_groups), len(groups))
-    out["errors"]["load_checkpoint with a scheduler over other groups"] = _caught(
+    out["errors"]["load_checkpoint with a scheduler over other groups"] = caught(
         lambda: again.load_checkpoint(root / "checkpoints", optimizer=opt2, scheduler=other))
-    out["errors"]["load_checkpoint with optimizer='adamw'"] = _caught(
+    out["errors"]["load_checkpoint with optimizer='adamw'"] = caught(
         lambda: again.load_checkpoint(root / "checkpoints", optimizer="adamw"))
     after = {k: _full(v) for k, v in again.model_state_dict().items()}
     out["untouched"] = all(torch.equal(before[k], after[k]) for k in before) and (

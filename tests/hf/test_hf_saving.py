@@ -11,15 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from _dist import run_ranks, tiny_checkpoint
-
-
-def _caught(fn) -> tuple[str, str] | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
-        return type(e).__name__, str(e)
-    return None
+from _dist import caught, run_ranks, tiny_checkpoint
 
 
 def save_worker(path: str, root: str) -> dict:
@@ -37,8 +29,8 @@ def save_worker(path: str, root: str) -> dict:
         (root / "a-file").write_text("x")
         (root / "taken" / "config.json").mkdir(parents=True)
     dist.barrier()
-    out = {"a file": _caught(lambda: export_model(trainer, root / "a-file")),
-           "config.json a folder": _caught(lambda: export_model(trainer, root / "taken"))}
+    out = {"a file": caught(lambda: export_model(trainer, root / "a-file")),
+           "config.json a folder": caught(lambda: export_model(trainer, root / "taken"))}
     dist.barrier()  # every rank got here: none was left waiting after another raised
     export_model(trainer, root / "run")
     out["hidden"] = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
