@@ -21,7 +21,7 @@ import functools
 import pytest
 import torch
 
-from _dist import AdamDrift, assert_grads_close, assert_weights_close, run_ranks, tiny_checkpoint
+from _dist import FP32_ULP, GRAD_ULPS, AdamDrift, assert_grads_close, assert_weights_close, run_ranks, tiny_checkpoint
 
 STEPS = 5
 TOL = 1e-5
@@ -151,9 +151,15 @@ def check_equal(ref: dict, ranks: dict, schedules) -> None:
         first = per_rank[0]
         for r in per_rank:  # every rank reports the same global loss and norm, to the bit
             assert (r["loss"], r["norm"]) == (first["loss"], first["norm"]), f"{schedule}: ranks disagree"
-        for what in ("loss", "norm"):
-            torch.testing.assert_close(torch.tensor(first[what]), torch.tensor(ref[what]), atol=TOL, rtol=0,
-                                       msg=lambda m: f"{schedule} {what}: {m}")
+        torch.testing.assert_close(torch.tensor(first["loss"]), torch.tensor(ref["loss"]), atol=TOL, rtol=0,
+                                   msg=lambda m: f"{schedule} loss: {m}")
+        # The norm sums every gradient element, each within GRAD_ULPS of its own scale (_dist.grad_noise): the
+        # same bound relative to the norm, or TOL where that is larger (a Qwen3 norm of 2.45 at tp2 moved
+        # 1.5e-5, 50 ulps of it, on one CPU's kernels).
+        norm_tol = [max(TOL, GRAD_ULPS * FP32_ULP * abs(n)) for n in ref["norm"]]
+        assert len(first["norm"]) == len(ref["norm"]), f"{schedule}: {len(first['norm'])} steps"
+        for got, want, tol in zip(first["norm"], ref["norm"], norm_tol):
+            assert abs(got - want) <= tol, f"{schedule} norm: {first['norm']} vs {ref['norm']} (within {tol:.2g})"
         held: dict[str, torch.Tensor] = {}
         for r in per_rank:
             if "grads" in r:  # workers that record none (expert parallel, resumes): weights only
