@@ -1,4 +1,5 @@
-"""A new user's first hour, timed: the quickstart, then finetune -> export -> generate -> verify on CPU.
+"""A new user's first hour, timed: the quickstart, then finetune -> export -> generate -> verify -> plan ->
+export on CPU.
 
 Each command runs as a user types it; every line it prints is shown with the seconds since the
 command started. The summary gives, per command, its wall time, the longest stretch without a line
@@ -71,6 +72,9 @@ def main() -> None:
             args = [*args[:-1], "How does a cat sound?", "--max-new-tokens", "16"]
         runs.append(timed(args, a.out))
     runs.append(timed(["verify", "run/hf", "--pp", "2"], a.out))
+    runs.append(timed(["plan", model, "--pp", "2", "--seq-len", "128", "--batch-size", "8", "--gpu-memory", "1GB"],
+                      a.out))
+    runs.append(timed(["export", "run", "hf-again"], a.out))  # the run folder: its newest checkpoint
     wrong = [timed(args, a.out) for args in (
         ["finetune", "qs/bsae", "--dataset", "builtin:tiny-chat", "--pp", "2"],
         ["finetune", model, "--dataset", "qs/nope.jsonl", "--pp", "2"],
