@@ -4,7 +4,7 @@ A tiny Llama on packed rows of 64 tokens (several documents a row, restarting po
 ``--pp 2 --cp 2`` (four processes) equal the same flags at ``--pp 1`` (losses and grad norms within
 1e-5); a run saved at cp 2 resumes at cp 1 equal to the uninterrupted run (checkpoints do not depend
 on cp). Slow (process starts); the default run covers the same path in process-level tests
-(test_context_parallel.py).
+(test_parallel_context.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A tiny Llama, 3 steps at ``--pp 2 --tp 2`` (four processes, sequence parallel) equal the same flags at
 ``--pp 1`` (losses and grad norms within 1e-5), and ``hfpipe export`` of the tp-split checkpoint
 writes whole tensors under the source's keys, which ``from_pretrained`` loads. Slow (process starts);
-the default run covers the same path in process-level tests (test_tensor_parallel.py).
+the default run covers the same path in process-level tests (test_parallel_tensor_pipeline.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A tiny untied Llama, LoRA rank 8, ``--quantize-base nf4`` and then ``fp8``: 3 st
 equal the same flags at ``--pp 1`` (losses and grad norms within 1e-5), the checkpoint is less
 than half the base's size, and ``hfpipe export`` gives an adapter folder PEFT loads. Both run in the
 slow suite (about a minute each of process starts); the default run covers the same path in
-process-level tests (test_qbase.py).
+process-level tests (test_quant_lora_base.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ steps within 1e-5 plus AdamW's derived drift, the base frozen), on ``tests/quant
 quantized models. A split that would cut a tile, and NF4 under tp, are refused in one line.
 
 The tiny Llama's k/v projections have 32 rows, 16 per rank at tp 2: tiles of 16 stay whole on a rank,
-tiles of 32 (``test_qbase.py``'s) would be cut.
+tiles of 32 (``test_quant_lora_base.py``'s) would be cut.
 """
 
 from __future__ import annotations
