@@ -156,7 +156,7 @@ def quantized_moe_model(block: int, kind: str = "fp8"):
 NF4 = {"quantize_base": "nf4", "quantize_block_size": LOAD_BLOCK}
 
 
-@pytest.mark.slow  # the default run keeps NF4 at pp 2 (test_qbase) and quantized experts over ep (FP8 below)
+@pytest.mark.slow  # the default run keeps NF4 at pp 2 (test_quant_lora_base) and quantized experts over ep (FP8 below)
 def test_nf4_experts_pp2_dp2_ep2_match_peft_on_the_same_nf4_model():
     """NF4: one NF4Tensor per expert's matrix, on its ep rank; adapters on attention and the experts."""
     run_and_check("qwen3_moe", 2, ("1f1b",), EXPERTS, dp=2, options={**NF4, "ep": 2},
