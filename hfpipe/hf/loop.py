@@ -21,17 +21,20 @@ What differs under a pipeline is answered here, each where the Trainer asks:
 
 from __future__ import annotations
 
+import copy
+import warnings
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from hfpipe.errors import ConfigError, ParallelError
-from hfpipe.hf.options import PipelineOptions, check_layout_args, load_kwargs, see_the_world
+from hfpipe.hf.options import check_layout_args, load_kwargs, see_the_world
 from hfpipe.hf.saving import (export_model, find_pipeline_checkpoint, load_trainer_checkpoint, save_step_checkpoint,
                                save_scheduler)
 from hfpipe.hf.stages import PipelineStages
 from hfpipe.models.meta import build_meta_model
+from hfpipe.pipeline.options import PipelineLayout
 
 __all__ = ["PipelineLoop"]
 
@@ -42,7 +45,7 @@ class PipelineLoop:
     A face calls :meth:`_start_pipeline` before ``Trainer.__init__`` and hands the Trainer what it returns.
     """
 
-    def _start_pipeline(self, load_pipeline, model, args, options: PipelineOptions, peft_config,
+    def _start_pipeline(self, load_pipeline, model, args, options: PipelineLayout, peft_config,
                         trust_remote_code: bool) -> PipelineStages:
         """Load this rank's stages of ``model`` (a folder or hub id) with ``load_pipeline`` (hfpipe.api's,
         passed in by the face so that this layer stays below it); returns the module the Trainer holds."""
@@ -151,8 +154,7 @@ class PipelineLoop:
         ``PreTrainedModel.floating_point_ops`` counts it: embeddings left out): the Trainer sums every
         process's count, and each dp replica's batch passes through all its pp x tp x cp ranks."""
         if getattr(self, "_flop_params", None) is None:
-            meta = build_meta_model(self.pipeline.source.config)
-            self._flop_params = meta.num_parameters(exclude_embeddings=True)
+            self._flop_params = _counted_parameters(self.pipeline)
         copies = dist.get_world_size() // self.pipeline.dist.dp if dist.is_initialized() else 1
         return 6 * inputs["input_ids"].numel() * self._flop_params / copies
 
@@ -243,3 +245,17 @@ class PipelineLoop:
     def prediction_step(self, *args, **kwargs):
         raise ConfigError("PipelineTrainer.prediction_step(): the model runs only through the schedule; use "
                           "evaluate() for the loss")
+
+
+def _counted_parameters(pipeline) -> int:
+    """The parameters transformers' ``floating_point_ops`` counts for this model: the whole model's but the
+    embeddings, with PEFT's adapters under LoRA (the plain Trainer counts them on its PeftModel), on the meta
+    device."""
+    meta = build_meta_model(pipeline.source.config)
+    if pipeline.lora is not None:
+        from peft import get_peft_model  # here: only LoRA runs need PEFT
+
+        with warnings.catch_warnings():  # PEFT asks the meta model a deprecated question; nothing to tell
+            warnings.simplefilter("ignore", FutureWarning)
+            meta = get_peft_model(meta, copy.deepcopy(pipeline.lora))
+    return meta.num_parameters(exclude_embeddings=True)

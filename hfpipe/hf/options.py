@@ -8,8 +8,6 @@ import dataclasses
 
 from hfpipe.errors import ConfigError
 from hfpipe.pipeline.options import PipelineLayout, StageOptions
-# hf/loop.py's name for the layout a face hands it (one class: PipelineLayout)
-from hfpipe.pipeline.options import PipelineLayout as PipelineOptions  # noqa: F401
 
 __all__ = ["refuse_unsupported", "check_optimizers", "check_layout_args", "load_kwargs",
            "see_the_world"]
