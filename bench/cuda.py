@@ -53,6 +53,7 @@ SHAPES = {  # Llama-3-8B's dims; the slice keeps 8 of its 32 layers
 SHAPES["llama3-8b-slice"] = {**SHAPES["llama3-8b"], "num_hidden_layers": 8}
 CASES = ("plain", "plain-compile", "hfpipe", "hfpipe-full-logits", "hfpipe-compile", "hfpipe-fp8",
          "hfpipe-compile-fp8", "trainer", "pipeline-trainer", "lora-plain", "lora-hfpipe", "lora-hfpipe-compile")
+PROFILE: dict = {}  # {"to": path} when --profile-dir is given
 HFPIPE = {"hfpipe": {}, "hfpipe-full-logits": {"loss_chunk_tokens": 0}, "hfpipe-compile": {"compile": True},
           "hfpipe-fp8": {"fp8": "rowwise"}, "hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
           "lora-hfpipe": {}, "lora-hfpipe-compile": {"compile": True}}
@@ -92,6 +93,12 @@ def _timed(step, batches, warmup: int) -> dict:
             walls.append(time.perf_counter() - t0)
     losses = [float(x) for x in losses]
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    if PROFILE.get("to"):  # one more step under the profiler: where the time goes, by op
+        with torch.profiler.profile() as prof:
+            step(batches[-1])
+            _sync()
+        by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        Path(PROFILE["to"]).write_text(prof.key_averages().table(sort_by=by, row_limit=40))
     return {"wall": statistics.median(walls), "loss": losses, "peak": peak}
 
 
@@ -140,14 +147,12 @@ def _hfpipe(path: str, a, options: dict, lora: bool) -> dict:
 
 def _trainer(path: str, a, pipelined: bool) -> dict:
     """transformers' Trainer or hfpipe's PipelineTrainer on the same random rows; steps timed by a callback."""
-    from datasets import Dataset
     from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
     if pipelined:
         import hfpipe.hf  # noqa: F401 - first, as a user's script has it
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-    rows = torch.cat(_batches(vocab, a)).tolist()
-    data = Dataset.from_dict({"input_ids": rows, "labels": rows})
+    data = [{"input_ids": row, "labels": row} for row in torch.cat(_batches(vocab, a))]  # a map-style dataset
     steps = a.warmup + a.steps
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=a.batch,
                              bf16=True, optim="adamw_torch_fused", learning_rate=1e-4, max_grad_norm=1.0,
@@ -240,10 +245,13 @@ def main() -> None:
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "hfpipe-bench-cuda"))
     p.add_argument("--results", default="cuda_results.jsonl")
     p.add_argument("--case-timeout", type=float, default=300.0)
+    p.add_argument("--profile-dir", help="write each case's profile (one extra step, by op) to DIR/CASE.txt")
     p.add_argument("--run-case", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.run_case:  # a child: one case, its result as the last line of stdout
+        if a.profile_dir:
+            PROFILE["to"] = os.path.join(a.profile_dir, f"{a.run_case}.txt")
         print("RESULT " + json.dumps(run_case(a.run_case, a.model, a)), flush=True)
         return
     rows = []
@@ -253,7 +261,8 @@ def main() -> None:
         _build(folder, SHAPES[shape])
         row = {"case": case, "shape": shape}
         cmd = [sys.executable, __file__, "--run-case", case, "--model", str(folder)] + [
-            f"--{k}={getattr(a, k)}" for k in ("seq", "batch", "steps", "warmup")]
+            f"--{k}={getattr(a, k)}" for k in ("seq", "batch", "steps", "warmup")] + (
+            [f"--profile-dir={a.profile_dir}"] if a.profile_dir else [])
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.case_timeout)
             found = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
