@@ -121,6 +121,9 @@ class FinetuneConfig:
     """fp32 | bf16-mixed (fp32 weights and optimizer, bf16 autocast) | bf16 (all bf16)."""
     activation_checkpointing: str = "none"
     """none | full (recompute every decoder layer) | selective (recompute every other layer)."""
+    compile: bool = False
+    """torch.compile each decoder layer (inductor): faster steps after a slow first one; names,
+    checkpoints and exports are unchanged. Not with the zero-bubble schedules."""
     seed: int = 0
     """Seed for data order and any random initialisation."""
 

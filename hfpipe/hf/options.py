@@ -15,7 +15,6 @@ __all__ = ["refuse_unsupported", "check_optimizers", "check_layout_args", "load_
 
 #: TrainingArguments that cannot work under a pipeline: (name, is it set?, why and what to do).
 _REFUSED_ARGS = (
-    ("torch_compile", bool, "the stages run under torch's pipeline schedule, not one compiled module; drop it"),
     ("deepspeed", bool, "hfpipe shards the model itself (pp, dp, tp); drop the DeepSpeed config"),
     ("fsdp", bool, "dp=N gives FSDP2 over the data-parallel replicas; drop fsdp and pass dp=N"),
     ("fsdp_config", bool, "dp=N gives FSDP2 over the data-parallel replicas; drop fsdp_config"),
@@ -89,8 +88,13 @@ def check_layout_args(args, microbatches: int, shards: int = 1) -> None:
 def load_kwargs(load_pipeline, layout: PipelineLayout, args, peft_config, trust_remote_code: bool) -> dict:
     """``load_pipeline``'s keywords: ``layout``'s fields and the :class:`StageOptions` of TrainingArguments."""
     checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
+    # torch_compile: each decoder layer compiled in place (hfpipe.models.compile), never the Trainer's whole
+    # model, which accelerate would compile in prepare() (the stages are never prepared: hf/loop.py)
+    compiled = bool(getattr(args, "torch_compile", False))
     stages = StageOptions(dtype="bf16-mixed" if args.bf16 else "fp32", lora=peft_config, seed=args.seed,
-                          activation_checkpointing="full" if checkpointing else "none")
+                          activation_checkpointing="full" if checkpointing else "none", compile=compiled,
+                          compile_backend=args.torch_compile_backend if compiled else None,
+                          compile_mode=args.torch_compile_mode if compiled else None)
     fields = {f.name: getattr(options, f.name) for options in (layout, stages) for f in dataclasses.fields(options)}
     return {**fields, "trust_remote_code": trust_remote_code}
 

@@ -85,14 +85,14 @@ class Layout:
 def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None = None,
                  microbatches: int | None = None, batch_size: int | None = None, model_config=None,
                  reshard_per_microbatch: bool = False, lora: bool = False, quantize_base: str | None = None,
-                 seq_len: int | None = None) -> Layout:
+                 seq_len: int | None = None, compile: bool = False) -> Layout:
     """Raise :class:`~hfpipe.errors.ParallelError` unless the layout can run; return it resolved.
 
     ``vpp`` None (or 1 for a schedule that needs several stages per rank) becomes the schedule's
     default; ``microbatches`` None becomes the number of stages. ``model_config`` adds the model's rules,
     ``seq_len`` the split of each sequence over cp ranks. ``lora`` is whether adapters are trained; what
     LoRA needs under ``--tp`` depends on its resolved targets and is checked on them
-    (:func:`hfpipe.lora.tensor.check_tp_lora`).
+    (:func:`hfpipe.lora.tensor.check_tp_lora`). ``compile``: the decoder layers run compiled (``--compile``).
     """
     if schedule not in SCHEDULES:
         raise ParallelError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -110,6 +110,13 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError(f"--schedule {schedule} with --dp {dims.dp}{needs}: zero-bubble schedules leave FSDP's "
                             "gradients empty when dp > 1 (torch 2.13); use 1f1b, gpipe, interleaved-1f1b or "
                             "looped-bfs with --dp > 1, or --dp 1")
+    if compile and schedule in SPLIT_BACKWARD:
+        # Measured on torch 2.13 (CPU): the input-gradient pass keeps the graph for the weight pass
+        # (retain_graph=True), which a compiled layer's backward refuses ("compiled with non-empty donated
+        # buffers"); torch refuses a compiled stage under these schedules too (pytorch#161904, open).
+        raise ParallelError(f"--compile with --schedule {schedule}: the zero-bubble schedules split the backward "
+                            "into input and weight passes, which torch cannot run on compiled layers "
+                            "(pytorch#161904); use 1f1b, gpipe, interleaved-1f1b or looped-bfs, or drop --compile")
     _check_tp_with(dims, schedule, quantize_base)
     _check_cp_with(dims, seq_len)
     if reshard_per_microbatch and dims.dp == 1:

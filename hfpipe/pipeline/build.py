@@ -23,6 +23,9 @@ only the order:
                          then takes its tokens of each sequence and the whole rows' document ids
  loaded  ``apply_lora``  PEFT's adapters (hfpipe.lora.stages); after loading, since PEFT initialises them
                          from the seed on real tensors
+ loaded  ``apply_compile`` ``torch.compile`` each decoder layer in place (hfpipe.models.compile): after every
+                         step that changes what a layer holds (LoRA's adapters are traced with it), before
+                         FSDP2, whose hooks run outside the compiled graph (torchtitan's order)
  loaded  ``apply_fsdp``  FSDP2 over the fsdp mesh (hfpipe.parallel.fsdp); after loading, since the loader
                          reads whole tensors of a stage and FSDP2 keeps them as dp shards
 ======  ==============  =========================================================================
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from hfpipe.lora.stages import apply_lora
+from hfpipe.models.compile import apply_compile
 from hfpipe.models.meta import model_config
 from hfpipe.models.registry import adapter_for
 from hfpipe.models.stage import apply_ac, build_stage_modules
@@ -81,7 +85,8 @@ def build_pipeline(model: str, layout: PipelineLayout, stages: StageOptions, *, 
     get_adapter(source.config)  # an unsupported architecture says so before planning fails on it
     checked = check_layout(dims, layout.schedule, vpp=layout.vpp, microbatches=layout.microbatches,
                            model_config=source.config, reshard_per_microbatch=stages.reshard_per_microbatch,
-                           lora=stages.lora is not None, quantize_base=stages.quantize_base)
+                           lora=stages.lora is not None, quantize_base=stages.quantize_base,
+                           compile=stages.compile)
     plan = plan_pipeline(source.config, dims.pp, vpp=checked.vpp, style=checked.style, method=layout.method,
                          layout=layout.layout)
     dist = _with_dims(dist, dims) if dist else init_distributed(dims)
@@ -135,6 +140,7 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
         apply_cp(modules, ContextParallel(dist.cp_group, dims.cp, dist.cp_rank))
     lora = apply_lora(modules, options.lora, seed=options.seed, dtype=options.param_dtype, tp_mesh=tp_mesh,
                       sequence_parallel=options.sequence_parallel, experts_whole=expert_mesh is not None)
+    apply_compile(modules, options.compile_spec)
     if dims.dp > 1 and meta.quantize is not None:  # here, not in apply_fsdp: parallel/ sits below quant/
         check_shardable(modules, dims.dp)
     apply_fsdp(modules, dist, param_dtype=options.param_dtype, compute_dtype=options.compute_dtype,

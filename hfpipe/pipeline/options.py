@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from hfpipe.lora.adapters import check_lora_config, from_finetune_config
+from hfpipe.models.compile import CompileSpec
 from hfpipe.parallel.dims import ParallelDims, check_degrees
 from hfpipe.pipeline.schedule import PipelineError
 from hfpipe.quant.linear import QuantSpec
@@ -121,6 +122,10 @@ class StageOptions:
             (:mod:`hfpipe.quant`); every decoder-layer linear dequantizes just in time.
         quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the
             checkpoint's own tiles, else 128).
+        compile: ``torch.compile`` each decoder layer in place (:mod:`hfpipe.models.compile`); names, checkpoints
+            and exports are unchanged. The zero-bubble schedules are refused with it.
+        compile_backend: torch's compile backend (default ``inductor``).
+        compile_mode: torch's compile mode (default: torch's).
     """
 
     dtype: str = "fp32"
@@ -132,6 +137,9 @@ class StageOptions:
     loss_chunk_tokens: int | None = None
     quantize_base: str | None = None
     quantize_block_size: int | None = None
+    compile: bool = False
+    compile_backend: str | None = None
+    compile_mode: str | None = None
 
     def __post_init__(self) -> None:
         _check_counts(seed=self.seed, loss_chunk_tokens=self.loss_chunk_tokens)
@@ -141,7 +149,8 @@ class StageOptions:
         self._check_quantize()
         if self.dtype not in PRECISIONS:
             raise PipelineError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(PRECISIONS)}")
-        for switch in ("sequence_parallel", "reshard_per_microbatch"):  # a switch given as 1 or 0 is one
+        self._check_compile()
+        for switch in ("sequence_parallel", "reshard_per_microbatch", "compile"):  # a switch given as 1 or 0 is one
             value = getattr(self, switch)
             if value not in (True, False):  # a string such as "no" would read as True
                 raise PipelineError(f"{_CALL}({switch}={value!r}): {switch} must be True or False")
@@ -161,6 +170,21 @@ class StageOptions:
         if self.lora is None:
             raise PipelineError("--quantize-base trains LoRA adapters on a frozen base; add --lora-rank R (e.g. 16)")
         QuantSpec(self.quantize_base, block)  # its kind, named as the flag
+
+    def _check_compile(self) -> None:
+        if not self.compile:
+            if self.compile_backend is not None or self.compile_mode is not None:
+                raise PipelineError(f"{_CALL}(compile_backend=..., compile_mode=...) apply with compile=True only")
+            return
+        try:
+            self.compile_spec.check()
+        except ValueError as e:
+            raise PipelineError(f"{_CALL}(compile=True): {e}") from None
+
+    @property
+    def compile_spec(self) -> CompileSpec | None:
+        """How the decoder layers are compiled (``compile``), or ``None``."""
+        return CompileSpec(self.compile_backend or "inductor", self.compile_mode) if self.compile else None
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -187,7 +211,7 @@ def from_config(cfg) -> tuple[PipelineLayout, StageOptions]:
     stages = StageOptions(dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
                           sequence_parallel=cfg.sequence_parallel, reshard_per_microbatch=cfg.reshard_per_microbatch,
                           lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base,
-                          quantize_block_size=cfg.quantize_block_size)
+                          quantize_block_size=cfg.quantize_block_size, compile=cfg.compile)
     return layout, stages
 
 
