@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hfpipe.config.names import check_fp8
 from hfpipe.lora.adapters import check_lora_config, from_finetune_config
 from hfpipe.parallel.dims import ParallelDims, check_degrees
 from hfpipe.pipeline.schedule import PipelineError
@@ -121,6 +122,8 @@ class StageOptions:
             (:mod:`hfpipe.quant`); every decoder-layer linear dequantizes just in time.
         quantize_block_size: Values per NF4 scale (default 64), or the FP8 tile edge (default: the
             checkpoint's own tiles, else 128).
+        fp8: Float8 training: ``rowwise`` or ``tensorwise`` (torchao's recipes), or ``None``: the decoder
+            layers' linears multiply in float8 (:mod:`hfpipe.quant.float8`); needs a bf16 compute dtype.
     """
 
     dtype: str = "fp32"
@@ -132,6 +135,7 @@ class StageOptions:
     loss_chunk_tokens: int | None = None
     quantize_base: str | None = None
     quantize_block_size: int | None = None
+    fp8: str | None = None
 
     def __post_init__(self) -> None:
         _check_counts(seed=self.seed, loss_chunk_tokens=self.loss_chunk_tokens)
@@ -141,6 +145,7 @@ class StageOptions:
         self._check_quantize()
         if self.dtype not in PRECISIONS:
             raise PipelineError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(PRECISIONS)}")
+        check_fp8(self.fp8, self.dtype, self.quantize_base)
         for switch in ("sequence_parallel", "reshard_per_microbatch"):  # a switch given as 1 or 0 is one
             value = getattr(self, switch)
             if value not in (True, False):  # a string such as "no" would read as True
