@@ -121,6 +121,11 @@ class FinetuneConfig:
     """fp32 | bf16-mixed (fp32 weights and optimizer, bf16 autocast) | bf16 (all bf16)."""
     activation_checkpointing: str = "none"
     """none | full (recompute every decoder layer) | selective (recompute every other layer)."""
+    fp8: bool = False
+    """Float8 training (torchao): the decoder layers' linears whose dims divide by 16 multiply in
+    float8; weights, optimizer state, checkpoints and exports keep --dtype's (bf16-mixed or bf16)."""
+    fp8_recipe: str = "rowwise"
+    """With --fp8: rowwise (a scale per row, torchtitan's default) | tensorwise (one per tensor)."""
     seed: int = 0
     """Seed for data order and any random initialisation."""
 

@@ -192,7 +192,7 @@ def from_config(cfg) -> tuple[PipelineLayout, StageOptions]:
     stages = StageOptions(dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
                           sequence_parallel=cfg.sequence_parallel, reshard_per_microbatch=cfg.reshard_per_microbatch,
                           lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base,
-                          quantize_block_size=cfg.quantize_block_size)
+                          quantize_block_size=cfg.quantize_block_size, fp8=cfg.fp8_recipe if cfg.fp8 else None)
     return layout, stages
 
 

@@ -16,10 +16,15 @@ routed experts (3-D parameters, not linears) and LoRA's adapters (added after, i
 torchao's own filter (``_auto_filter_for_recipe``) also skips small layers for speed on an H100; here
 the shapes alone decide, so a small model's run computes in float8 as a large one does.
 
-The build step (:mod:`hfpipe.pipeline.build`) runs on the meta stages before ``apply_tp``: the tp plan
-then splits the ``Float8Linear`` modules, with torchao's float8 styles under the tensorwise recipe
-(:func:`float8_tp_plan`, as torchtitan does), plain ones under rowwise. torchao is imported only
-when a run asks for float8 (its import is slow and it is an optional extra).
+The build step (:mod:`hfpipe.pipeline.build`) runs on the meta stages before ``apply_tp``, whose plan
+then splits the ``Float8Linear`` modules with torch's own styles: each rank casts its DTensor shards
+(DTensor computes a tensorwise scale's amax over the ranks) and multiplies in float8, while the
+collectives stay in bf16. torchao's float8 styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
+``PrepareFloat8ModuleInput``, torchtitan's choice under tensorwise) would move float8 bytes instead,
+but gloo cannot carry float8 (``RuntimeError: Invalid scalar type`` in the backward's all-gather,
+torch 2.13), so they could not be checked against bf16 here; torchtitan keeps bf16 collectives under
+rowwise too. torchao is imported only when a run asks for float8 (its import is slow, and it is an
+optional extra).
 """
 
 from __future__ import annotations
@@ -73,3 +78,4 @@ def apply_fp8(modules: list[nn.Module], recipe: str | None) -> int:
         count += len(chosen)
     log.info("--fp8 %s: %d decoder-layer linears compute in float8", recipe, count)
     return count
+
