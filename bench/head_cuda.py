@@ -5,8 +5,9 @@ Llama-3-8B's shape by default (hidden 4096, vocab 128256), one microbatch of 4 x
 
 - ``plain``: the full logits (``loss_chunk_tokens=0``): ``cross_entropy(lm_head(norm(h)).float())``;
 - ``generic@N``: the chunked loss through autograd over the head (hfpipe.loss.chunked; a LoRA head's path);
-- ``linear@N``: the chunked loss's fast path (hfpipe.loss.linear_head), N tokens per chunk;
-- ``compiled@N``: the fast path with each chunk's softmax gradient compiled (torch.compile), for comparison.
+- ``fused@N``: the chunked loss's fast path (hfpipe.loss.linear_head), N tokens per chunk, as it runs on a GPU:
+  each chunk's softmax gradient fused by torch.compile;
+- ``eager@N``: the same path with ``HFPIPE_HEAD_COMPILE=0`` (its in-place eager form).
 
 Each variant: forward + backward of the microbatch with the head's ``.grad`` already there (as on every
 microbatch but the first), CUDA-event time (median of the repeats, variants in turn), and the peak memory
@@ -18,6 +19,7 @@ Run:  python bench/head_cuda.py [--hidden 4096] [--vocab 128256] [--rows 4] [--s
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,25 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hfpipe.loss import linear_head  # noqa: E402
 from hfpipe.loss.chunked import chunked_loss_sum  # noqa: E402
 from hfpipe.loss.linear_head import LinearHead  # noqa: E402
-
-
-def _compiled_chunk():
-    """A functional form of the chunk's loss and gradient for torch.compile (fused into a few kernels)."""
-
-    def chunk(logits, targets, weights, ignore_index):
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        valid = targets != ignore_index
-        index = torch.where(valid, targets, 0).unsqueeze(1)
-        loss = -torch.where(valid, logp.gather(1, index).squeeze(1), 0.0).sum()
-        if weights is None:
-            return loss, None
-        onehot = torch.zeros_like(logp).scatter_(1, index, 1.0)
-        return loss, ((logp.exp() - onehot) * weights.unsqueeze(1)).to(logits.dtype)
-
-    return torch.compile(chunk, dynamic=True)
 
 
 def main() -> None:
@@ -55,8 +40,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--chunks", default="523,1046,2093,4096")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--chunks", default="523,1046,2093")
     p.add_argument("--smoke", action="store_true", help="run the script's steps on the CPU (no timing)")
     a = p.parse_args()
     if a.smoke:
@@ -74,12 +58,10 @@ def main() -> None:
     n = float((targets != -100).sum())
     logits_fn = lambda h: head(norm(h))  # noqa: E731
     linear = LinearHead(norm, head, None)
-    plain_chunk = linear_head._chunk_loss_and_grad
-    compiled = _compiled_chunk() if a.compile else None
 
     def run(name: str) -> None:
         kind, _, chunk = name.partition("@")
-        linear_head._chunk_loss_and_grad = compiled if kind == "compiled" else plain_chunk
+        os.environ["HFPIPE_HEAD_COMPILE"] = "0" if kind == "eager" else "1"
         h = hidden.detach().requires_grad_()
         if kind == "plain":
             loss = F.cross_entropy(logits_fn(h).float().flatten(0, 1), targets.flatten(), reduction="sum") / n
@@ -88,8 +70,7 @@ def main() -> None:
         loss.backward()
 
     chunks = [int(c) for c in a.chunks.split(",")]
-    names = ["plain", "generic@523"] + [f"linear@{c}" for c in chunks]
-    names += [f"compiled@{c}" for c in chunks] if a.compile else []
+    names = ["plain", "generic@523"] + [f"{kind}@{c}" for kind in ("eager", "fused") for c in chunks]
     peaks, times = {}, {name: [] for name in names}
     for name in names:  # warm-up (and compile), then the peak of one run
         run(name)
