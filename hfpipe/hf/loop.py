@@ -110,11 +110,17 @@ class PipelineLoop:
         return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.pipeline.dist.dp
 
     # ---- the step ---------------------------------------------------------------------------------
-    def _get_num_items_in_batch(self, batch_samples: list, device):
-        """The step's loss tokens over every accumulation batch and dp (x cp) shard (not over every process)."""
+    def _get_num_items_in_batch(self, batch_samples: list, device) -> int | None:
+        """The step's loss tokens over every accumulation batch and dp (x cp) shard (not over every process).
+
+        The step's batches are checked here too, once, before the step queues any work on the device: the
+        values read then (ids, the count) cost no wait that the batches' copy to the device did not. A
+        Python int, so that no accumulation batch reads it again.
+        """
         if not batch_samples:
             return None
-        return torch.tensor(self._steps.step_count([self._local(b) for b in batch_samples]), device=device)
+        local = self._steps.local_batches(batch_samples, "PipelineTrainer.train", self._local)
+        return self._steps.step_count(local)
 
     def _local(self, inputs: dict) -> dict:
         """This rank's tokens of a batch of whole rows under cp (labels shifted first); else the batch."""
@@ -133,14 +139,19 @@ class PipelineLoop:
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One accumulation batch through the schedule; the loss returned is the same on every rank."""
         model.train()
-        [inputs] = self._steps.local_batches([self._prepare_inputs(inputs)], "PipelineTrainer.train", self._local)
-        tokens = self._steps.step_count([inputs]) if num_items_in_batch is None else int(num_items_in_batch)
+        inputs = self._prepare_inputs(inputs)
+        if num_items_in_batch is None:  # not counted (nor checked) with the step's batches
+            [inputs] = self._steps.local_batches([inputs], "PipelineTrainer.train", self._local)
+            tokens = self._steps.step_count([inputs])
+        else:
+            inputs, tokens = self._local(inputs), int(num_items_in_batch)
         # A MoE router aux loss: transformers' model adds ``coef * aux`` of its whole batch to each forward's
         # loss and the Trainer sums those over the accumulation batches (it divides by num_items_in_batch
         # only). So one batch here counts as a step of its own for the router term (the mean over its
         # microbatches and dp shards, hfpipe.models.router_loss), summed over accumulation like the plain one.
         part = self._steps.backward(inputs, tokens, 1)
-        return torch.tensor(self._steps.share_loss(part), dtype=torch.float32, device=self.args.device)
+        # on the device, read by the Trainer only when it logs (as its own loss)
+        return self._steps.shared_loss(part).to(self.args.device, torch.float32)
 
     def _track_num_input_tokens(self, inputs):
         before = self.state.num_input_tokens_seen
@@ -159,11 +170,11 @@ class PipelineLoop:
         return 6 * inputs["input_ids"].numel() * self._flop_params / copies
 
     def _clip_grad_norm(self, model):
-        return torch.tensor(self._steps.clip_gradients())
+        return self._steps.clip_gradients()  # a tensor on the device, as the Trainer's clip_grad_norm_ returns
 
     def _get_grad_norm(self, model, grad_norm=None):
         # max_grad_norm == 0: the Trainer asks for the norm alone (the tied halves still need summing)
-        return torch.tensor(self._steps.clip_gradients()) if grad_norm is None else grad_norm
+        return self._steps.clip_gradients() if grad_norm is None else grad_norm
 
     # ---- optimizer, scheduler, resume: the stages are never wrapped --------------------------------
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):

@@ -127,6 +127,7 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        unit = bool(grad_out == 1)  # the schedules' loss.backward(): hand the kept tensors on as they are
-        grads = [g if g is None or unit else g * grad_out for g in ctx.grads]
+        # Scaled on the device, never compared on the host (a GPU would wait for the whole forward); a fresh
+        # product is also what AccumulateGrad takes over without a copy (the kept tensor stays referenced).
+        grads = [None if g is None else g * grad_out for g in ctx.grads]
         return (grads[0], None, None, None, None, None, *grads[1:])

@@ -21,7 +21,7 @@ def squared_norm(grads, pp_group, device: torch.device) -> torch.Tensor:
 
     Every rank of a pipeline replica returns the same value. Collective over the groups the gradients
     are sharded on (within one pipeline rank: its ranks hold the same stages, so the same buckets) and
-    over ``pp_group``.
+    over ``pp_group`` (``None``: none).
     """
     buckets: dict[tuple, list] = {}  # sharded mesh dims -> (groups, local squares)
     for g in grads:
@@ -35,7 +35,8 @@ def squared_norm(grads, pp_group, device: torch.device) -> torch.Tensor:
         for _, group in groups:
             dist.all_reduce(sq, group=group)
         total = total + sq
-    dist.all_reduce(total, group=pp_group)
+    if pp_group is not None:  # None: this rank holds every stage (pp=1)
+        dist.all_reduce(total, group=pp_group)
     return total
 
 

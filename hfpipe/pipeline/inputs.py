@@ -24,15 +24,39 @@ def check_batches(batches: list, vocab_size: int | None, call: str, *, labels: b
     """
     if not batches:
         raise BatchError(f"{call}: no batch given; pass a dict with input_ids and labels, or a list of them")
+    values = []  # (tensor, key, where): every id tensor, its values checked at once below
     for i, batch in enumerate(batches):
         where = f"{call}: batch {i}" if len(batches) > 1 else f"{call}: the batch"
         if not isinstance(batch, Mapping):
             raise BatchError(f"{where} is a {type(batch).__name__}; pass a dict of tensors")
         for key in ("input_ids", "labels") if labels else ("input_ids",):
-            _check_ids(batch.get(key), key, where, vocab_size, batch.get("input_ids"))
+            _check_ids(batch.get(key), key, where, batch.get("input_ids"))
+            values.append((batch[key], key, where))
+    if vocab_size:
+        _check_values(values, vocab_size)
 
 
-def _check_ids(t, key: str, where: str, vocab: int | None, ids) -> None:
+def _check_values(values: list, vocab: int) -> None:
+    """Every id within the vocabulary (labels also ``IGNORE_INDEX``), read on the host once per device (a
+    read of device values waits for the device; one wait, not one per tensor), then named where one is not."""
+    invalid = [_invalid(t, key, vocab) for t, key, _ in values]
+    by_device: dict = {}
+    for flag in invalid:
+        by_device.setdefault(flag.device, []).append(flag.any())
+    if not any(bool(torch.stack(flags).any()) for flags in by_device.values()):
+        return
+    for (t, key, where), bad in zip(values, invalid):
+        if bool(bad.any()):
+            raise BatchError(f"{where}: {key} holds {int(t[bad][0])}, outside the model's vocabulary of {vocab} "
+                             f"tokens (0 .. {vocab - 1}{f', or {IGNORE_INDEX}' if key == 'labels' else ''})")
+
+
+def _invalid(t: torch.Tensor, key: str, vocab: int) -> torch.Tensor:
+    valid = (t >= 0) & (t < vocab)
+    return ~valid if key == "input_ids" else ~(valid | (t == IGNORE_INDEX))
+
+
+def _check_ids(t, key: str, where: str, ids) -> None:
     if not isinstance(t, torch.Tensor):
         hint = " (a collator such as DataCollatorForLanguageModeling adds them)" if key == "labels" else ""
         raise BatchError(f"{where} has no {key!r} tensor{hint}")
@@ -43,12 +67,6 @@ def _check_ids(t, key: str, where: str, vocab: int | None, ids) -> None:
                          f"{list(t.shape)}")
     if key == "labels" and t.shape != ids.shape:
         raise BatchError(f"{where}: labels shape {list(t.shape)} differs from input_ids {list(ids.shape)}")
-    if vocab:
-        valid = (t >= 0) & (t < vocab) if key == "input_ids" else ((t >= 0) & (t < vocab)) | (t == IGNORE_INDEX)
-        if not bool(valid.all()):
-            bad = int(t[~valid][0])
-            raise BatchError(f"{where}: {key} holds {bad}, outside the model's vocabulary of {vocab} tokens "
-                             f"(0 .. {vocab - 1}{f', or {IGNORE_INDEX}' if key == 'labels' else ''})")
 
 
 def pad_rows(batch: dict, microbatches: int) -> tuple[dict, int]:

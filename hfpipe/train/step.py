@@ -98,12 +98,13 @@ class StepEngine:
         seen = sum(int(b["input_ids"].numel()) for b in batches) * self.dist.dims.dp  # each replica: its shard
         batches = self.local_batches(batches, "trainer.step")
         count = self.step_count(batches)
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         for batch in batches:
             loss += self.backward(batch, count, len(batches))
         norm = self.clip_gradients()
         lr = self.optimizer_step()
-        return StepResult(self.share_loss(loss), norm, lr, count, seen)
+        loss, norm = torch.stack([self.shared_loss(loss), norm.double()]).tolist()  # the step's one host read
+        return StepResult(loss, norm, lr, count, seen)
 
     def local_batches(self, batches: list[dict], call: str, split=None) -> list[dict]:
         """``batches`` checked (ids and labels within the vocabulary, named by ``call``), then each cut to
@@ -114,14 +115,15 @@ class StepEngine:
     def step_count(self, batches: list[dict]) -> int:
         """What the step's loss is divided by: the objective's count of ``batches`` (this rank's parts; loss
         tokens for SFT) summed over the batch group (every dp and cp shard), at least 1."""
-        count = torch.tensor(sum(self.objective.count(b) for b in batches), dtype=torch.int64)
+        count = sum(self.objective.count(b) for b in batches)
         if self.dist.batch_group is not None:
-            count = count.to(self.dist.device)
+            count = torch.tensor(count, dtype=torch.int64, device=self.dist.device)
             dist.all_reduce(count, group=self.dist.batch_group)
         return max(1, int(count))
 
     def backward(self, batch: dict, count: int, batches_in_step: int) -> torch.Tensor:
-        """Forward/backward of one accumulation batch; returns this rank's part of the step loss (float64).
+        """Forward/backward of one accumulation batch; returns this rank's part of the step loss (float64, on
+        the device: nothing waits for the backward to finish).
 
         ``count`` is the step's :meth:`step_count`, ``batches_in_step`` its accumulation batches.
         """
@@ -132,10 +134,13 @@ class StepEngine:
         # like the token loss (hfpipe.models.router_loss).
         router_denominator = batches_in_step * self.pipe.microbatches
         part = self.pipe.train_step(batch, count / dp, router_denominator)
-        return torch.zeros((), dtype=torch.float64) if part is None else part.double().cpu() / dp
+        if part is None:
+            return torch.zeros((), dtype=torch.float64, device=self.dist.device)
+        return part.double().to(self.dist.device) / dp
 
-    def clip_gradients(self) -> float:
-        """Sum the tied embedding's two gradient halves, then clip to the global norm; returns the norm."""
+    def clip_gradients(self) -> torch.Tensor:
+        """Sum the tied embedding's two gradient halves, then clip to the global norm; returns the norm (an
+        fp32 tensor on the device, as ``torch.nn.utils.clip_grad_norm_``: read only when logged)."""
         self._sync_tied_grads()
         return self._clip()
 
@@ -162,11 +167,11 @@ class StepEngine:
     def _eval(self, batches) -> tuple[float, int]:
         batches = self.local_batches(_as_list(batches), "trainer.eval_loss")
         count = self.step_count(batches)
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         for batch in batches:
             part = self.pipe.eval_loss(batch, count)
             if part is not None:
-                loss += part.double().cpu()
+                loss += part.double().to(self.dist.device)
         return self.share_loss(loss), count
 
     def _sync_tied_grads(self) -> None:
@@ -176,26 +181,38 @@ class StepEngine:
             if p.grad is not None:
                 dist.all_reduce(_local(p.grad), group=self.tied_group)
 
-    def _clip(self) -> float:
-        """Global L2 norm over all ranks' gradients; scale them down to ``max_grad_norm``."""
+    def _clip(self) -> torch.Tensor:
+        """Global L2 norm over all ranks' gradients; scale them down to ``max_grad_norm``.
+
+        As ``torch.nn.utils.clip_grad_norm_`` (the plain Trainer's): the coefficient stays on the device,
+        clamped to 1, and every gradient is multiplied by it, so no rank waits to read the norm.
+        """
         grads = [p.grad for p in self._norm_params if p.grad is not None]
-        norm = float(squared_norm(grads, self.dist.pp_group, self.dist.device).sqrt())
+        pp_group = self.dist.pp_group if self.dist.dims.pp > 1 else None
+        norm = squared_norm(grads, pp_group, self.dist.device).sqrt()
         if self.max_grad_norm:
-            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             grads = [p.grad for p in self._params if p.grad is not None]
-            # foreach refuses an empty list (a rank of empty stages) and a list mixing meshes: one call per mesh
-            for same in by_mesh(grads) if coef < 1.0 else ():
-                torch._foreach_mul_(same, coef)
+            # foreach refuses an empty list (a rank of empty stages) and a list mixing meshes: one call per mesh;
+            # on the local shards, as a DTensor would not take a plain tensor as the factor
+            for same in by_mesh(grads):
+                local = [_local(g) for g in same]
+                torch._foreach_mul_(local, coef.to(local[0].device))
         return norm
 
-    def share_loss(self, loss: torch.Tensor) -> float:
-        """Sum over the batch group on the loss rank, then broadcast along the pipeline."""
+    def shared_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum over the batch group on the loss rank, then broadcast along the pipeline (on the device; no
+        collective where a group is this rank alone)."""
         t = loss.to(self.dist.device)
         if self.dist.batch_group is not None and self.pipe.has_loss:
             dist.all_reduce(t, group=self.dist.batch_group)
-        src = self.dist.pp_peer(self.loss_rank)
-        dist.broadcast(t, src=src, group=self.dist.pp_group)
-        return float(t)
+        if self.dist.dims.pp > 1:
+            dist.broadcast(t, src=self.dist.pp_peer(self.loss_rank), group=self.dist.pp_group)
+        return t
+
+    def share_loss(self, loss: torch.Tensor) -> float:
+        """:meth:`shared_loss`, read on the host."""
+        return float(self.shared_loss(loss))
 
 
 def trainer_for(pm, optimizer, *, scheduler=None, max_grad_norm: float | None = 1.0) -> StepEngine:

@@ -119,6 +119,24 @@ def test_the_bar_pp2_equals_the_plain_trainer(tmp_path):
     assert not WARNING_LINE.findall(said), [line for line in said.splitlines() if WARNING_LINE.search(line)]
 
 
+def test_at_pp1_a_step_waits_on_the_device_where_the_plain_trainer_does_and_calls_no_collective(tmp_path):
+    """The same script, one process each, 2 accumulation batches a step, logged every 2nd step: from the end of
+    step 1 on, PipelineTrainer(pp=1) reads the loss and the grad norm on the host where Trainer does (when it
+    logs), reads every other value the Trainer reads, and calls no collective. What it adds are reads of the
+    step's batches (their ids checked against the vocabulary once, each one's loss tokens counted) while the
+    Trainer fetches them, before the step's first forward: a GPU has waited there already, for the batches'
+    copy to it."""
+    spec = {"pp": 1, "ga": 2, "max_steps": 3, "logging_steps": 2, "count_syncs": True}
+    got, want = run_pair(tmp_path, spec, spec, nprocs=1)
+    got, want = (json.loads((out / "syncs.json").read_text()) for out in (got, want))
+    steps = got.pop("steps")
+    assert steps == want.pop("steps") == 2
+    fetching = {k: got.pop(k) for k in list(got) if k.endswith("fetching the batches")}
+    assert got == want, f"PipelineTrainer read or called {got}, the Trainer {want}"
+    assert fetching == {"integer reads fetching the batches": steps * (1 + 2)}, fetching  # 1 check + 1 count a batch
+    assert "collectives" not in want and "float reads" in want, want  # what the spec compares is there
+
+
 @pytest.mark.parametrize("field, value", [("label_smoothing_factor", 0.1), ("load_best_model_at_end", True),
                                           ("push_to_hub", True)])
 def test_a_trainer_feature_a_pipeline_cannot_run_is_refused_by_name(tmp_path, field, value):

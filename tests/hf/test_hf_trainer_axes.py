@@ -32,8 +32,9 @@ def _cp_loop(cp: int, rank: int):
     pipe = SimpleNamespace(context=ContextParallel(None, cp, rank))
     pipe.local = lambda batch: Pipeline.local(pipe, batch)
     loop.pipeline = SimpleNamespace(pipe=pipe, dist=SimpleNamespace(dims=SimpleNamespace(cp=cp)))
-    steps = SimpleNamespace(dist=SimpleNamespace(batch_group=None), objective=TokenMean())
-    loop._steps = SimpleNamespace(step_count=lambda batches: StepEngine.step_count(steps, batches))
+    steps = SimpleNamespace(dist=SimpleNamespace(batch_group=None), objective=TokenMean(), vocab_size=None)
+    loop._steps = SimpleNamespace(step_count=lambda batches: StepEngine.step_count(steps, batches),
+                                  local_batches=lambda *a: StepEngine.local_batches(steps, *a))
     return loop
 
 

@@ -5,7 +5,9 @@ hfpipe's PipelineTrainer; ``tests/hf/test_hf_trainer.py`` compares the two.
     torchrun --nproc-per-node 2 train_lm.py SPEC.json   # {"trainer": "pipeline", "pp": 2, ...}
 
 SPEC keys: model, out, trainer, pp, dp, tp, ep, cp, microbatches, batch, eval_batch, ga, max_steps, clip, lora,
-eval, save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted), bf16.
+eval, save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted), bf16,
+logging_steps, count_syncs (what the steps after the first convert to Python and which collectives they call:
+``out/syncs.json``, see :class:`CountSyncs`).
 It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``out/final``.
 """
 
@@ -14,7 +16,8 @@ import sys
 
 import hfpipe.hf  # noqa: F401 - first, as a user's script has it in place of the Trainer's import (a quiet start)
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainerCallback,
+                          TrainingArguments)
 
 
 def dataset(tok, n: int, seed: int) -> Dataset:
@@ -32,7 +35,7 @@ def lora_config():
 def main(spec: dict) -> None:
     tok = AutoTokenizer.from_pretrained(spec["model"])
     args = TrainingArguments(
-        output_dir=spec["out"], max_steps=spec.get("max_steps", 3), logging_steps=1,
+        output_dir=spec["out"], max_steps=spec.get("max_steps", 3), logging_steps=spec.get("logging_steps", 1),
         per_device_train_batch_size=spec.get("batch", 4), per_device_eval_batch_size=spec.get("eval_batch", 4),
         gradient_accumulation_steps=spec.get("ga", 1), learning_rate=1e-3, max_grad_norm=spec.get("clip", 1.0),
         eval_strategy="steps" if spec.get("eval") else "no", eval_steps=2,
@@ -71,6 +74,8 @@ def main(spec: dict) -> None:
                 control.should_training_stop = state.global_step >= spec["stop_at"]
 
         trainer.add_callback(Stop())
+    if spec.get("count_syncs"):
+        trainer.add_callback(CountSyncs(f"{spec['out']}/syncs.json", trainer))
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     history = trainer.state.log_history
     if spec.get("eval"):
@@ -79,6 +84,63 @@ def main(spec: dict) -> None:
     if trainer.is_world_process_zero():
         with open(f"{spec['out']}/log_history.json", "w") as f:
             json.dump(history, f)
+
+
+class CountSyncs(TrainerCallback):
+    """Counts, from the end of step 1 to the end of the last step, what a GPU would wait for: a tensor's value
+    read on the host (``item``, ``bool``, ``float``, ``int``, ``tolist``, ``cpu``), split into model values
+    (floating point: losses, norms) and integer/bool values (token ids and counts), each also counted apart
+    while the step's batches are fetched (``get_batch_samples``, before the step's first forward), and the
+    torch.distributed collectives called."""
+
+    READS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu")
+    COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                   "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all_single")
+
+    def __init__(self, path: str, trainer) -> None:
+        self.path, self.counts, self.steps, self.fetching = path, None, 0, False
+        self._patch()
+        fetch = trainer.get_batch_samples
+
+        def get_batch_samples(*args, **kwargs):
+            self.fetching = True
+            try:
+                return fetch(*args, **kwargs)
+            finally:
+                self.fetching = False
+
+        trainer.get_batch_samples = get_batch_samples
+
+    def _patch(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        def counted(owner, name, key):
+            original = getattr(owner, name)
+
+            def wrapper(*args, **kwargs):
+                if self.counts is not None:
+                    kind = key(args) + (" fetching the batches" if self.fetching else "")
+                    self.counts[kind] = self.counts.get(kind, 0) + 1
+                return original(*args, **kwargs)
+
+            setattr(owner, name, wrapper)
+
+        for name in self.READS:
+            counted(torch.Tensor, name, lambda a: "float reads" if a[0].is_floating_point() else "integer reads")
+        for name in self.COLLECTIVES:
+            if hasattr(dist, name):
+                counted(dist, name, lambda a: "collectives")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.counts = {}
+        elif self.counts is not None:
+            self.steps += 1
+        if state.global_step == state.max_steps:
+            counts, self.counts = self.counts, None
+            with open(self.path, "w") as f:
+                json.dump({**counts, "steps": self.steps}, f)
 
 
 def seed_like_hfpipe(model, peft, seed: int = 7) -> None:
