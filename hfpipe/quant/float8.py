@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from hfpipe.models.targets import quantized_linears
@@ -60,12 +61,24 @@ def _float8_config(recipe: str):
     return Float8LinearConfig.from_recipe_name(recipe)
 
 
-def apply_fp8(modules: list[nn.Module], recipe: str | None) -> int:
+def _check_device(device) -> None:
+    """A GPU without float8 matmuls fails in the first step inside ``torch._scaled_mm``: say so first.
+    (On a CPU torch runs them, slowly: tests use that.)"""
+    if device is None or torch.device(device).type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise QuantError(f"--fp8 needs float8 matmuls (compute capability 8.9 or later: L4, L40S, H100, ...); "
+                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: drop --fp8")
+
+
+def apply_fp8(modules: list[nn.Module], recipe: str | None, device=None) -> int:
     """Swap the :func:`float8_linears` of each (meta) stage in ``modules`` for torchao's ``Float8Linear``
-    with ``recipe``'s config (checked by :func:`hfpipe.config.names.check_fp8`), in place; returns how
-    many (0 without a recipe)."""
+    with ``recipe``'s config (checked by :func:`hfpipe.config.names.check_fp8`), in place, for a run on
+    ``device``; returns how many (0 without a recipe)."""
     if recipe is None:
         return 0
+    _check_device(device)
     config = _float8_config(recipe)
     from torchao.float8 import convert_to_float8_training
 
