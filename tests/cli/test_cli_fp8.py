@@ -61,3 +61,15 @@ def test_finetune_fp8_tracks_bf16_resumes_without_fp8_and_exports_an_ordinary_fo
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0.02, atol=0)
     exported, source = folder_tensors(tmp_path / "fp8" / "hf"), folder_tensors(llama)
     assert {k: (v.dtype, v.shape) for k, v in exported.items()} == {k: (v.dtype, v.shape) for k, v in source.items()}
+
+
+def test_plan_prices_fp8_as_bf16_mixed(llama):
+    """torchao saves the bf16 input and weight for backward, as a plain linear does: the same price."""
+    from typer.testing import CliRunner
+
+    from hfpipe.cli.main import app
+
+    args = ["plan", str(llama), "--pp", "2", "--dtype", "bf16-mixed", "--seq-len", "64", "--batch-size", "4"]
+    plain, fp8 = (CliRunner().invoke(app, args + extra) for extra in ([], ["--fp8", "--fp8-recipe", "tensorwise"]))
+    assert plain.exit_code == fp8.exit_code == 0, fp8.stderr[-2000:]
+    assert fp8.stdout == plain.stdout and "rank" in plain.stdout
