@@ -88,7 +88,8 @@ def apply_fp8(modules: list[nn.Module], recipe: str | None, device=None) -> int:
     for stage in modules:
         chosen = set(float8_linears(stage))
         # torchao's filter gets each linear's name below the module it converts: the stage's names
-        convert_to_float8_training(stage, config=config, module_filter_fn=lambda _m, name: name in chosen)
+        convert_to_float8_training(stage, config=config,
+                                   module_filter_fn=lambda _m, name, picked=chosen: name in picked)
         for name in chosen:
             linear = stage.get_submodule(name)
             # torchao's converter makes its own class (and readies inductor for float8); ours only adds a
