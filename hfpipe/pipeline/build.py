@@ -164,7 +164,7 @@ def _loaded_stages(source, plan, pp_rank: int, device, meta: _Meta, tp_mesh, exp
     """The meta steps of the module docstring's order, then the load: ``(modules, stats)``."""
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), meta.param_dtype, adapter=adapter_for(config))
-    apply_fp8(modules, meta.fp8)
+    apply_fp8(modules, meta.fp8, device)
     quantizer = None
     if tp_mesh is not None and meta.quantize is not None:  # FP8 storage first: tp splits it on its tiles
         quantizer = apply_quant(modules, source.config, meta.quantize, meta.param_dtype, tp_mesh.size())  # (no --ep)

@@ -13,6 +13,8 @@ Which linears: those inside a decoder layer that a quantized base would quantize
 experts run, nor a linear subclass with a forward of its own), and whose both dims divide by 16
 (``_scaled_mm``'s requirement). The embedding, norms and head stay in the compute dtype, as do fused
 routed experts (3-D parameters, not linears) and LoRA's adapters (added after, in their own dtype).
+Under LoRA the frozen base multiplies in float8 too, computed from float8 casts (never dequantized
+first), and skips its weight's gradient GEMM (:mod:`hfpipe.quant.float8_frozen`).
 torchao's own filter (``_auto_filter_for_recipe``) also skips small layers for speed on an H100; here
 the shapes alone decide, so a small model's run computes in float8 as a large one does.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from hfpipe.models.targets import quantized_linears
@@ -58,23 +61,41 @@ def _float8_config(recipe: str):
     return Float8LinearConfig.from_recipe_name(recipe)
 
 
-def apply_fp8(modules: list[nn.Module], recipe: str | None) -> int:
+def _check_device(device) -> None:
+    """A GPU without float8 matmuls fails in the first step inside ``torch._scaled_mm``: say so first.
+    (On a CPU torch runs them, slowly: tests use that.)"""
+    if device is None or torch.device(device).type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise QuantError(f"--fp8 needs float8 matmuls (compute capability 8.9 or later: L4, L40S, H100, ...); "
+                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: drop --fp8")
+
+
+def apply_fp8(modules: list[nn.Module], recipe: str | None, device=None) -> int:
     """Swap the :func:`float8_linears` of each (meta) stage in ``modules`` for torchao's ``Float8Linear``
-    with ``recipe``'s config (checked by :func:`hfpipe.config.names.check_fp8`), in place; returns how
-    many (0 without a recipe)."""
+    with ``recipe``'s config (checked by :func:`hfpipe.config.names.check_fp8`), in place, for a run on
+    ``device``; returns how many (0 without a recipe)."""
     if recipe is None:
         return 0
+    _check_device(device)
     config = _float8_config(recipe)
     from torchao.float8 import convert_to_float8_training
+
+    from hfpipe.quant.float8_frozen import FrozenAwareFloat8Linear  # imports torchao: only when asked for
 
     count = 0
     for stage in modules:
         chosen = set(float8_linears(stage))
         # torchao's filter gets each linear's name below the module it converts: the stage's names
-        convert_to_float8_training(stage, config=config, module_filter_fn=lambda _m, name: name in chosen)
+        convert_to_float8_training(stage, config=config,
+                                   module_filter_fn=lambda _m, name, picked=chosen: name in picked)
         for name in chosen:
-            # x @ W.T + b, in float8: still a target of LoRA's all-linear (hfpipe.models.targets.plain_linear)
-            stage.get_submodule(name).plain_linear = True
+            linear = stage.get_submodule(name)
+            # torchao's converter makes its own class (and readies inductor for float8); ours only adds a
+            # backward without the weight's gradient for a frozen (LoRA) base
+            linear.__class__ = FrozenAwareFloat8Linear
+            linear.plain_linear = True  # x @ W.T + b: still a target of LoRA's all-linear (models.targets)
         count += len(chosen)
     log.info("--fp8 %s: %d decoder-layer linears compute in float8", recipe, count)
     return count

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from _dist import folder_tensors, tiny_checkpoint
 from test_cli_e2e import hfpipe
@@ -51,13 +50,26 @@ def _finetune(model: Path, cwd: Path, out: str, *flags) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_finetune_fp8_tracks_bf16_resumes_without_fp8_and_exports_an_ordinary_folder(llama, tmp_path):
-    want = [r["loss"] for r in _finetune(llama, tmp_path, "bf16", "--max-steps", 4)]
+@pytest.mark.timeout(1200)  # two runs of two ranks each
+def test_finetune_fp8_resumes_without_fp8_and_exports_an_ordinary_folder(llama, tmp_path):
+    """(That --fp8 tracks bf16-mixed is checked in process: tests/quant/test_quant_fp8_training.py.)"""
     _finetune(llama, tmp_path, "fp8", "--max-steps", 2, "--fp8", "--save-every", 2)
+    (ckpt,) = (tmp_path / "fp8" / "checkpoints").glob("step-*")
+    assert json.loads((ckpt / "hfpipe.json").read_text())["config"]["fp8"] is True
     rows = _finetune(llama, tmp_path, "fp8", "--max-steps", 4, "--resume", "latest", "--save-hf-at-end")
     assert [r["step"] for r in rows] == [1, 2, 3, 4], "two --fp8 steps, then two resumed without it"
-    got = [r["loss"] for r in rows]
-    assert got != want, "the --fp8 steps multiplied in float8"
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0.02, atol=0)
+    losses = [r["loss"] for r in rows]
+    assert losses[-1] < losses[0] - 0.1, losses
     exported, source = folder_tensors(tmp_path / "fp8" / "hf"), folder_tensors(llama)
     assert {k: (v.dtype, v.shape) for k, v in exported.items()} == {k: (v.dtype, v.shape) for k, v in source.items()}
+
+def test_plan_prices_fp8_as_bf16_mixed(llama):
+    """torchao saves the bf16 input and weight for backward, as a plain linear does: the same price."""
+    from typer.testing import CliRunner
+
+    from hfpipe.cli.main import app
+
+    args = ["plan", str(llama), "--pp", "2", "--dtype", "bf16-mixed", "--seq-len", "64", "--batch-size", "4"]
+    plain, fp8 = (CliRunner().invoke(app, args + extra) for extra in ([], ["--fp8", "--fp8-recipe", "tensorwise"]))
+    assert plain.exit_code == fp8.exit_code == 0, fp8.stderr[-2000:]
+    assert fp8.stdout == plain.stdout and "rank" in plain.stdout

@@ -96,3 +96,30 @@ def test_fp8_refuses_in_one_line(llama, options, words):
     with pytest.raises(HfpipeError) as info:
         load_pipeline(llama, pp=1, **options)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_a_frozen_float8_base_gives_torchaos_input_gradient_bit_for_bit_and_no_weight_gradient(recipe):
+    """LoRA's frozen base skips the weight-gradient GEMM; its output and input gradient are torchao's own."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from hfpipe.quant.float8_frozen import FrozenAwareFloat8Linear
+
+    torch.manual_seed(0)
+    plain, config = torch.nn.Linear(64, 32).to(torch.bfloat16), Float8LinearConfig.from_recipe_name(recipe)
+    reference = Float8Linear.from_float(copy.deepcopy(plain), config=config)  # trainable: torchao's backward
+    frozen = FrozenAwareFloat8Linear.from_float(copy.deepcopy(plain), config=config)
+    frozen.weight.requires_grad_(False)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    results = []
+    for linear in (reference, frozen):
+        xi = x.clone().requires_grad_()
+        out = linear(xi)
+        out.float().square().sum().backward()
+        results.append((out, xi.grad))
+    assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[1][1], results[0][1])
+    assert not torch.equal(results[0][0], plain(x)), "the reference multiplied in float8"
+    assert reference.weight.grad is not None and frozen.weight.grad is None
