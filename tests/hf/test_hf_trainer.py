@@ -119,7 +119,7 @@ def test_the_bar_pp2_equals_the_plain_trainer(tmp_path):
     assert not WARNING_LINE.findall(said), [line for line in said.splitlines() if WARNING_LINE.search(line)]
 
 
-@pytest.mark.parametrize("field, value", [("torch_compile", True), ("label_smoothing_factor", 0.1),
+@pytest.mark.parametrize("field, value", [("use_liger_kernel", True), ("label_smoothing_factor", 0.1),
                                           ("load_best_model_at_end", True), ("push_to_hub", True)])
 def test_a_trainer_feature_a_pipeline_cannot_run_is_refused_by_name(tmp_path, field, value):
     from transformers import TrainingArguments
@@ -219,6 +219,33 @@ def test_sft_on_a_chat_dataset_with_completion_only_loss_equals_trl(tmp_path):
     pytest.importorskip("trl", reason="PipelineSFTTrainer needs the optional extra trl")
     got, want = run_pair(tmp_path, dict(script="train_sft.py"), dict(pp=2, script="train_sft.py"))
     assert len(losses(want)) == 3 and len(losses(want, "eval_loss")) >= 2
+    assert_same_run(got, want)
+
+
+def test_torch_compile_compiles_the_stages_decoder_layers_with_its_backend_and_mode(tmp_path):
+    """TrainingArguments(torch_compile=True) reaches load_pipeline as compile=True (each decoder layer, in place),
+    never accelerate's compile of the Trainer's whole model."""
+    from transformers import TrainingArguments
+
+    from hfpipe.api import load_pipeline
+    from hfpipe.hf.options import load_kwargs
+    from hfpipe.pipeline.options import PipelineLayout
+
+    def keywords(**given):
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], **given)
+        kw = load_kwargs(load_pipeline, PipelineLayout(pp=2), args, None, False)
+        return kw["compile"], kw["compile_backend"], kw["compile_mode"]
+
+    assert keywords() == (False, None, None)
+    assert keywords(torch_compile=True) == (True, "inductor", None)
+    assert keywords(torch_compile_backend="aot_eager", torch_compile_mode="max-autotune") == (
+        True, "aot_eager", "max-autotune")
+
+
+@pytest.mark.slow
+def test_torch_compile_equals_the_plain_trainer(tmp_path):
+    """PipelineTrainer(pp=2) with torch_compile=True against the plain Trainer, eager: the same run."""
+    got, want = run_pair(tmp_path, {}, dict(pp=2, compile_backend="inductor"))
     assert_same_run(got, want)
 
 
