@@ -34,10 +34,12 @@ def test_compiled_layers_at_pp2_train_as_transformers_does():
     _run("llama_tied", 2, ("1f1b",))
 
 
-def test_compiled_layers_keep_their_modules_and_every_name():
-    """In place, not wrapped: no ``_orig_mod.`` in parameter names, state dicts, the DCP view or LoRA keys."""
+def test_compiled_layers_keep_their_modules_and_every_name(tmp_path):
+    """In place, not wrapped: no ``_orig_mod.`` in parameter names, state dicts, the DCP view or LoRA keys; a
+    compiled pipeline's checkpoint resumes an eager one, and its export holds the checkpoint's own keys."""
     from peft import LoraConfig
 
+    from _dist import folder_tensors
     from hfpipe.api import load_pipeline
 
     path = str(tiny_checkpoint("llama", num_hidden_layers=2))
@@ -51,6 +53,11 @@ def test_compiled_layers_keep_their_modules_and_every_name():
         assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in layers.values())
         assert all(layer._compiled_call_impl is not None for layer in layers.values())
         assert all(layer._compiled_call_impl is None for layer in eager.modules[0].model.layers.values())
+    compiled.save_checkpoint(str(tmp_path / "ckpt"), 1)
+    assert eager.load_checkpoint(str(tmp_path / "ckpt")).step == 1
+    plain = load_pipeline(path, pp=1, compile=True)
+    plain.save_pretrained(str(tmp_path / "hf"))
+    assert sorted(folder_tensors(tmp_path / "hf")) == sorted(folder_tensors(path))
 
 
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE)
