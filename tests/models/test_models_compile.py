@@ -146,6 +146,12 @@ def test_compiled_every_schedule_that_runs_it():
 
 
 @pytest.mark.slow
+def test_compiled_deepseek_v3_dense_and_moe_layers_on_one_stage():
+    """Two kinds of layer in one compiled frame: more graphs than torch's default limit of 8 allows."""
+    _run("deepseek_v3", 2, ("1f1b",), layers=6)
+
+
+@pytest.mark.slow
 def test_compiled_dp2_x_pp2_fsdp2():
     _run("llama_tied", 2, ("1f1b",), dp=2)
 
