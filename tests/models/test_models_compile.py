@@ -88,6 +88,18 @@ def test_plan_and_finetune_refuse_what_cannot_run_compiled_exit_2(command, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_a_recipe_sets_compile_and_is_checked_as_the_flag_is(tmp_path):
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.errors import HfpipeError
+    from hfpipe.pipeline.options import from_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: meta-llama/Llama-3.1-8B\npp: 2\ncompile: true\n")
+    assert from_config(FinetuneConfig.from_yaml(recipe))[1].compile is True
+    with pytest.raises(HfpipeError, match="--compile with --schedule dualpipev"):
+        FinetuneConfig.from_yaml(recipe, schedule="dualpipev")
+
+
 def test_plan_prices_a_compiled_run_as_an_eager_one():
     from hfpipe.cli.main import app
 
