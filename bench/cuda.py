@@ -1,34 +1,62 @@
-"""Benchmark: hfpipe on one CUDA device against a plain transformers loop, same model and tokens.
+"""Benchmark: hfpipe on one CUDA device against plain transformers, same model, same tokens, one run.
 
-For a GPU machine (it runs on CPU too, slowly). Builds a random Llama and trains it for a few steps
-twice, side by side in one run:
+Each case trains a random model of real shapes for a few steps in a process of its own (so one case's memory
+never weighs on the next) and prints tokens/s, MFU, peak device memory and the losses; ratios are taken against
+the first case of the same shape, measured in the same run on the same device:
 
-- **plain**: ``AutoModelForCausalLM`` in one process, AdamW, the loss transformers computes;
-- **hfpipe**: ``load_pipeline(pp=1)`` in a launched rank (NCCL on CUDA, chosen by hfpipe), the same
-  optimizer settings, ``trainer.step``.
+============================  ===========================================================================
+ case                          what runs
+============================  ===========================================================================
+ ``plain``                      ``AutoModelForCausalLM`` (fp32 master weights, bf16 autocast), fused AdamW,
+                                the loss transformers computes from the full logits
+ ``plain-compile``              the same, ``torch.compile`` on each decoder layer
+ ``hfpipe``                     ``load_pipeline(pp=1, dtype="bf16-mixed")`` + ``trainer.step`` (the chunked head loss)
+ ``hfpipe-full-logits``         the same with ``loss_chunk_tokens=0``: the head loss against full logits
+ ``hfpipe-compile``             ``compile=True``
+ ``hfpipe-fp8``                 ``fp8="rowwise"`` (torchao float8 training)
+ ``hfpipe-compile-fp8``         both
+ ``trainer`` / ``pipeline-trainer``  transformers' ``Trainer(bf16=True)`` and ``PipelineTrainer(pp=1)``, same data
+ ``lora-plain``                 PEFT ``get_peft_model`` r16 all-linear on a bf16 base (``--lora-shape``), autocast
+ ``lora-hfpipe`` (``-compile``)  ``load_pipeline(dtype="bf16", lora=LoraConfig(...))`` (and ``compile=True``)
+============================  ===========================================================================
 
-Printed: tokens/s of each and their ratio, peak device memory of each, and the losses of both, which
-must agree. ``--dtype fp32`` checks exactness on the device's kernels; ``bf16-mixed`` (fp32 master
-weights, bf16 autocast in the plain loop) measures speed.
+MFU = tokens/s x FLOPs per token / peak, with FLOPs per token = 6 N + 12 L h s for full fine-tuning and
+4 N + 12 L h s for LoRA (no weight gradients of the frozen base), N the parameters other than the input
+embedding, L layers, h hidden size, s sequence length (torchtitan's count); peak ``--peak-tflops`` (989: the
+dense bf16 peak of an H100/H200 SXM).
 
-Run:  python bench/cuda.py [--hidden 2048] [--layers 8] [--seq 2048] [--batch 4] [--steps 5] [--dtype bf16-mixed]
+Run (on a GPU):  python bench/cuda.py [--cases plain,hfpipe,...] [--shape llama3-8b-slice] [--seq 4096] [--batch 2]
+Each case's result is one JSON line in ``--results`` as soon as it ends (a run cut short keeps what it had).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-
-def _batches(vocab: int, batch: int, seq: int, steps: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, vocab, (batch, seq), generator=g) for _ in range(steps + 1)]
+SHAPES = {  # Llama-3-8B's dims; the slice keeps 8 of its 32 layers
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+}
+SHAPES["llama3-8b-slice"] = {**SHAPES["llama3-8b"], "num_hidden_layers": 8}
+CASES = ("plain", "plain-compile", "hfpipe", "hfpipe-full-logits", "hfpipe-compile", "hfpipe-fp8",
+         "hfpipe-compile-fp8", "trainer", "pipeline-trainer", "lora-plain", "lora-hfpipe", "lora-hfpipe-compile")
+PROFILE: dict = {}  # {"to": path} when --profile-dir is given
+HFPIPE = {"hfpipe": {}, "hfpipe-full-logits": {"loss_chunk_tokens": 0}, "hfpipe-compile": {"compile": True},
+          "hfpipe-fp8": {"fp8": "rowwise"}, "hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
+          "lora-hfpipe": {}, "lora-hfpipe-compile": {"compile": True}}
 
 
 def _device() -> torch.device:
@@ -40,90 +68,219 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _plain(path: str, a: argparse.Namespace) -> dict:
-    from transformers import AutoModelForCausalLM
+def _batches(vocab: int, a) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (a.batch, a.seq), generator=g) for _ in range(a.warmup + a.steps)]
 
-    dev = _device()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+
+
+def _timed(step, batches, warmup: int) -> dict:
+    """Run ``step(ids) -> loss`` over ``batches``; the first ``warmup`` steps (kernels, compilation) untimed."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     walls, losses = [], []
-    for i, ids in enumerate(_batches(model.config.vocab_size, a.batch, a.seq, a.steps)):
-        ids = ids.to(dev)
+    for i, ids in enumerate(batches):
         _sync()
         t0 = time.perf_counter()
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16-mixed"):
+        losses.append(step(ids))
+        _sync()
+        if i >= warmup:
+            walls.append(time.perf_counter() - t0)
+    losses = [float(x) for x in losses]
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    if PROFILE.get("to"):  # one more step under the profiler: where the time goes, by op
+        with torch.profiler.profile() as prof:
+            step(batches[-1])
+            _sync()
+        by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        Path(PROFILE["to"]).write_text(prof.key_averages().table(sort_by=by, row_limit=40))
+    return {"wall": statistics.median(walls), "loss": losses, "peak": peak}
+
+
+def _plain(path: str, a, compile_layers: bool, lora: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    dev = _device()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if lora else torch.float32).to(dev)
+    if lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora_config())
+    if compile_layers:
+        for layer in model.get_decoder().layers:
+            layer.compile()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8,
+                            **({"fused": True} if dev.type == "cuda" else {}))
+
+    def step(ids):
+        ids = ids.to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        _sync()
-        if i:  # the first step warms the kernels
-            walls.append(time.perf_counter() - t0)
+        return loss.detach()
+
+    return _timed(step, _batches(model.config.vocab_size, a), a.warmup)
+
+
+def _hfpipe(path: str, a, options: dict, lora: bool) -> dict:
+    from hfpipe.api import load_pipeline
+    from hfpipe.train.optim import build_optimizer
+
+    extra = {"dtype": "bf16", "lora": _lora_config()} if lora else {"dtype": "bf16-mixed"}
+    pm = load_pipeline(path, pp=1, schedule="1f1b", microbatches=1, **extra, **options)
+    trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4, weight_decay=0.0), max_grad_norm=1.0)
+
+    def step(ids):
+        return trainer.step({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}).loss
+
+    return _timed(step, _batches(pm.source.config.vocab_size, a), a.warmup)
+
+
+def _trainer(path: str, a, pipelined: bool) -> dict:
+    """transformers' Trainer or hfpipe's PipelineTrainer on the same random rows; steps timed by a callback."""
+    from transformers import TrainerCallback, TrainingArguments, default_data_collator
+
+    if pipelined:
+        import hfpipe.hf  # noqa: F401 - first, as a user's script has it
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    data = [{"input_ids": row, "labels": row} for row in torch.cat(_batches(vocab, a))]  # a map-style dataset
+    steps = a.warmup + a.steps
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=a.batch,
+                             bf16=True, optim="adamw_torch_fused", learning_rate=1e-4, max_grad_norm=1.0,
+                             weight_decay=0.0, adam_beta2=0.95, logging_steps=steps, save_strategy="no",
+                             report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=0,
+                             use_cpu=not torch.cuda.is_available())  # bf16 on CPU needs use_cpu
+    walls: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            _sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, _args, state, *_, **__):
+            _sync()
+            if state.global_step > a.warmup:
+                walls.append(time.perf_counter() - self.t0)
+
+    common = {"args": args, "train_dataset": data, "data_collator": default_data_collator, "callbacks": [Clock()]}
+    if pipelined:
+        from hfpipe.hf import PipelineTrainer
+
+        trainer = PipelineTrainer(path, pp=1, **common)
+    else:
+        from transformers import AutoModelForCausalLM, Trainer
+
+        trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), **common)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     return {"wall": statistics.median(walls), "loss": losses, "peak": peak}
 
 
-def _hfpipe(path: str, batch: int, seq: int, steps: int, dtype: str) -> dict:
-    from hfpipe.api import load_pipeline
-    from hfpipe.train.optim import build_optimizer
-
-    pm = load_pipeline(path, pp=1, schedule="1f1b", microbatches=1, dtype=dtype)
-    trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4, weight_decay=0.0), max_grad_norm=1.0)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    walls, losses = [], []
-    for i, ids in enumerate(_batches(pm.source.config.vocab_size, batch, seq, steps)):
-        _sync()
-        t0 = time.perf_counter()
-        losses.append(trainer.step({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}).loss)
-        _sync()
-        if i:
-            walls.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    return {"wall": statistics.median(walls), "loss": losses, "peak": peak, "device": str(pm.named_parameters()[0][1].device)}
+def run_case(case: str, path: str, a) -> dict:
+    lora = case.startswith("lora-")
+    if case in ("plain", "plain-compile", "lora-plain"):
+        return _plain(path, a, compile_layers=case == "plain-compile", lora=lora)
+    if case in ("trainer", "pipeline-trainer"):
+        return _trainer(path, a, pipelined=case == "pipeline-trainer")
+    return _hfpipe(path, a, HFPIPE[case], lora=lora)
 
 
-def _build(folder: Path, a: argparse.Namespace, min_kv_heads: int = 1) -> None:
-    """A random Llama of ``a.hidden`` x ``a.layers`` (``min_kv_heads``: at least as many kv heads, for tp)."""
+def flops_per_token(shape: dict, seq: int, lora: bool) -> float:
+    h, L, i, v = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    n = L * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h + v * h  # layers, final norm, head
+    return (4 if lora else 6) * n + 12 * L * h * seq
+
+
+def _build(folder: Path, shape: dict) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=a.hidden, intermediate_size=int(2.75 * a.hidden),
-                      num_hidden_layers=a.layers, num_attention_heads=a.hidden // 128,
-                      num_key_value_heads=max(min_kv_heads, a.hidden // 512), tie_word_embeddings=False)
+    if (folder / "config.json").exists():
+        return
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder, max_shard_size="1GB")
+    with torch.device(_device()):  # random init on the device: seconds for 8B, where the CPU takes minutes
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="5GB")
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _report(rows: list[dict], a) -> None:
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    print(f"\n{name}, torch {torch.__version__}, seq {a.seq} x batch {a.batch}, {a.steps} timed steps after "
+          f"{a.warmup}; MFU of {a.peak_tflops:.0f} TFLOP/s")
+    print(f"{'case':22} {'shape':16} {'tok/s':>9} {'ratio':>6} {'MFU':>6} {'peak GiB':>9}  losses (first, last)")
+    base: dict[str, float] = {}
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:22} {r['shape']:16} failed: {r['error']}")
+            continue
+        base.setdefault(r["shape"] + ("-lora" if r["case"].startswith("lora") else ""), r["tok_s"])
+        ref = base[r["shape"] + ("-lora" if r["case"].startswith("lora") else "")]
+        print(f"{r['case']:22} {r['shape']:16} {r['tok_s']:9.0f} {r['tok_s'] / ref:6.3f} {r['mfu']:6.1%} "
+              f"{r['peak'] / 2**30:9.1f}  {r['loss'][0]:.4f}, {r['loss'][-1]:.4f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("hidden", 2048), ("layers", 8), ("seq", 2048), ("batch", 4), ("steps", 5)):
+    p.add_argument("--cases", default=",".join(CASES[:9]))
+    p.add_argument("--shape", default="llama3-8b-slice", choices=sorted(SHAPES))
+    p.add_argument("--lora-shape", default="llama3-8b", choices=sorted(SHAPES))
+    for name, default in (("seq", 4096), ("batch", 2), ("steps", 4), ("warmup", 2)):
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--dtype", default="bf16-mixed", choices=("fp32", "bf16-mixed"))
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "hfpipe-bench-cuda"))
+    p.add_argument("--results", default="cuda_results.jsonl")
+    p.add_argument("--case-timeout", type=float, default=300.0)
+    p.add_argument("--profile-dir", help="write each case's profile (one extra step, by op) to DIR/CASE.txt")
+    p.add_argument("--run-case", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args()
-    from hfpipe.parallel.launch import launch
-
-    work = Path(tempfile.mkdtemp(prefix="hfpipe-bench-cuda-"))
-    try:
-        _build(work / "model", a)
-        plain = _plain(str(work / "model"), a)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        ours = launch(_hfpipe, 1, str(work / "model"), a.batch, a.seq, a.steps, a.dtype)[0]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    tokens = a.batch * a.seq
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    print(f"{name}, {a.dtype}, hidden {a.hidden} x {a.layers} layers, {tokens} tokens a step; hfpipe ran on "
-          f"{ours['device']}")
-    print(f"tokens/s  plain {tokens / plain['wall']:.0f}  hfpipe {tokens / ours['wall']:.0f}  "
-          f"ratio hfpipe/plain {plain['wall'] / ours['wall']:.3f}")
-    print(f"peak device memory  plain {plain['peak'] / 2**30:.2f} GiB  hfpipe {ours['peak'] / 2**30:.2f} GiB")
-    diff = max(abs(x - y) for x, y in zip(plain["loss"], ours["loss"]))
-    print(f"losses plain {[round(x, 5) for x in plain['loss']]}, largest difference hfpipe {diff:.2e}")
+    if a.run_case:  # a child: one case, its result as the last line of stdout
+        if a.profile_dir:
+            PROFILE["to"] = os.path.join(a.profile_dir, f"{a.run_case}.txt")
+        print("RESULT " + json.dumps(run_case(a.run_case, a.model, a)), flush=True)
+        return
+    rows = []
+    for case in a.cases.split(","):
+        shape = a.lora_shape if case.startswith("lora-") else a.shape
+        folder = Path(a.work) / shape
+        _build(folder, SHAPES[shape])
+        row = {"case": case, "shape": shape}
+        cmd = [sys.executable, __file__, "--run-case", case, "--model", str(folder)] + [
+            f"--{k}={getattr(a, k)}" for k in ("seq", "batch", "steps", "warmup")] + (
+            [f"--profile-dir={a.profile_dir}"] if a.profile_dir else [])
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.case_timeout)
+            found = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+            if found:
+                row.update(json.loads(found[-1][7:]))
+                row["tok_s"] = a.batch * a.seq / row["wall"]
+                row["mfu"] = row["tok_s"] * flops_per_token(SHAPES[shape], a.seq, case.startswith("lora-")) / (
+                    a.peak_tflops * 1e12)
+            else:
+                row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1][-300:]
+                sys.stderr.write(done.stderr[-4000:])
+        except subprocess.TimeoutExpired:
+            row["error"] = f"ran past {a.case_timeout:.0f} s"
+        rows.append(row)
+        with open(a.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k != "loss"}), flush=True)
+    _report(rows, a)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ if load_pipeline.__doc__:  # (None under python -OO)
 
 # --- The checks below the face speak the CLI's flags; a Python caller reads its arguments -------------
 #: Flags whose argument is not simply the flag's name with underscores.
-_FLAGS = {"--force": "overwrite=True", "--lora-rank": "lora", "--batch-size": "the batch's rows",
+_FLAGS = {"--force": "overwrite=True", "--lora-rank": "lora", "--fp8-recipe": "fp8", "--batch-size": "the batch's rows",
           "--out": "out", "--model": "model"}
 _FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from hfpipe.config.names import QUANTIZE_BASE, SCHEDULES, ConfigError
+from hfpipe.config.names import FP8_RECIPES, QUANTIZE_BASE, SCHEDULES, ConfigError, check_fp8
 from hfpipe.parallel.dims import ParallelDims
 from hfpipe.parallel.rules import check_layout
 
@@ -31,6 +31,7 @@ _CHOICES = {
     "lr_schedule": ("cosine", "linear", "constant"),
     "dtype": ("fp32", "bf16-mixed", "bf16"),
     "activation_checkpointing": ("none", "full", "selective"),
+    "fp8_recipe": FP8_RECIPES,
 }
 _AT_LEAST_ONE = ("seq_len", "batch_size", "grad_accum", "epochs", "keep", "log_every")
 _NONE_OR_AT_LEAST_ONE = ("microbatches", "max_steps", "save_every", "threads_per_rank")
@@ -49,6 +50,9 @@ def check(c: "FinetuneConfig") -> None:
     _check_layout(c)
     _check_eval_and_reports(c)
     _check_lora(c)
+    if c.fp8_recipe != FP8_RECIPES[0] and not c.fp8:
+        raise ConfigError(f"--fp8-recipe {c.fp8_recipe} applies with --fp8; add --fp8")
+    check_fp8(c.fp8_recipe if c.fp8 else None, c.dtype, c.quantize_base)
 
 
 def _flag(name: str) -> str:

@@ -8,10 +8,25 @@ from hfpipe.errors import ConfigError
 from hfpipe.parallel.rules import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES
 
 __all__ = ["ConfigError", "SCHEDULES", "INTERLEAVED_SCHEDULES", "V_SCHEDULES", "QUANTIZE_BASE", "OTHER_NAMES",
-           "check_other_names"]
+           "FP8_RECIPES", "check_fp8", "check_other_names"]
 
 #: Formats a LoRA run's frozen base can be kept in on the device (``--quantize-base``).
 QUANTIZE_BASE = ("nf4", "fp8")
+#: Float8 training's recipes (``--fp8-recipe``): torchao's names, rowwise (torchtitan's default) first.
+FP8_RECIPES = ("rowwise", "tensorwise")
+
+
+def check_fp8(recipe: str | None, dtype: str, quantize_base: str | None) -> None:
+    """Refuse float8 training (``recipe``, or ``None``: off) with what it cannot run with, in one line."""
+    if recipe is None:
+        return
+    if recipe not in FP8_RECIPES:
+        raise ConfigError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}; got {recipe!r}")
+    if dtype == "fp32":  # torchao casts the bf16 compute copies; an fp32 run has none to cast
+        raise ConfigError("--fp8 multiplies bf16 activations in float8; use --dtype bf16-mixed (or bf16), not fp32")
+    if quantize_base is not None:
+        raise ConfigError(f"--fp8 with --quantize-base {quantize_base}: a quantized base dequantizes each weight "
+                          "for a bf16 matmul; drop one of the two")
 
 
 #: Keys users bring from transformers' TrainingArguments, TRL, PEFT and torchtune recipes, and the

@@ -124,6 +124,11 @@ class FinetuneConfig:
     compile: bool = False
     """torch.compile each decoder layer (inductor): faster steps after a slow first one; names,
     checkpoints and exports are unchanged. Not with the zero-bubble schedules."""
+    fp8: bool = False
+    """Float8 training (torchao): the decoder layers' linears whose dims divide by 16 multiply in
+    float8; weights, optimizer state, checkpoints and exports keep --dtype's (bf16-mixed or bf16)."""
+    fp8_recipe: str = "rowwise"
+    """With --fp8: rowwise (a scale per row, torchtitan's default) | tensorwise (one per tensor)."""
     seed: int = 0
     """Seed for data order and any random initialisation."""
 

@@ -12,6 +12,10 @@ the hidden states (B, T, H) and one summed gradient per head parameter (V, H), t
 the gradient the plain loss makes. Everything is plain torch autograd over the stage's own
 modules, so it runs on CPU and CUDA, under FSDP2 mixed precision, and with any ``logits``. How many
 tokens a chunk holds is :func:`hfpipe.loss.budget.chunk_tokens`.
+
+A plain linear head (the common case) takes a faster path to the same result,
+:mod:`hfpipe.loss.linear_head`: the loss runs the head's matmuls itself and adds each chunk's weight
+gradient inside the GEMM. :func:`head_path` says which path a call takes.
 """
 
 from __future__ import annotations
@@ -19,14 +23,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hfpipe.loss.linear_head import LinearHead, linear_head_weight, linear_loss_sum
 from hfpipe.loss.tokens import IGNORE_INDEX
 from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum
 
-__all__ = ["chunked_loss_sum"]
+__all__ = ["chunked_loss_sum", "head_path"]
+
+
+def head_path(linear: LinearHead | None, hidden: torch.Tensor) -> str:
+    """``"linear"`` when :func:`chunked_loss_sum` runs the head's matmuls itself, else ``"generic"``."""
+    return "generic" if linear_head_weight(linear, hidden) is None else "linear"
 
 
 def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
-                     denominator: float, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                     denominator: float, ignore_index: int = IGNORE_INDEX,
+                     linear: LinearHead | None = None) -> torch.Tensor:
     """Sum of cross-entropy / ``denominator`` over ``targets`` != ``ignore_index``, chunk by chunk.
 
     Args:
@@ -35,11 +46,16 @@ def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chu
         targets: Already shifted labels (B, T): the token each position predicts.
         chunk: Tokens per chunk (split along T; each chunk holds ``B * t <= chunk`` tokens).
         denominator: The global token count the loss is divided by.
+        linear: ``logits_fn`` split into its parts, where it is a linear head: then the fast path runs
+            when it can (:func:`head_path`).
 
     Returns:
         A float32 scalar equal to ``cross_entropy(logits_fn(hidden), targets, reduction="sum") /
         denominator``, with the same gradients for ``hidden`` and every parameter ``logits_fn`` uses.
     """
+    weight = linear_head_weight(linear, hidden)
+    if weight is not None:
+        return linear_loss_sum(linear, weight, hidden, targets, chunk, denominator, ignore_index)
     step = max(1, chunk // hidden.shape[0])
     targets = targets.to(hidden.device)
     if not torch.is_grad_enabled():

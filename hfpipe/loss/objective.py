@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hfpipe.loss.chunked import chunked_loss_sum
+from hfpipe.loss.linear_head import LinearHead
 from hfpipe.loss.tokens import batch_targets, batch_tokens, token_loss_sum
 
 __all__ = ["Head", "Objective", "StageLoss", "TokenMean"]
@@ -43,10 +44,12 @@ class Head:
     Attributes:
         logits: Maps hidden states (B, t, H) to logits (B, t, V) token by token (``stage.logits``).
         chunk: Tokens per chunk of the loss.
+        linear: The same head split into its parts where it is a linear head (the loss's fast path), or ``None``.
     """
 
     logits: Callable[[torch.Tensor], torch.Tensor]
     chunk: int
+    linear: LinearHead | None = None
 
 
 class Objective:
@@ -93,7 +96,7 @@ class TokenMean(Objective):
 
     def loss(self, out: torch.Tensor, targets: torch.Tensor, head: Head | None, denominator: float) -> torch.Tensor:
         if head is not None:
-            return chunked_loss_sum(head.logits, out, targets, head.chunk, denominator)
+            return chunked_loss_sum(head.logits, out, targets, head.chunk, denominator, linear=head.linear)
         return token_loss_sum(out, targets) / denominator
 
 

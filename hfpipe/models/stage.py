@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hfpipe.models.adapter import ConfigFactor
 from hfpipe.models.meta import build_meta_model, model_config
 from hfpipe.models.router_loss import RouterSums, finish_router_loss, router_loss_spec
 
@@ -139,6 +140,30 @@ class PipelineStageModule(nn.Module):
         """
         before = [getattr(self.model, name) for name in self.adapter.head_modules]
         return self.adapter.head(self.config, self.model.norm, self.lm_head, hidden, before)
+
+    def head_parts(self):
+        """``(inputs, lm_head, scale)`` with ``logits(h) == scale(lm_head(inputs(h)))``, where every logit
+        transform of the family is a constant factor (``scale`` is ``None`` without any), else ``None``.
+
+        Then ``scale`` applied to the logits' gradient is the chain rule through it, and the loss may run
+        the head's matmuls itself (hfpipe.loss.linear_head).
+        """
+        transforms = self.adapter.logits
+        if not all(isinstance(t, ConfigFactor) for t in transforms):
+            return None
+        before = [getattr(self.model, name) for name in self.adapter.head_modules]
+
+        def inputs(h):
+            for module in before:
+                h = module(h)
+            return self.model.norm(h)
+
+        def scale(x):
+            for transform in transforms:
+                x = transform(self.config, x)
+            return x
+
+        return inputs, self.lm_head, (scale if transforms else None)
 
     def _layer_kind(self, idx: int) -> str:
         return self.adapter.mask_kind or _mask_kind(self.config, idx)

@@ -10,6 +10,8 @@ only the order:
  when    step            what it does
 ======  ==============  =========================================================================
  meta    build           the stage's transformers modules under the full model's names (models/stage.py)
+ meta    ``apply_fp8``   the decoder layers' linears compute in float8 (hfpipe.quant.float8: torchao's
+                         ``Float8Linear``, the same parameters); before tp, whose plan then splits them
  meta    ``apply_tp``    every matrix split over tp (hfpipe.parallel.tensor, transformers' plan mapped by
                          hfpipe.parallel.tensor_plan), so the loader then reads only a rank's slice; an FP8
                          base's codes and tile scales are split together (hfpipe.quant.tensor), so under tp
@@ -59,6 +61,7 @@ from hfpipe.pipeline.model import RankPipeline
 from hfpipe.pipeline.options import PipelineLayout, StageOptions
 from hfpipe.pipeline.schedule import Pipeline, PipelineError
 from hfpipe.plan.split import plan_pipeline
+from hfpipe.quant.float8 import apply_fp8
 from hfpipe.quant.linear import apply_quant, check_shardable
 from hfpipe.quant.tensor import fp8_tp_plan
 from hfpipe.source.folder import ModelSource
@@ -123,6 +126,7 @@ class _Meta:
     quantize: object = None
     activation_checkpointing: str = "none"
     sequence_parallel: bool = True
+    fp8: str | None = None
 
 
 def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, LoadStats, object]:
@@ -134,7 +138,7 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
     tp_mesh = dist.mesh["tp"] if dims.tp > 1 else None
     expert_mesh = dist.expert_mesh() if dims.ep > 1 else None
     meta = _Meta(options.param_dtype, options.compute_dtype, options.param_dtype, options.quantize,
-                 options.activation_checkpointing, options.sequence_parallel)
+                 options.activation_checkpointing, options.sequence_parallel, options.fp8)
     modules, stats = _loaded_stages(source, plan, dist.pp_rank, dist.device, meta, tp_mesh, expert_mesh)
     if dims.cp > 1:
         apply_cp(modules, ContextParallel(dist.cp_group, dims.cp, dist.cp_rank))
@@ -160,6 +164,7 @@ def _loaded_stages(source, plan, pp_rank: int, device, meta: _Meta, tp_mesh, exp
     """The meta steps of the module docstring's order, then the load: ``(modules, stats)``."""
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), meta.param_dtype, adapter=adapter_for(config))
+    apply_fp8(modules, meta.fp8)
     quantizer = None
     if tp_mesh is not None and meta.quantize is not None:  # FP8 storage first: tp splits it on its tiles
         quantizer = apply_quant(modules, source.config, meta.quantize, meta.param_dtype, tp_mesh.size())  # (no --ep)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hfpipe.config.names import check_fp8
 from hfpipe.lora.adapters import check_lora_config, from_finetune_config
 from hfpipe.models.compile import CompileSpec
 from hfpipe.parallel.dims import ParallelDims, check_degrees
@@ -126,6 +127,8 @@ class StageOptions:
             and exports are unchanged. The zero-bubble schedules are refused with it.
         compile_backend: torch's compile backend (default ``inductor``).
         compile_mode: torch's compile mode (default: torch's).
+        fp8: Float8 training: ``rowwise`` or ``tensorwise`` (torchao's recipes), or ``None``: the decoder
+            layers' linears multiply in float8 (:mod:`hfpipe.quant.float8`); needs a bf16 compute dtype.
     """
 
     dtype: str = "fp32"
@@ -140,6 +143,7 @@ class StageOptions:
     compile: bool = False
     compile_backend: str | None = None
     compile_mode: str | None = None
+    fp8: str | None = None
 
     def __post_init__(self) -> None:
         _check_counts(seed=self.seed, loss_chunk_tokens=self.loss_chunk_tokens)
@@ -150,6 +154,7 @@ class StageOptions:
         if self.dtype not in PRECISIONS:
             raise PipelineError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(PRECISIONS)}")
         self._check_compile()
+        check_fp8(self.fp8, self.dtype, self.quantize_base)
         for switch in ("sequence_parallel", "reshard_per_microbatch", "compile"):  # a switch given as 1 or 0 is one
             value = getattr(self, switch)
             if value not in (True, False):  # a string such as "no" would read as True
@@ -211,7 +216,8 @@ def from_config(cfg) -> tuple[PipelineLayout, StageOptions]:
     stages = StageOptions(dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
                           sequence_parallel=cfg.sequence_parallel, reshard_per_microbatch=cfg.reshard_per_microbatch,
                           lora=from_finetune_config(cfg), seed=cfg.seed, quantize_base=cfg.quantize_base,
-                          quantize_block_size=cfg.quantize_block_size, compile=cfg.compile)
+                          quantize_block_size=cfg.quantize_block_size, compile=cfg.compile,
+                          fp8=cfg.fp8_recipe if cfg.fp8 else None)
     return layout, stages
 
 

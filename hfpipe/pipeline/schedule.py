@@ -17,6 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from hfpipe.errors import HfpipeError
 from hfpipe.loss.budget import chunk_tokens
+from hfpipe.loss.linear_head import LinearHead
 from hfpipe.loss.objective import Head, Objective, StageLoss, TokenMean
 from hfpipe.pipeline.inputs import pad_rows
 from hfpipe.pipeline.shapes import resize_schedule
@@ -140,7 +141,8 @@ class Pipeline:
             last.head_in_loss = chunk > 0
         for m in self.modules:  # router sums ride along in training only (hfpipe.models.router_loss)
             m.carry_router_sums = mode == "train"
-        self.loss.head = Head(last.logits, chunk) if chunk else None
+        parts = last.head_parts() if chunk else None
+        self.loss.head = Head(last.logits, chunk, LinearHead(*parts) if parts else None) if chunk else None
         return chunk > 0
 
     def local(self, batch: dict) -> dict:

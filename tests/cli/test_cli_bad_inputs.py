@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from _trust import rerecord_metadata
+from _trust import rerecord_metadata, error_lines
 from hfpipe.cli.main import app
 from hfpipe.tiny import make_tiny_checkpoint
 from hfpipe.checkpoint.dcp import record_checksums
@@ -355,7 +355,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, ckpt, tmp_path, l
         if lock is not None:
             lock.release()
     assert result.exit_code == 2, (result.exit_code, result.stderr[-2000:])
-    lines = result.stderr.splitlines()
+    lines = error_lines(result.stderr)  # a progress line may come first on a loaded machine
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     assert message in lines[0], lines[0]
     assert "Traceback" not in result.stdout + result.stderr

@@ -119,8 +119,8 @@ def test_the_bar_pp2_equals_the_plain_trainer(tmp_path):
     assert not WARNING_LINE.findall(said), [line for line in said.splitlines() if WARNING_LINE.search(line)]
 
 
-@pytest.mark.parametrize("field, value", [("use_liger_kernel", True), ("label_smoothing_factor", 0.1),
-                                          ("load_best_model_at_end", True), ("push_to_hub", True)])
+@pytest.mark.parametrize("field, value", [("label_smoothing_factor", 0.1), ("load_best_model_at_end", True),
+                                          ("push_to_hub", True)])
 def test_a_trainer_feature_a_pipeline_cannot_run_is_refused_by_name(tmp_path, field, value):
     from transformers import TrainingArguments
 

@@ -112,7 +112,7 @@ def test_no_tensor_as_large_as_the_logits_is_made():
 
 def test_chunks_follow_a_logits_budget_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("HFPIPE_LOSS_CHUNK_TOKENS", raising=False)
-    assert chunk_tokens(128256) * 128256 * 4 <= 256 * 2**20 < (chunk_tokens(128256) + 1) * 128256 * 4
+    assert chunk_tokens(128256) * 128256 * 4 <= 512 * 2**20 < (chunk_tokens(128256) + 1) * 128256 * 4
     assert chunk_tokens(128256, 0) == 0 and chunk_tokens(128256, 300) == 300
     monkeypatch.setenv("HFPIPE_LOSS_CHUNK_TOKENS", "5")
     assert chunk_tokens(128256) == 5 and chunk_tokens(128256, 0) == 0
