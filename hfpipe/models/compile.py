@@ -26,6 +26,8 @@ __all__ = ["COMPILE_MODES", "CompileSpec", "apply_compile", "watch_recompiles"]
 
 log = logging.getLogger(__name__)
 
+#: Graphs torch may compile per frame before it runs the frame eagerly (its default is 8).
+_RECOMPILE_LIMIT = 64
 #: ``torch.compile``'s modes (``None``: its default).
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -56,6 +58,13 @@ def apply_compile(modules: list, spec: CompileSpec | None) -> int:
     """
     if spec is None:
         return 0
+    import torch._dynamo  # takes seconds to import: only when compiling
+
+    # One frame serves every layer of a stage, and torch runs a frame eagerly, for good, after 8 graphs: a
+    # family with two kinds of layer (DeepSeek-V3's dense and MoE) times mask or none, one length or a symbolic
+    # one, already makes 8 in training (measured), before evaluation's graphs.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, _RECOMPILE_LIMIT)
     watch_recompiles()
     count = 0
     for m in modules:

@@ -240,6 +240,33 @@ def test_sft_on_a_chat_dataset_with_completion_only_loss_equals_trl(tmp_path):
     assert_same_run(got, want)
 
 
+def test_torch_compile_compiles_the_stages_decoder_layers_with_its_backend_and_mode(tmp_path):
+    """TrainingArguments(torch_compile=True) reaches load_pipeline as compile=True (each decoder layer, in place),
+    never accelerate's compile of the Trainer's whole model."""
+    from transformers import TrainingArguments
+
+    from hfpipe.api import load_pipeline
+    from hfpipe.hf.options import load_kwargs
+    from hfpipe.pipeline.options import PipelineLayout
+
+    def keywords(**given):
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], **given)
+        kw = load_kwargs(load_pipeline, PipelineLayout(pp=2), args, None, False)
+        return kw["compile"], kw["compile_backend"], kw["compile_mode"]
+
+    assert keywords() == (False, None, None)
+    assert keywords(torch_compile=True) == (True, "inductor", None)
+    assert keywords(torch_compile_backend="aot_eager", torch_compile_mode="max-autotune") == (
+        True, "aot_eager", "max-autotune")
+
+
+@pytest.mark.slow
+def test_torch_compile_equals_the_plain_trainer(tmp_path):
+    """PipelineTrainer(pp=2) with torch_compile=True against the plain Trainer, eager: the same run."""
+    got, want = run_pair(tmp_path, {}, dict(pp=2, compile_backend="inductor"))
+    assert_same_run(got, want)
+
+
 @pytest.mark.slow
 def test_gradient_checkpointing_and_the_input_tokens_seen_keep_their_meaning(tmp_path):
     """gradient_checkpointing=True checkpoints the stages' layers (same numbers); the tokens seen are counted

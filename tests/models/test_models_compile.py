@@ -34,10 +34,12 @@ def test_compiled_layers_at_pp2_train_as_transformers_does():
     _run("llama_tied", 2, ("1f1b",))
 
 
-def test_compiled_layers_keep_their_modules_and_every_name():
-    """In place, not wrapped: no ``_orig_mod.`` in parameter names, state dicts, the DCP view or LoRA keys."""
+def test_compiled_layers_keep_their_modules_and_every_name(tmp_path):
+    """In place, not wrapped: no ``_orig_mod.`` in parameter names, state dicts, the DCP view or LoRA keys; a
+    compiled pipeline's checkpoint resumes an eager one, and its export holds the checkpoint's own keys."""
     from peft import LoraConfig
 
+    from _dist import folder_tensors
     from hfpipe.api import load_pipeline
 
     path = str(tiny_checkpoint("llama", num_hidden_layers=2))
@@ -51,6 +53,11 @@ def test_compiled_layers_keep_their_modules_and_every_name():
         assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in layers.values())
         assert all(layer._compiled_call_impl is not None for layer in layers.values())
         assert all(layer._compiled_call_impl is None for layer in eager.modules[0].model.layers.values())
+    compiled.save_checkpoint(str(tmp_path / "ckpt"), 1)
+    assert eager.load_checkpoint(str(tmp_path / "ckpt")).step == 1
+    plain = load_pipeline(path, pp=1, compile=True)
+    plain.save_pretrained(str(tmp_path / "hf"))
+    assert sorted(folder_tensors(tmp_path / "hf")) == sorted(folder_tensors(path))
 
 
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE)
@@ -79,6 +86,18 @@ def test_plan_and_finetune_refuse_what_cannot_run_compiled_exit_2(command, tmp_p
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "--compile with --schedule zbv: the zero-bubble schedules" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_sets_compile_and_is_checked_as_the_flag_is(tmp_path):
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.errors import HfpipeError
+    from hfpipe.pipeline.options import from_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: meta-llama/Llama-3.1-8B\npp: 2\ncompile: true\n")
+    assert from_config(FinetuneConfig.from_yaml(recipe))[1].compile is True
+    with pytest.raises(HfpipeError, match="--compile with --schedule dualpipev"):
+        FinetuneConfig.from_yaml(recipe, schedule="dualpipev")
 
 
 def test_plan_prices_a_compiled_run_as_an_eager_one():
@@ -136,6 +155,12 @@ def test_varying_lengths_compile_a_bounded_number_of_graphs_and_say_each_recompi
 @pytest.mark.slow
 def test_compiled_every_schedule_that_runs_it():
     _run("llama", 2, ("gpipe", "interleaved-1f1b", "looped-bfs"), layers=4)
+
+
+@pytest.mark.slow
+def test_compiled_deepseek_v3_dense_and_moe_layers_on_one_stage():
+    """Two kinds of layer in one compiled frame: more graphs than torch's default limit of 8 allows."""
+    _run("deepseek_v3", 2, ("1f1b",), layers=6)
 
 
 @pytest.mark.slow
