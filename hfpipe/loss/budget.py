@@ -12,9 +12,9 @@ __all__ = ["AUTO_CHUNK_BYTES", "chunk_tokens"]
 
 #: Default budget of one chunk's fp32 logits (1046 tokens at a 128k vocabulary). Measured on an H200 at
 #: Llama-3-8B's head (bench/head_cuda.py, 8192 tokens a microbatch, bf16): the head loss then takes 0.18x
-#: the full logits' memory and 0.90x their time (the chunk's softmax gradient fused); 523 tokens saved
-#: no memory more worth having and ran slower (the weight gradient's GEMM adds into its buffer once per
-#: chunk), 2093 ran 1% faster at 0.22x the memory.
+#: the full logits' memory and 0.90-0.94x their time (the chunk's softmax gradient fused); 523 tokens
+#: saved no memory and ran at 0.98x (the weight gradient's GEMM adds into its buffer once per chunk),
+#: 2093 ran at 0.89x with 0.22x the memory, more of it on smaller microbatches.
 AUTO_CHUNK_BYTES = 512 * 2**20
 
 

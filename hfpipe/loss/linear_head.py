@@ -17,8 +17,9 @@ what generic autograd adds per chunk (measured by ``bench/head.py``):
 - nothing probes the head for its parameters (one more read of the whole weight per microbatch).
 
 Measured on one H200 (``bench/head_cuda.py``, Llama-3-8B's head, 4 x 2048 tokens, bf16): full logits
-47.9 ms and 12.7 GB; the generic path 1.45x the time; this path eager 1.14x at 1046 tokens a chunk, and
-fused 0.90x the time at 0.18x the memory: the head loss then costs less than the full logits.
+48-50 ms and 12.7 GB; the generic path 1.41-1.45x the time; this path eager 1.08-1.14x at 1046 tokens a
+chunk, and fused 0.90-0.94x the time at 0.18x the memory: the head loss then costs less than the full
+logits (a whole step of a 2-layer slice: 1.025x the full logits' tokens/s at 0.77x the peak memory).
 
 What stays on the generic path: a LoRA head (not a plain ``nn.Linear``), a weight split over tp ranks or
 sharded by FSDP2 (a DTensor), a soft-capped family (tanh is not a constant factor), an ``autocast``
