@@ -307,25 +307,32 @@ def _block_inputs(config, layer: str, names: set, sp: bool, moe: bool, experts_w
         plan[f"{layer}.self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": seq}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
             use_local_output=True)
-    if not moe or not experts_whole:  # the routed experts, their router and the shared experts share one sum
-        plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                                  use_local_output=False)
-        if moe:
-            plan[f"{layer}.mlp.gate"] = _Router()
-            if sp:  # experts and shared experts return whole, summed outputs: keep this rank's tokens
-                plan[f"{layer}.mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=False,
-                    output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=False)
-        return plan
-    # Under ep the routed experts' block stays plain: transformers' AllToAllEP slices the tokens over the tp
-    # ranks on plain tensors and its backward gathers their gradients. The shared experts' gate and up share
-    # one sum.
-    if sp:  # experts and shared experts return whole outputs (gathered, summed): keep this rank's tokens
-        plan[f"{layer}.mlp"] = PrepareModuleInputOutput(
+    mlp = f"{layer}.mlp"
+    if moe and experts_whole:
+        return {**plan, **_ep_block(mlp, names, seq)}
+    if moe:  # the router, the routed and the shared experts share the block's one sum
+        plan[f"{mlp}.gate"] = _Router()
+    if moe and sp:  # experts and shared experts return whole, summed outputs: keep this rank's tokens
+        plan[mlp] = PrepareModuleInputOutput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=False,
+            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=False)
+    else:
+        plan[mlp] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                       use_local_output=False)
+    return plan
+
+
+def _ep_block(mlp: str, names: set, seq) -> dict[str, ParallelStyle]:
+    """Under ep the routed experts' block stays plain: transformers' AllToAllEP slices the tokens over the tp
+    ranks on plain tensors, and its backward gathers their gradients. The shared experts' gate and up share
+    one sum."""
+    plan: dict[str, ParallelStyle] = {}
+    if isinstance(seq, Shard):  # experts, shared experts return whole outputs (gathered, summed): keep our tokens
+        plan[mlp] = PrepareModuleInputOutput(
             input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
             output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=False)
-    if f"{layer}.mlp.shared_experts" in names:
-        plan[f"{layer}.mlp.shared_experts"] = PrepareModuleInput(
+    if f"{mlp}.shared_experts" in names:
+        plan[f"{mlp}.shared_experts"] = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False)
     return plan
 
