@@ -17,6 +17,14 @@ Per mode, side by side in one run:
   FSDP2's all-gathers and reduce-scatters over dp against its ``fsdp_bytes``
   (:func:`hfpipe.plan.tensor.fsdp_traffic`). Goal 1.00; the small all-reduces of losses, token counts and
   gradient norms are printed apart;
+- bytes one decoder layer moves per step over tp, measured: the tp2 run again on the same model with one
+  layer more, the difference of the two steps' tp bytes; against Megatron's analytic count for a layer
+  (:func:`hfpipe.plan.tensor_comm.megatron_layer_bytes`): per token, forward 2 all-reduces of the hidden
+  states (after attention and after the MLP, Megatron's ``g``), backward 2 (one sum of each block's input
+  gradient, its ``f``); under sequence parallelism each all-reduce is an all-gather + a reduce-scatter, the
+  same bytes. Per rank a ring moves ``2 (tp - 1) / tp`` of each: ``4 * 2 (tp - 1) / tp * h * bytes * tokens``
+  per layer per step, with or without SP. Goal <= 1.05 on Llama (the norms' gradients under SP add
+  2 h once a step); the added layer is a MoE layer for the MoE families, whose blocks keep their own sums;
 - step time: median wall time of the timed steps (the first, which builds the schedule, excluded) and the
   ratio tp2/tp1. On 2 shared CPU cores the tp collectives are local copies through gloo: printed, not judged;
 - the losses of every mode, which must agree (the same model and tokens).
@@ -98,12 +106,13 @@ def _planned(path: str, dp: int, tp: int, a: argparse.Namespace) -> tuple[int, i
     return max(x.tp_bytes for x in r.ranks), max(x.fsdp_bytes for x in r.ranks), held
 
 
-def _build(folder: Path, a: argparse.Namespace) -> None:
+def _build(folder: Path, a: argparse.Namespace, layers: int | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from hfpipe.tiny import tiny_config
 
-    sizes = dict(vocab_size=8192, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers,
+    sizes = dict(vocab_size=8192, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
+                 num_hidden_layers=layers or a.layers,
                  num_attention_heads=8, tie_word_embeddings=False)
     if a.family != "deepseek_v3":  # MLA has one latent key/value, no kv heads
         sizes["num_key_value_heads"] = 4
@@ -135,9 +144,33 @@ def main() -> None:
         _build(work / "model", a)
         runs = {m: launch(_worker, m[0] * m[1], str(work / "model"), *m, a, threads_per_rank=1) for m in modes}
         planned = {m: _planned(str(work / "model"), *m, a) for m in modes}
+        _build(work / "plus", a, layers=a.layers + 1)  # one layer more: the difference is one layer's bytes
+        plus = launch(_worker, 2, str(work / "plus"), 1, 2, a, threads_per_rank=1)[0]
+        megatron = _megatron(work / "model", a)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _report(a, {m: max(r.values(), key=lambda x: x["held"]) for m, r in runs.items()}, planned)
+    _report_layer(a, runs[1, 2][0], plus, megatron)
+
+
+def _megatron(folder: Path, a: argparse.Namespace) -> float:
+    """Megatron's bytes for one decoder layer of one step at tp 2, per rank (module docstring)."""
+    from hfpipe.plan.tensor_comm import megatron_layer_bytes
+    from hfpipe.source.config import load_config
+
+    f, b = megatron_layer_bytes(load_config(folder), 4)  # fp32
+    return 2 * (2 - 1) / 2 * (f + b) * a.batch * a.seq
+
+
+def _tp_total(run: dict) -> float:
+    return sum(b for k, b in run["moved"].items() if k.startswith("tp "))
+
+
+def _report_layer(a, run: dict, plus: dict, megatron: float) -> None:
+    layer = _tp_total(plus) - _tp_total(run)
+    print(f"one decoder layer's tp bytes per step (tp2, {'with' if a.sp else 'without'} SP), measured / Megatron's "
+          f"count: {layer / 2**20:.4f} MiB / {megatron / 2**20:.4f} MiB = {layer / megatron:.4f}  (goal <= 1.05 on "
+          f"Llama; Megatron: 4 x 2(tp-1)/tp x h x bytes x tokens)")
 
 
 def _report(a, runs: dict, planned: dict) -> None:

@@ -8,7 +8,9 @@ are split the way Megatron splits LoRA, with torch's own styles, which do every 
 - colwise base (``y[:, cols]``): ``lora_B`` colwise too, ``lora_A`` whole. ``lora_B``'s style makes its
   input a replicated DTensor, so the gradient into ``lora_A``'s output is summed over the tp ranks
   (its partial sums are the only ones on this path) and ``lora_A``'s gradient is the same on every
-  rank, as is the gradient the adapter adds to ``x``.
+  rank, as is the gradient the adapter adds to ``x``. Where ``x`` is a block's replicated DTensor input
+  (:func:`hfpipe.parallel.tensor_plan._block_inputs`), ``lora_A`` reads it as a plain tensor and hands
+  back that whole gradient, which autograd adds to the base's partial ones before the block's one sum.
 - rowwise base (``x[:, rows]`` in, summed out): ``lora_A`` rowwise (its (B, T, r) output summed over
   the ranks, or reduce-scattered by sequence under SP, as the base's output is), ``lora_B`` whole
   (under SP a replicated DTensor, so its gradient from this rank's tokens is summed).
@@ -31,7 +33,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from hfpipe.lora.adapters import ADAPTER, LoraError
-from hfpipe.parallel.tensor_plan import _MlaKvA
+from hfpipe.parallel.tensor_plan import _MlaKvA, _whole_local_input
 
 __all__ = ["check_tp_lora", "split_adapters"]
 
@@ -99,6 +101,7 @@ def _split(layer: nn.Module, style, mesh, name: str) -> None:
         style._apply(layer, mesh)  # the summed rope gradient now covers base and adapter together
     elif isinstance(style, ColwiseParallel):
         parallelize_module(b, mesh, ColwiseParallel(), src_data_rank=None)
+        a.register_forward_pre_hook(_whole_local_input)  # the block's replicated input
     elif isinstance(style, RowwiseParallel):
         to = style.output_layouts[0]
         parallelize_module(a, mesh, RowwiseParallel(output_layouts=to, use_local_output=style.use_local_output),

@@ -39,6 +39,10 @@ TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 # whole attention. MLA shards by heads exactly as DeepSeek-V2's shipped plan does (the query and the
 # key/value up-projections by heads, the output by rows); the shared rope key needs its gradient
 # summed over the ranks (``mla_kv_a_proj``), since each rank's heads see only their part of it.
+# MLA keeps plain inputs (no one sum per block, see _block_inputs): its column-split projections read
+# the whole down-projections' latents, not the hidden states, so their input sums (q_lora_rank +
+# kv_lora_rank + the rope key: 2,112 wide on DeepSeek-V3, against h = 7,168) already move less than
+# Megatron's one of h per block; Megatron's own MLA splits the same way.
 _MLA_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.q_b_proj": "colwise",
@@ -157,7 +161,9 @@ class _Experts(ParallelStyle):
 
     ``gate_up_proj`` [E, 2I, H] is packed (gate then up), so each rank takes its rows of both halves
     (``packed_colwise``); ``down_proj`` [E, H, I] by its last dim; the forward runs on the local
-    stacks and sums the ranks' partial outputs (``moe_tp_experts``).
+    stacks and sums the ranks' partial outputs (``moe_tp_experts``). Its input is summed as transformers'
+    style sums it, but for the block's replicated DTensor (:func:`_block_inputs`): there the gradient this
+    rank's experts leave is a partial one, which the block sums once with its shared experts'.
     """
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
@@ -165,8 +171,39 @@ class _Experts(ParallelStyle):
 
         hf.PackedColwiseParallel().shard_param(module, "gate_up_proj", mesh)
         hf.RowwiseParallel().shard_param(module, "down_proj", mesh)
-        hf.MoeExpertsParallel().install_forward(module, mesh)
+        style, forward, group = hf.MoeExpertsParallel(), module.forward, mesh.get_group()
+
+        def tp_forward(hidden, top_k_index, top_k_weights, *rest):
+            if isinstance(hidden, DTensor):
+                hidden = hidden.to_local(grad_placements=[Partial()])
+            else:
+                hidden = _SumGrad.apply(hidden, group)
+            top_k_weights = _SumGrad.apply(top_k_weights, group)  # each rank's partial outputs: partial gradients
+            with style.context_around_forward(module, mesh):  # the local stacks
+                out = forward(hidden, top_k_index, top_k_weights, *rest)
+            return style.transform_output_post_forward(module, out, mesh)  # the ranks' partial outputs summed
+
+        module.forward = tp_forward
         return module
+
+
+class _Router(ParallelStyle):
+    """A MoE router, whole on every rank, reads the block's replicated input as a plain tensor."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        module.register_forward_pre_hook(_whole_local_input)
+        return module
+
+
+def _whole_local_input(_module, args):
+    """A whole module on a block's replicated DTensor input (a MoE router, a LoRA ``lora_A``) runs on the
+    plain tensor. The gradient it hands back is whole on every rank (its output's gradient was summed over
+    the ranks first: the top-k weights', ``lora_B``'s input's), so it joins the block's partial sums as a
+    replicated one."""
+    x = args[0]
+    if isinstance(x, DTensor):
+        return (x.to_local(grad_placements=[Replicate()]), *args[1:])
+    return None
 
 
 def check_tp_config(config, tp_size: int) -> None:
@@ -244,22 +281,59 @@ def _layer_plan(config, shipped: dict, layer: str, names: set, sp: bool,
         if experts_whole and style == "moe_tp_experts":
             continue  # sharded over ep instead, whole on each tp rank
         plan[name] = _style(config, style, sp and _feeds_residual(layer, name, moe))
-    if not sp:
-        return plan
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        plan[f"{layer}.{norm}"] = SequenceParallel()
-    # Attention and MLP see the whole sequence as plain tensors (MLA's unsplit projections and
-    # the router are plain modules): each rank all-gathers the tokens on the way in.
-    plan[f"{layer}.self_attn"] = PrepareModuleInput(
-        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        use_local_output=True)
-    if moe:  # experts and shared experts return whole outputs (summed, or under ep gathered): keep this rank's tokens
-        plan[f"{layer}.mlp"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+    plan.update(_block_inputs(config, layer, names, sp, moe, experts_whole))
+    if sp:
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            plan[f"{layer}.{norm}"] = SequenceParallel()
+    return plan
+
+
+def _block_inputs(config, layer: str, names: set, sp: bool, moe: bool, experts_whole: bool) -> dict:
+    """How attention and the MLP take the residual stream: Megatron's ``f``, one input-gradient sum per block.
+
+    A folded block takes its input as one replicated DTensor (gathered by sequence under SP), which every
+    column-split projection reads as it is: each leaves a partial input gradient on that same DTensor,
+    autograd adds them up, and the block's input redistribution sums them once in backward (an
+    all-reduce; a reduce-scatter under SP). Handed plain tensors instead, each ``ColwiseParallel`` would
+    sum its own (q, k, v, gate, up: 5 sums of h per layer where Megatron has 2).
+    """
+    plan: dict[str, ParallelStyle] = {}
+    seq = Shard(1) if sp else Replicate()
+    if not getattr(config, "kv_lora_rank", None):
+        plan[f"{layer}.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=False)
+    elif sp:  # MLA stays plain: see _MLA_PLAN for why its sums are already under one of h
+        plan[f"{layer}.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True)
+    mlp = f"{layer}.mlp"
+    if moe and experts_whole:
+        return {**plan, **_ep_block(mlp, names, seq)}
+    if moe:  # the router, the routed and the shared experts share the block's one sum
+        plan[f"{mlp}.gate"] = _Router()
+    if moe and sp:  # experts and shared experts return whole, summed outputs: keep this rank's tokens
+        plan[mlp] = PrepareModuleInputOutput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=False,
+            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=False)
     else:
-        plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                  use_local_output=True)
+        plan[mlp] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                       use_local_output=False)
+    return plan
+
+
+def _ep_block(mlp: str, names: set, seq) -> dict[str, ParallelStyle]:
+    """Under ep the routed experts' block stays plain: transformers' AllToAllEP slices the tokens over the tp
+    ranks on plain tensors, and its backward gathers their gradients. The shared experts' gate and up share
+    one sum."""
+    plan: dict[str, ParallelStyle] = {}
+    if isinstance(seq, Shard):  # experts, shared experts return whole outputs (gathered, summed): keep our tokens
+        plan[mlp] = PrepareModuleInputOutput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=False)
+    if f"{mlp}.shared_experts" in names:
+        plan[f"{mlp}.shared_experts"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False)
     return plan
 
 

@@ -23,14 +23,12 @@ all-reduce of the microbatch's hidden states (a ring moves ``2 * (tp - 1) / tp *
 all-gather or a reduce-scatter half of it):
 
 - a decoder layer: its family's count (:mod:`hfpipe.plan.tensor_comm`: attention, MLA, a dense MLP,
-  routed and shared experts, sequence parallelism, LoRA's adapters). A dense Llama-type layer: 2 in
-  forward (after attention and after the MLP: all-reduces, or under sequence parallelism an
-  all-gather before and a reduce-scatter after each); in backward one all-reduce for *each*
-  column-split projection that reads the layer's hidden states (q, k, v, gate, up: 5), because every
-  ``ColwiseParallel`` sums its own input gradient, and under sequence parallelism 1 more (the
-  all-gathers of the two reduce-scatters' gradients). Megatron sums one gradient per block instead
-  (2 in all): hfpipe's backward moves more, and this prices what it moves. A recomputed layer runs its
-  forward once more.
+  routed and shared experts, sequence parallelism, LoRA's adapters). A dense Llama-type layer moves
+  Megatron's count: 2 in forward (after attention and after the MLP: all-reduces, or under sequence
+  parallelism an all-gather before and a reduce-scatter after each) and 2 in backward (one sum of each
+  block's input gradient, which its column-split projections share: all-reduces, or under sequence
+  parallelism a reduce-scatter and the all-gather of the output's reduce-scatter's gradient). A
+  recomputed layer runs its forward once more.
 - the first stage's vocabulary-parallel embedding: 1 (an all-reduce, or a reduce-scatter and its
   backward all-gather); under sequence parallelism each stage gathers its last layer's output (1/2)
   and a later stage's first layer takes its gradient gathered (1/2); the head's column split sums its
@@ -62,7 +60,7 @@ import dataclasses
 from hfpipe.errors import PlanError
 from hfpipe.plan.experts import replicas
 from hfpipe.plan.memory import ACT_BYTES, BYTES_PER_PARAM, fsdp_bytes
-from hfpipe.plan.tensor_comm import LORA_BYTES, Adapters, adapter_comm, layer_comm, step_partials
+from hfpipe.plan.tensor_comm import LORA_BYTES, Adapters, adapter_comm, layer_comm, spared_bytes, step_partials
 
 __all__ = ["check_tp", "describe", "fsdp_traffic", "gathered_unit", "layer_bytes", "price_ranks",
            "tp_traffic"]
@@ -167,7 +165,7 @@ def tp_traffic(plan, costs, config, tp: int, microbatches: int, tokens: int, dty
     partial = ({i: a[2] * sp * LORA_BYTES for i, a in lora.items()} if adapters is not None else
                dict.fromkeys(range(len(comm)), step_partials(config, sp) * BYTES_PER_PARAM[dtype][1]))
     # a LoRA run's frozen embedding: no gradient into it or into the first layer's projections reading it
-    spared = adapters.frozen_first * act + h / 2 * sp if adapters is not None else 0
+    spared = spared_bytes(config, adapters.frozen_first, sp, act) if adapters is not None else 0
     step = {"none": 0, "full": 1, "selective": 2}[ac]
     out = []
     for rank in range(plan.pp):

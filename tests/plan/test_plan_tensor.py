@@ -119,9 +119,9 @@ def test_activations_divide_by_tp_with_sequence_parallelism_and_24_of_34_parts_w
 @pytest.mark.parametrize("ac, recomputed", [("none", lambda n: 0), ("full", lambda n: n),
                                             ("selective", lambda n: (n + 1) // 2)])
 def test_tp_collectives_are_priced_as_the_runtime_issues_them(ac, recomputed):
-    """Per layer and microbatch, in all-reduces of the hidden states: 2 forward, 5 backward (q, k, v, gate
-    and up each sum their input gradient) and 1 for sequence parallelism's gathers; a recomputed layer's
-    forward again; the embedding, each stage's boundary gathers, the head and the loss's 3 fp32 per token;
+    """Per layer and microbatch, in all-reduces of the hidden states, Megatron's count: 2 forward, 2 backward
+    (one input-gradient sum per block, shared by q, k, v and by gate, up; under sequence parallelism
+    all-gathers and reduce-scatters of the same bytes); a recomputed layer's forward again; the embedding, each stage's boundary gathers, the head and the loss's 3 fp32 per token;
     once per step the two norms' partial gradients of each layer and clipping's fp32 norm (the count
     bench/tp.py and tests/plan/test_plan_tensor_measured.py measure at torch's dispatcher)."""
     config = tiny_config("llama", num_hidden_layers=4)  # hidden 64
@@ -135,7 +135,7 @@ def test_tp_collectives_are_priced_as_the_runtime_issues_them(ac, recomputed):
         edges = stage.embed + stage.head + 0.5 + 0.5 * (not stage.embed)
         loss = 3 * 2 * (2 - 1) / 2 * tokens * 4 * stage.head
         norms = 2 * (2 - 1) / 2 * (n * 2 * hidden * 2 + 4)  # once per step, bf16 gradients; the fp32 grad norm
-        assert r.tp_bytes == int(((8 * n + 2 * recomputed(n) + edges) * one + loss) * 4 + norms)
+        assert r.tp_bytes == int(((4 * n + 2 * recomputed(n) + edges) * one + loss) * 4 + norms)
     assert [r.tp_bytes for r in plan_report(config, 2, **kw).ranks] == [0, 0]
 
 
@@ -212,7 +212,8 @@ def test_plan_and_finetune_refuse_heads_with_one_rule():
 
 
 def test_the_plan_prices_tp_traffic_for_the_sequence_parallel_setting_it_runs():
-    """Without sequence parallelism a layer runs one all-reduce fewer (no gather/scatter at its ends)."""
+    """Sequence parallelism moves a layer's bytes as all-gathers and reduce-scatters, and more at a stage's
+    ends (the gather after its last layer) and once a step (the norms' partial gradients)."""
     from hfpipe.plan.tensor import tp_traffic
 
     config = tiny_config("llama", num_hidden_layers=4)
@@ -236,15 +237,15 @@ def _one_rank_traffic(config, sp: bool, dtype: str = "bf16", **kw) -> tuple[int,
 @pytest.mark.parametrize("sp", [True, False])
 def test_a_qwen3_moe_layer_is_priced_by_its_experts_sum_and_head_norms(sp):
     """Hand count per layer and token, bf16 (2 bytes), h = 64: attention as Llama's (o_proj sums h
-    forward; q, k, v sum 3 h backward); the experts, split along their intermediate size, sum their
-    partial outputs (h) forward, and backward their input's gradient (h) and the top-k weights' (2 in
-    bf16: Qwen3-MoE's router casts them back); under SP the MoE block gathers its input (h / 2) and
-    cuts its whole output to this rank's tokens (its gradient gathered: h / 2), o_proj's reduce-scatter
-    has its gradient gathered (h / 2). Per step: the partial gradients of q_norm and k_norm (head_dim 16
+    forward; q, k, v share one input sum, h, backward); the experts, split along their intermediate size,
+    sum their partial outputs (h) forward, and backward the block's input gradient (h, which the router
+    and the experts share) and the top-k weights' (2 in bf16: Qwen3-MoE's router casts them back); under
+    SP the MoE block gathers its input (h / 2) and cuts its whole output to this rank's tokens; backward
+    the input's reduce-scatter and the cut's gather are h together. Per step: the partial gradients of q_norm and k_norm (head_dim 16
     each) and, under SP, of the two layer norms (2 h); and clipping's fp32 gradient norm."""
     config = tiny_config("qwen3_moe", num_hidden_layers=2)
     h = 64
-    per_layer = (2 * h + (h / 2 if sp else 0)) + (4 * h + 2 + (h if sp else 0))
+    per_layer = (2 * h + (h / 2 if sp else 0)) + (2 * h + 2)
     edges = 2 * h + 12 / 2 + (h / 2 if sp else 0)  # embedding + head (bf16), the loss's 3 fp32, the gather
     partial = 2 * (2 * 16 + (2 * h if sp else 0)) * 2 + 4  # 2 layers, bf16 gradients; the fp32 grad norm
     got, mb, step = _one_rank_traffic(config, sp)
@@ -255,15 +256,17 @@ def test_a_qwen3_moe_layer_is_priced_by_its_experts_sum_and_head_norms(sp):
 def test_deepseek_v3_layers_are_priced_by_mla_latents_shared_experts_and_dense_first_layers(sp):
     """Hand count per token, bf16, h = 64. MLA's column-split projections read latents, not the hidden
     states: q_b_proj (q_lora_rank 32), kv_b_proj (kv_lora_rank 16) and the rope key's gradient summed by
-    _MlaKvA (qk_rope_head_dim 8): 56 backward; o_proj sums h forward. The first_k_dense_replace = 2 dense
-    layers: an MLP as Llama's (h forward, 2 h backward). A MoE layer: routed experts (h forward; h and
-    2 fp32 top-k weights = 4 bf16 elements backward: DeepSeek-V3's router runs in fp32) and shared experts
-    (down_proj h forward; gate, up 2 h backward)."""
+    _MlaKvA (qk_rope_head_dim 8): 56 backward (under SP + h / 2, o_proj's scatter gathered back); o_proj
+    sums h forward. The first_k_dense_replace = 2 dense layers: an MLP as Llama's (h forward, one input
+    sum h backward). A MoE layer: routed experts (h forward) and shared experts (down_proj h forward);
+    backward the block's one input sum h (router, routed and shared experts share it; under SP a
+    reduce-scatter and the cut's gather) and 2 fp32 top-k weights = 4 bf16 elements (DeepSeek-V3's router
+    runs in fp32); under SP the block gathers its input (h / 2) forward."""
     config = tiny_config("deepseek_v3", num_hidden_layers=4)
     assert config.first_k_dense_replace == 2
     h, mla = 64, 32 + 16 + 8
-    dense = 2 * h + mla + 2 * h + (h if sp else 0)
-    moe = 3 * h + (h / 2 if sp else 0) + mla + 3 * h + 4 + (h if sp else 0)
+    dense = 2 * h + mla + h + (h / 2 if sp else 0)
+    moe = 3 * h + (h / 2 if sp else 0) + mla + h + 4 + (h / 2 if sp else 0)
     edges = 2 * h + 12 / 2 + (h / 2 if sp else 0)
     partial = 4 * (2 * h if sp else 0) * 2 + 4  # the layer norms' partial gradients under SP, bf16; the norm
     got, mb, step = _one_rank_traffic(config, sp)
@@ -312,10 +315,11 @@ def test_the_fit_search_proposes_tp_for_a_deepseek_v3_moe_priced_by_its_own_coll
     planned = tp_traffic(report.plan, costs, config, 4, 16, tokens, "bf16-mixed", "full")
     assert [r.tp_bytes for r in report.ranks] == list(planned)
     # per MoE layer and token (bf16, h = 7168; SP): forward o_proj h, experts h, shared experts h, the MoE
-    # input's gather h / 2, once more recomputed; backward MLA's latents (1536 + 512 + 64), experts h +
-    # 8 fp32 top-k weights, shared gate/up 2 h, SP's two gathered gradients h
+    # input's gather h / 2, once more recomputed; backward MLA's latents (1536 + 512 + 64) and o_proj's
+    # gathered gradient h / 2, the block's one input sum h (a reduce-scatter and the cut's gather), 8 fp32
+    # top-k weights
     h = 7168
-    moe = 2 * 3.5 * h + (1536 + 512 + 64) + h + 16 + 2 * h + h
+    moe = 2 * 3.5 * h + (1536 + 512 + 64) + h / 2 + h + 16
     mid = report.plan.stages_of_rank(1)[0]
     assert not mid.embed and not mid.head and all(costs.is_moe[i] for i in mid.layers)
     per_step = len(mid.layers) * 2 * h * 4 + 4  # the layer norms' partial fp32 gradients under SP, the norm
