@@ -8,9 +8,10 @@ averages and logs the metrics. The pipeline runs the rest:
   (:func:`hfpipe.loss.preference.pair_batch`), and the last stage computes TRL's own loss of them
   (:class:`hfpipe.loss.preference.Preference`), scaled so that the step is TRL's;
 - the reference log-probs are read before training by a forward-only pass of the same pipeline
-  (:func:`hfpipe.train.reference.reference_logps`, TRL's ``precompute_ref_log_probs`` path), with PEFT's
-  adapters off under ``peft_config`` (the reference TRL takes then, batch by batch: the same numbers); no
-  second model is ever loaded;
+  (:func:`hfpipe.train.reference.reference_logps`, TRL's ``precompute_ref_log_probs=True`` path), with PEFT's
+  adapters off under ``peft_config``. With ``precompute_ref_log_probs=False`` (TRL's default) TRL reads the
+  same numbers batch by batch from a frozen copy of the model (or with the adapters off): the pass before
+  training stands in for it, and no second model is ever loaded;
 - the reward metrics (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
   ``logps/chosen``, ``logps/rejected``) are each batch's mean over its pairs and dp replicas, as TRL logs them.
   What TRL computes from the whole logits on the side (entropy, mean logits, token accuracy) is not logged.
@@ -40,14 +41,11 @@ except ImportError as e:  # the optional extra
 __all__ = ["PipelineDPOTrainer"]
 
 
-def refuse_dpo(args, ref_model, peft_config, quantization_config, cp: int) -> None:
+def refuse_dpo(args, ref_model, quantization_config, cp: int) -> None:
     """DPOConfig settings and arguments the pipeline does not run, each refused in one line with its fix."""
     if ref_model is not None:
         raise ConfigError("PipelineDPOTrainer(ref_model=...): a second resident model is not loaded; drop ref_model "
                           "(the reference log-probs are read by a forward-only pass of the policy before training)")
-    if not args.precompute_ref_log_probs and peft_config is None:
-        raise ConfigError("DPOConfig(precompute_ref_log_probs=False) without peft_config needs a second, frozen "
-                          "model; set precompute_ref_log_probs=True (a forward-only pass before training)")
     why = {"use_weighting": "WPO's weights need each token's sum of squared probabilities, which the last stage "
                             "does not compute; drop it",
            "sync_ref_model": "the reference is read once, before training; drop it",
@@ -82,7 +80,7 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
         if args is None:
             args = DPOConfig(f"{str(model).rstrip('/').split('/')[-1]}-DPO")
         refuse_unsupported(args, compute_metrics=compute_metrics)
-        refuse_dpo(args, ref_model, peft_config, quantization_config, cp)
+        refuse_dpo(args, ref_model, quantization_config, cp)
         self._preference = Preference(PreferenceConfig.from_trl(args))
         check_optimizers(optimizers)
         options = PipelineLayout(pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, schedule=schedule, microbatches=microbatches,
@@ -94,9 +92,10 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
             from transformers import AutoTokenizer
 
             processing_class = AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust)
-        # Under LoRA TRL would read the reference batch by batch with the adapters off; the pass before training
-        # reads the same numbers, once. TRL hashes the model for its cache of that pass, which this one replaces:
-        # every rank's stages (DTensors under tp) would be hashed for nothing.
+        # With precompute_ref_log_probs=False TRL reads the reference batch by batch, from a frozen copy of the
+        # model (the adapters off under LoRA): the pass before training reads the same numbers once, with no
+        # second model. TRL hashes the model for its cache of that pass, which this one replaces: every rank's
+        # stages (DTensors under tp) would be hashed for nothing.
         args.precompute_ref_log_probs = True
         with mock.patch.object(_trl_dpo, "hash_module", lambda module: ""):
             super().__init__(model=stages, args=args, optimizers=optimizers, processing_class=processing_class,
@@ -120,11 +119,12 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One accumulation batch of pairs through the schedule; the loss returned is the same on every rank."""
         model.train()
-        batch = pair_batch(self._prepare_inputs(inputs), self.pipeline.pipe.microbatches)
+        inputs = self._prepare_inputs(inputs)
+        batch = pair_batch(inputs, self.pipeline.pipe.microbatches)
         [batch] = self._steps.local_batches([batch], "PipelineDPOTrainer.train", self._local)
         count = self._steps.step_count([batch]) if num_items_in_batch is None else int(num_items_in_batch)
         part = self._steps.backward(batch, count, 1)  # a batch counts 1: the step divides by its batches x dp
-        self._log_pairs("train", batch)
+        self._log_pairs("train", batch, int(inputs["attention_mask"].sum()))
         return torch.tensor(self._steps.share_loss(part), dtype=torch.float32, device=self.args.device)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
@@ -140,21 +140,26 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
             batch = pair_batch(inputs, self.pipeline.pipe.microbatches)
             total += self._steps.eval_loss(batch) * n
             pairs += n
-            self._log_pairs("eval", batch)
+            self._log_pairs("eval", batch, 0)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         metrics = {f"{metric_key_prefix}_loss": total / pairs} if pairs else {}
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=pairs)
 
-    def _log_pairs(self, mode: str, batch: dict) -> None:
-        """The batch's reward metrics (sums over its microbatches and dp replicas, over its pairs) for TRL's log."""
-        sums = torch.zeros(len(REWARD_METRICS) + 1, dtype=torch.float64)
+    def _log_pairs(self, mode: str, batch: dict, tokens: int) -> None:
+        """The batch's reward metrics (sums over its microbatches and dp replicas, over its pairs) and the input
+        tokens trained (``tokens`` of this replica, ``num_tokens``) for TRL's log, which averages them."""
+        n = len(REWARD_METRICS)
+        sums = torch.zeros(n + 2, dtype=torch.float64)  # the metrics' sums, the pairs, the tokens
         if self.pipeline.pipe.has_loss:
+            sums[n + 1] = tokens
             for record in self._preference.take(batch["input_ids"].shape[0]):
-                sums[-1] += record["pairs"]
-                sums[:-1] += torch.tensor([record.get(k, 0.0) for k in REWARD_METRICS], dtype=torch.float64)
+                sums[n] += record["pairs"]
+                sums[:n] += torch.tensor([record.get(k, 0.0) for k in REWARD_METRICS], dtype=torch.float64)
         sums = self._share(sums)
-        if sums[-1] > 0:
-            for key, value in zip(REWARD_METRICS, (sums[:-1] / sums[-1]).tolist()):
+        self._total_train_tokens += int(sums[n + 1])
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        if sums[n] > 0:
+            for key, value in zip(REWARD_METRICS, (sums[:n] / sums[n]).tolist()):
                 self._metrics[mode][key].append(value)
 
     def _share(self, sums: torch.Tensor) -> torch.Tensor:

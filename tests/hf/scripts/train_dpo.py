@@ -1,4 +1,4 @@
-"""One TRL DPO script, run in one process with ``DPOTrainer`` (the oracle) or under torchrun with hfpipe's
+"""One TRL DPO script (written by both: ``log_history.json``, ``ref_logps.json`` and ``final/``), run in one process with ``DPOTrainer`` (the oracle) or under torchrun with hfpipe's
 ``PipelineDPOTrainer``; ``tests/hf/test_hf_dpo.py`` compares the two.
 
     python train_dpo.py SPEC.json   # SPEC keys: model, out, trainer ("plain"/"pipeline"), pp, dp, tp, microbatches,
@@ -60,6 +60,8 @@ def main(spec: dict) -> None:
 
         axes = {k: spec[k] for k in ("dp", "tp", "ep", "microbatches", "schedule") if k in spec}
         trainer = PipelineDPOTrainer(spec["model"], args=args, pp=spec.get("pp"), peft_config=peft, **axes, **data)
+    ref = {k: [float(v) for v in trainer.train_dataset[k]] for k in ("ref_chosen_logps", "ref_rejected_logps")
+           if k in trainer.train_dataset.column_names}
     trainer.train()
     history = trainer.state.log_history
     if spec.get("eval"):
@@ -68,6 +70,8 @@ def main(spec: dict) -> None:
     if trainer.is_world_process_zero():
         with open(f"{spec['out']}/log_history.json", "w") as f:
             json.dump(history, f)
+        with open(f"{spec['out']}/ref_logps.json", "w") as f:
+            json.dump(ref, f)
 
 
 if __name__ == "__main__":
