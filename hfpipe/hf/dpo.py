@@ -111,7 +111,8 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
             raise ConfigError(f"PipelineDPOTrainer: the {name} dataset is not a map-style Dataset; the reference "
                               "pass reads it before training (pass a datasets.Dataset)")
         loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
-        chosen, rejected = reference_logps(self.pipeline, loader, adapters_off=self.pipeline.lora is not None)
+        chosen, rejected = reference_logps(self.pipeline, loader, adapters_off=self.pipeline.lora is not None,
+                                           over_dp=True)
         return (dataset.add_column("ref_chosen_logps", chosen.tolist())
                 .add_column("ref_rejected_logps", rejected.tolist()))
 

@@ -50,7 +50,8 @@ def _reference_mode(objective: Preference):
 
 
 @torch.no_grad()
-def reference_logps(pm, batches: Iterable[dict], *, adapters_off: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logps(pm, batches: Iterable[dict], *, adapters_off: bool = False,
+                    over_dp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's log-probs of the chosen and of the rejected completion of every pair of ``batches``.
 
     Every rank of a pipeline calls it with the same batches (dp replicas may pass their own); each batch runs
@@ -62,6 +63,8 @@ def reference_logps(pm, batches: Iterable[dict], *, adapters_off: bool = False) 
         batches: TRL ``DataCollatorForPreference`` batches (``input_ids``, ``attention_mask``,
             ``completion_mask``: chosen rows, then rejected rows).
         adapters_off: Switch PEFT's adapters off for the pass (the reference of a LoRA run).
+        over_dp: Every replica passes all the batches; each runs every dp-th of them (replica r: r, r + dp, ...)
+            and the results are shared, so each rank returns all of them.
 
     Returns:
         ``(chosen, rejected)``, float32 (pairs,) each, in the batches' order, the same on every rank of the
@@ -70,22 +73,30 @@ def reference_logps(pm, batches: Iterable[dict], *, adapters_off: bool = False) 
     objective = pm.pipe.objective
     if not isinstance(objective, Preference):
         raise TypeError(f"reference_logps needs a pipeline whose objective is a Preference, not {objective!r}")
-    chosen, rejected = [], []
+    d = pm.dist
+    share = over_dp and d.dp > 1
+    mine: dict[int, tuple] = {}
     was_training = [m.training for m in pm.modules]
     for m in pm.modules:
         m.eval()
     off = adapters_disabled(pm.modules) if adapters_off else contextlib.nullcontext()
     try:
         with _reference_mode(objective), off:
-            for collated in batches:
-                c, r = _batch_logps(pm, objective, collated)
-                chosen.append(c)
-                rejected.append(r)
+            for i, collated in enumerate(batches):
+                if not share or i % d.dp == d.dp_rank:
+                    mine[i] = _batch_logps(pm, objective, collated)
     finally:
         for m, mode in zip(pm.modules, was_training):
             m.train(mode)
+    if share:  # every replica's batches, by their index (a replica may hold one batch fewer)
+        parts = [None] * dist.get_world_size(d.batch_group)
+        dist.all_gather_object(parts, {i: (c.tolist(), r.tolist()) for i, (c, r) in mine.items()},
+                               group=d.batch_group)
+        mine = {i: (torch.tensor(c), torch.tensor(r)) for part in parts for i, (c, r) in part.items()}
+    ordered = [mine[i] for i in sorted(mine)]
     empty = torch.zeros(0)
-    return (torch.cat(chosen) if chosen else empty), (torch.cat(rejected) if rejected else empty)
+    return (torch.cat([c for c, _ in ordered]) if ordered else empty,
+            torch.cat([r for _, r in ordered]) if ordered else empty)
 
 
 def _batch_logps(pm, objective: Preference, collated: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,6 +65,9 @@ def assert_same_dpo(got, want) -> dict:
     for k in tw:
         torch.testing.assert_close(tg[k], tw[k], rtol=0, atol=ATOL, msg=lambda m: f"{k}: {m}")
     worst["weights"] = max(float((tg[k] - tw[k]).abs().max()) for k in tw)
+    start = folder_tensors(json.loads((got.parent / "pipeline.json").read_text())["model"])
+    moved = max((float((tw[k] - start[k]).abs().max()) for k in tw if k in start), default=None)
+    assert moved is None or moved > 10 * ATOL, f"training moved no weight past the tolerance ({moved})"
     print("measured vs TRL: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
     return worst
 
@@ -136,8 +139,13 @@ def test_every_loss_type_at_pp2_equals_trl_after_one_step(tmp_path, loss_type, e
 
 @pytest.mark.slow
 def test_dp2_x_pp2_with_accumulation_equals_trl(tmp_path):
-    """Each dp replica takes 2 of the 4 pairs, 2 accumulation batches: TRL's per-batch means, averaged."""
-    got, want = dpo_pair(tmp_path, nprocs=4, plain=dict(batch=4), dp=2, batch=2, ga=2, microbatches=2)
+    """Each dp replica takes 2 of the 4 pairs, 2 accumulation batches: TRL's per-batch means, averaged.
+
+    Every batch is padded to one length (pad_to_multiple_of=48): under dp > 1 a batch of another length in the
+    middle of an accumulated step loses part of the step's gradient in hfpipe's pipeline today, for SFT too
+    (the schedule's stages resized between two accumulation batches under FSDP2; reported, not this trainer's).
+    """
+    got, want = dpo_pair(tmp_path, nprocs=4, plain=dict(batch=4), dp=2, batch=2, ga=2, microbatches=2, pad_to=48)
     assert_same_dpo(got, want)
 
 

@@ -50,13 +50,7 @@ def main(spec: dict) -> None:
     if spec["trainer"] == "plain":
         from transformers import Trainer
 
-        model = AutoModelForCausalLM.from_pretrained(spec["model"])
-        if peft is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, peft)
-            seed_like_hfpipe(model, peft)
-        trainer = Trainer(model=model, args=args, **data)
+        trainer = Trainer(model=plain_model(spec["model"], peft), args=args, **data)
     else:
         from hfpipe.hf import PipelineTrainer
 
@@ -79,6 +73,17 @@ def main(spec: dict) -> None:
     if trainer.is_world_process_zero():
         with open(f"{spec['out']}/log_history.json", "w") as f:
             json.dump(history, f)
+
+
+def plain_model(path: str, peft=None):
+    """The oracle's model: transformers' from the folder, PEFT's LoRA on it as hfpipe seeds it (``peft``)."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if peft is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft)
+        seed_like_hfpipe(model, peft)
+    return model
 
 
 def seed_like_hfpipe(model, peft, seed: int = 7) -> None:
