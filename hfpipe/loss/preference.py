@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from hfpipe.errors import ConfigError
 from hfpipe.loss.chunked import chunked_loss_sum, chunked_token_losses
 from hfpipe.loss.objective import Head, Objective
 from hfpipe.loss.tokens import IGNORE_INDEX, shift_labels
@@ -100,6 +101,8 @@ class Preference(Objective):
         self.records: list[dict] = []
 
     def targets(self, batch: dict) -> torch.Tensor:
+        if "shift_labels" in batch:  # a cp rank's tokens: a completion's log-prob would be summed over cp ranks
+            raise ConfigError("preference training does not run under cp yet: use cp=1")
         columns = [batch["pair_weight"], batch["chosen_tokens"]]
         return torch.cat([shift_labels(batch["labels"]).double(), batch["completion_mask"].double(),
                           batch["ref_logps"].double()[:, None], *(c.double()[:, None] for c in columns)], dim=1)

@@ -128,3 +128,9 @@ def test_the_reference_mode_records_each_pairs_completion_log_probs():
 def test_a_loss_the_pipeline_cannot_take_per_microbatch_is_refused_in_one_line(change, match):
     with pytest.raises(ConfigError, match=match):
         PreferenceConfig(**change)
+
+
+def test_a_cp_ranks_part_of_a_pair_is_refused_in_one_line():
+    objective = Preference(PreferenceConfig())
+    with pytest.raises(ConfigError, match=r"^preference training does not run under cp yet"):
+        objective.targets({"shift_labels": torch.zeros(2, 4, dtype=torch.long)})

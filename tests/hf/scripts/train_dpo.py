@@ -1,5 +1,6 @@
-"""One TRL DPO script (written by both: ``log_history.json``, ``ref_logps.json`` and ``final/``), run in one process with ``DPOTrainer`` (the oracle) or under torchrun with hfpipe's
-``PipelineDPOTrainer``; ``tests/hf/test_hf_dpo.py`` compares the two.
+"""One TRL DPO script, run in one process with ``DPOTrainer`` (the oracle) or under torchrun with hfpipe's
+``PipelineDPOTrainer``; ``tests/hf/test_hf_dpo.py`` compares what both write: ``log_history.json``,
+``ref_logps.json`` (the reference log-probs read before training) and ``final/``.
 
     python train_dpo.py SPEC.json   # SPEC keys: model, out, trainer ("plain"/"pipeline"), pp, dp, tp, microbatches,
                                     # loss_type (a name or a list), loss_weights, beta, batch, ga, max_steps, lr, lora,
