@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 from hfpipe.loss.linear_head import LinearHead, linear_head_weight, linear_loss_sum
 from hfpipe.loss.tokens import IGNORE_INDEX
-from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum
+from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum, vocab_parallel_token_losses
 
-__all__ = ["chunked_loss_sum", "head_path"]
+__all__ = ["chunked_loss_sum", "chunked_token_losses", "head_path"]
 
 
 def head_path(linear: LinearHead | None, hidden: torch.Tensor) -> str:
@@ -35,9 +35,22 @@ def head_path(linear: LinearHead | None, hidden: torch.Tensor) -> str:
     return "generic" if linear_head_weight(linear, hidden) is None else "linear"
 
 
+def chunked_token_losses(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
+                         ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Each token's cross entropy (B, T) (0 where ``targets`` is ``ignore_index``), chunk by chunk, without
+    gradients: what a per-sequence objective reads (the negated log-probs of its tokens) before it knows how
+    much each token weighs in its loss (then :func:`chunked_loss_sum` with ``weights`` runs the backward)."""
+    step = max(1, chunk // hidden.shape[0])
+    targets = targets.to(hidden.device)
+    with torch.no_grad():
+        parts = [vocab_parallel_token_losses(logits_fn(hidden[:, s:s + step]), targets[:, s:s + step], ignore_index)
+                 .view(hidden.shape[0], -1) for s in range(0, hidden.shape[1], step)]
+    return torch.cat(parts, dim=1)
+
+
 def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
                      denominator: float, ignore_index: int = IGNORE_INDEX,
-                     linear: LinearHead | None = None) -> torch.Tensor:
+                     linear: LinearHead | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of cross-entropy / ``denominator`` over ``targets`` != ``ignore_index``, chunk by chunk.
 
     Args:
@@ -48,28 +61,33 @@ def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chu
         denominator: The global token count the loss is divided by.
         linear: ``logits_fn`` split into its parts, where it is a linear head: then the fast path runs
             when it can (:func:`head_path`).
+        weights: (B, T) per-token factors of the loss (a per-sequence objective's gradient by each token's
+            log-prob), or ``None`` for all ones.
 
     Returns:
         A float32 scalar equal to ``cross_entropy(logits_fn(hidden), targets, reduction="sum") /
         denominator``, with the same gradients for ``hidden`` and every parameter ``logits_fn`` uses.
     """
-    weight = linear_head_weight(linear, hidden)
+    weight = linear_head_weight(linear, hidden) if weights is None else None  # the fast path weighs none
     if weight is not None:
         return linear_loss_sum(linear, weight, hidden, targets, chunk, denominator, ignore_index)
     step = max(1, chunk // hidden.shape[0])
     targets = targets.to(hidden.device)
+    if weights is not None:
+        weights = weights.to(hidden.device)
     if not torch.is_grad_enabled():
-        parts = [_chunk_loss(logits_fn, hidden[:, s:s + step], targets[:, s:s + step], ignore_index)
+        parts = [_chunk_loss(logits_fn, hidden[:, s:s + step], targets[:, s:s + step], ignore_index,
+                             None if weights is None else weights[:, s:s + step])
                  for s in range(0, hidden.shape[1], step)]
         return torch.stack(parts).sum() / denominator
     params = _parameters_used(logits_fn, hidden)
-    return _ChunkedLoss.apply(hidden, targets, logits_fn, step, float(denominator), ignore_index, *params)
+    return _ChunkedLoss.apply(hidden, targets, logits_fn, step, float(denominator), ignore_index, weights, *params)
 
 
-def _chunk_loss(logits_fn, hidden, targets, ignore_index) -> torch.Tensor:
+def _chunk_loss(logits_fn, hidden, targets, ignore_index, weights=None) -> torch.Tensor:
     logits = logits_fn(hidden)  # (B, t, V), the only logits alive at a time
-    if getattr(logits, "device_mesh", None) is not None:  # --tp: split over the vocabulary, never gathered
-        return vocab_parallel_loss_sum(logits, targets, ignore_index)
+    if weights is not None or getattr(logits, "device_mesh", None) is not None:  # --tp: split over the vocabulary
+        return vocab_parallel_loss_sum(logits, targets, ignore_index, weights)
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
                            reduction="sum")
 
@@ -103,8 +121,8 @@ class _ChunkedLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, logits_fn, step, denominator, ignore_index, *params):
-        need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[6:]
+    def forward(ctx, hidden, targets, logits_fn, step, denominator, ignore_index, weights, *params):
+        need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[7:]
         wanted = [p for p, need in zip(params, need_p) if need]
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_p: list = [None] * len(wanted)
@@ -112,7 +130,8 @@ class _ChunkedLoss(torch.autograd.Function):
         for s in range(0, hidden.shape[1], step):
             h = hidden[:, s:s + step].detach().requires_grad_(need_h)
             with torch.enable_grad():
-                loss = _chunk_loss(logits_fn, h, targets[:, s:s + step], ignore_index) / denominator
+                w = None if weights is None else weights[:, s:s + step]
+                loss = _chunk_loss(logits_fn, h, targets[:, s:s + step], ignore_index, w) / denominator
             grads = torch.autograd.grad(loss, ([h] if need_h else []) + wanted, allow_unused=True)
             if need_h:
                 grad_h[:, s:s + step] = grads[0]
@@ -130,4 +149,4 @@ class _ChunkedLoss(torch.autograd.Function):
         # Scaled on the device, never compared on the host (a GPU would wait for the whole forward); a fresh
         # product is also what AccumulateGrad takes over without a copy (the kept tensor stays referenced).
         grads = [None if g is None else g * grad_out for g in ctx.grads]
-        return (grads[0], None, None, None, None, None, *grads[1:])
+        return (grads[0], None, None, None, None, None, None, *grads[1:])

@@ -54,13 +54,7 @@ def main(spec: dict) -> None:
     if spec["trainer"] == "plain":
         from transformers import Trainer
 
-        model = AutoModelForCausalLM.from_pretrained(spec["model"])
-        if peft is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, peft)
-            seed_like_hfpipe(model, peft)
-        trainer = Trainer(model=model, args=args, **data)
+        trainer = Trainer(model=plain_model(spec["model"], peft), args=args, **data)
     else:
         from hfpipe.hf import PipelineTrainer
 
@@ -142,6 +136,17 @@ class CountSyncs(TrainerCallback):
             counts, self.counts = self.counts, None
             with open(self.path, "w") as f:
                 json.dump({**counts, "steps": self.steps}, f)
+
+
+def plain_model(path: str, peft=None):
+    """The oracle's model: transformers' from the folder, PEFT's LoRA on it as hfpipe seeds it (``peft``)."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if peft is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft)
+        seed_like_hfpipe(model, peft)
+    return model
 
 
 def seed_like_hfpipe(model, peft, seed: int = 7) -> None:
