@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from hfpipe.config.names import QUANTIZE_BASE, SCHEDULES, ConfigError
+from hfpipe.config.preference import check_method
 from hfpipe.parallel.dims import ParallelDims
 from hfpipe.parallel.rules import check_layout
 
@@ -49,6 +50,7 @@ def check(c: "FinetuneConfig") -> None:
     _check_layout(c)
     _check_eval_and_reports(c)
     _check_lora(c)
+    check_method(c)
 
 
 def _flag(name: str) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from hfpipe.data.config import ROLES, DataError
 
-__all__ = ["DEFAULT_ROLES", "FIELDS", "alpaca_prompt", "detect_format", "document"]
+__all__ = ["DEFAULT_ROLES", "FIELDS", "alpaca_prompt", "detect_format", "document", "parse_turns"]
 
 #: Required columns per format (a tuple inside means "one of"), in auto-detection order.
 FIELDS = {
@@ -84,7 +84,7 @@ def document(fmt: str, record: dict, roles: dict[str, str]):
                  {"role": "assistant", "content": _string(record, "output")}]
     else:
         column = FIELDS[fmt][0]
-        turns = _messages(record.get(column), column, {**DEFAULT_ROLES, **roles})
+        turns = parse_turns(record.get(column), column, {**DEFAULT_ROLES, **roles})
     system = record.get("system")
     if isinstance(system, str) and system.strip() and turns[0]["role"] != "system":
         turns = [{"role": "system", "content": system}] + turns
@@ -109,7 +109,7 @@ def _string(record: dict, key: str) -> str:
     return value
 
 
-def _messages(value, column: str, roles: dict[str, str]) -> list[dict]:
+def parse_turns(value, column: str, roles: dict[str, str]) -> list[dict]:
     """Turns as ``{role, content}`` dicts with mapped roles, without Arrow's ``None`` keys."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{column} must be a non-empty list of turns")
