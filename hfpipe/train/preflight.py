@@ -17,7 +17,7 @@ from pathlib import Path
 from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
 from hfpipe.data.batches import batches_per_epoch
 from hfpipe.data.config import DataConfig, DataError, check_seq_len
-from hfpipe.data.load import load_splits
+from hfpipe.data.load import load_pairs, load_splits
 from hfpipe.files import read_side_json
 from hfpipe.lora.adapters import LoraError, from_finetune_config, resolve_config
 from hfpipe.lora.tensor import check_tp_lora
@@ -131,7 +131,10 @@ def data_config(cfg, *, held_out: bool = False) -> DataConfig | None:
 
 
 def load_run_splits(cfg, tok):
-    """Training rows and evaluation rows (None without an evaluation set)."""
+    """Training rows and evaluation rows (None without an evaluation set); under --method dpo the preference
+    pairs (:func:`hfpipe.data.load.load_pairs`) and no evaluation set."""
+    if cfg.method == "dpo":
+        return load_pairs(data_config(cfg), tok), None
     return load_splits(data_config(cfg), tok, eval_cfg=data_config(cfg, held_out=True),
                        eval_fraction=cfg.eval_fraction)
 
