@@ -20,13 +20,27 @@ import torch
 import torch.nn.functional as F
 
 from hfpipe.loss.tokens import IGNORE_INDEX
-from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum
+from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum, vocab_parallel_token_losses
 
-__all__ = ["chunked_loss_sum"]
+__all__ = ["chunked_loss_sum", "chunked_token_losses"]
+
+
+def chunked_token_losses(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
+                         ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Each token's cross entropy (B, T) (0 where ``targets`` is ``ignore_index``), chunk by chunk, without
+    gradients: what a per-sequence objective reads (the negated log-probs of its tokens) before it knows how
+    much each token weighs in its loss (then :func:`chunked_loss_sum` with ``weights`` runs the backward)."""
+    step = max(1, chunk // hidden.shape[0])
+    targets = targets.to(hidden.device)
+    with torch.no_grad():
+        parts = [vocab_parallel_token_losses(logits_fn(hidden[:, s:s + step]), targets[:, s:s + step], ignore_index)
+                 .view(hidden.shape[0], -1) for s in range(0, hidden.shape[1], step)]
+    return torch.cat(parts, dim=1)
 
 
 def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
-                     denominator: float, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                     denominator: float, ignore_index: int = IGNORE_INDEX,
+                     weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of cross-entropy / ``denominator`` over ``targets`` != ``ignore_index``, chunk by chunk.
 
     Args:
@@ -35,6 +49,8 @@ def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chu
         targets: Already shifted labels (B, T): the token each position predicts.
         chunk: Tokens per chunk (split along T; each chunk holds ``B * t <= chunk`` tokens).
         denominator: The global token count the loss is divided by.
+        weights: (B, T) per-token factors of the loss (a per-sequence objective's gradient by each token's
+            log-prob), or ``None`` for all ones.
 
     Returns:
         A float32 scalar equal to ``cross_entropy(logits_fn(hidden), targets, reduction="sum") /
@@ -42,18 +58,21 @@ def chunked_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, chu
     """
     step = max(1, chunk // hidden.shape[0])
     targets = targets.to(hidden.device)
+    if weights is not None:
+        weights = weights.to(hidden.device)
     if not torch.is_grad_enabled():
-        parts = [_chunk_loss(logits_fn, hidden[:, s:s + step], targets[:, s:s + step], ignore_index)
+        parts = [_chunk_loss(logits_fn, hidden[:, s:s + step], targets[:, s:s + step], ignore_index,
+                             None if weights is None else weights[:, s:s + step])
                  for s in range(0, hidden.shape[1], step)]
         return torch.stack(parts).sum() / denominator
     params = _parameters_used(logits_fn, hidden)
-    return _ChunkedLoss.apply(hidden, targets, logits_fn, step, float(denominator), ignore_index, *params)
+    return _ChunkedLoss.apply(hidden, targets, logits_fn, step, float(denominator), ignore_index, weights, *params)
 
 
-def _chunk_loss(logits_fn, hidden, targets, ignore_index) -> torch.Tensor:
+def _chunk_loss(logits_fn, hidden, targets, ignore_index, weights=None) -> torch.Tensor:
     logits = logits_fn(hidden)  # (B, t, V), the only logits alive at a time
-    if getattr(logits, "device_mesh", None) is not None:  # --tp: split over the vocabulary, never gathered
-        return vocab_parallel_loss_sum(logits, targets, ignore_index)
+    if weights is not None or getattr(logits, "device_mesh", None) is not None:  # --tp: split over the vocabulary
+        return vocab_parallel_loss_sum(logits, targets, ignore_index, weights)
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
                            reduction="sum")
 
@@ -87,8 +106,8 @@ class _ChunkedLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, logits_fn, step, denominator, ignore_index, *params):
-        need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[6:]
+    def forward(ctx, hidden, targets, logits_fn, step, denominator, ignore_index, weights, *params):
+        need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[7:]
         wanted = [p for p, need in zip(params, need_p) if need]
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_p: list = [None] * len(wanted)
@@ -96,7 +115,8 @@ class _ChunkedLoss(torch.autograd.Function):
         for s in range(0, hidden.shape[1], step):
             h = hidden[:, s:s + step].detach().requires_grad_(need_h)
             with torch.enable_grad():
-                loss = _chunk_loss(logits_fn, h, targets[:, s:s + step], ignore_index) / denominator
+                w = None if weights is None else weights[:, s:s + step]
+                loss = _chunk_loss(logits_fn, h, targets[:, s:s + step], ignore_index, w) / denominator
             grads = torch.autograd.grad(loss, ([h] if need_h else []) + wanted, allow_unused=True)
             if need_h:
                 grad_h[:, s:s + step] = grads[0]
@@ -113,4 +133,4 @@ class _ChunkedLoss(torch.autograd.Function):
     def backward(ctx, grad_out):
         unit = bool(grad_out == 1)  # the schedules' loss.backward(): hand the kept tensors on as they are
         grads = [g if g is None or unit else g * grad_out for g in ctx.grads]
-        return (grads[0], None, None, None, None, None, *grads[1:])
+        return (grads[0], None, None, None, None, None, None, *grads[1:])

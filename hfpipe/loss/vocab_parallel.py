@@ -11,11 +11,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["vocab_parallel_loss_sum"]
+__all__ = ["vocab_parallel_loss_sum", "vocab_parallel_token_losses"]
 
 
-def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``cross_entropy(logits, targets, reduction="sum")`` on vocabulary-split logits, never gathered.
+def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``cross_entropy(logits, targets, reduction="sum")`` on vocabulary-split logits, never gathered;
+    with ``weights`` (shaped as ``targets``) each token's loss is multiplied by its weight first."""
+    if weights is None and not isinstance(logits, DTensor):  # the token loss's own form, summed by torch in one go
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten().to(logits.device),
+                               ignore_index=ignore_index, reduction="sum")
+    tokens = vocab_parallel_token_losses(logits, targets, ignore_index)
+    return tokens.sum() if weights is None else (tokens * weights.flatten().to(tokens)).sum()
+
+
+def vocab_parallel_token_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Each token's ``cross_entropy`` (``reduction="none"``, flattened; 0 where ignored), the logits never gathered.
 
     Args:
         logits: (..., V) as the tp head returns them: a DTensor sharded on its last dim (a plain
@@ -25,13 +36,12 @@ def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_
             that this module imports nothing of hfpipe: it sits on the house's floor).
 
     Returns:
-        A float32 scalar, the same on every tp rank: the summed (not averaged) loss, so the
-        pipeline's division by the global token count stays as it is. Each rank's gradient goes
-        to its own slice of the logits.
+        float32 (N,), the same on every tp rank (a per-sequence objective sums them by row). Each rank's gradient
+        goes to its own slice of the logits.
     """
     targets = targets.flatten().to(logits.device)
     if not isinstance(logits, DTensor):
-        return F.cross_entropy(logits.float().flatten(0, -2), targets, ignore_index=ignore_index, reduction="sum")
+        return F.cross_entropy(logits.float().flatten(0, -2), targets, ignore_index=ignore_index, reduction="none")
     (placement,) = logits.placements
     if not isinstance(placement, Shard) or placement.dim % logits.ndim != logits.ndim - 1:
         raise ValueError(f"vocab-parallel loss needs logits split on the vocabulary, got {placement}")
@@ -59,7 +69,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(total, group=group)
         picked = torch.where(mine, shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(total))
         dist.all_reduce(picked, group=group)
-        loss = torch.where(valid, total.log() - picked, torch.zeros_like(total)).sum()
+        loss = torch.where(valid, total.log() - picked, torch.zeros_like(total))  # (N,)
         ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), idx, mine, valid)
         return loss
 
@@ -68,5 +78,5 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, idx, mine, valid = ctx.saved_tensors
         out = softmax.clone()
         out.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(out.dtype).unsqueeze(-1))
-        out.mul_(valid.to(out.dtype).unsqueeze(-1) * grad)
+        out.mul_((valid.to(out.dtype) * grad).unsqueeze(-1))  # grad: (N,), one per token
         return out, None, None, None, None

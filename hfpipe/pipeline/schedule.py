@@ -82,6 +82,12 @@ class Pipeline:
         self._schedules: dict = {}  # (kwargs, mode, chunked head) -> (shape, schedule), most recent last
         self.builds = 0  # schedules (and torch stages) built so far
 
+    def use_objective(self, objective: Objective) -> None:
+        """Hand the last stage ``objective`` from now on (the schedules built so far hold the old one's loss)."""
+        self.objective = objective
+        self.loss = StageLoss(objective)
+        self._schedules.clear()
+
     @property
     def has_loss(self) -> bool:
         """Whether the last stage (the loss) lives on this rank."""
