@@ -16,10 +16,12 @@ __all__ = ["DPO_LOSSES", "TRAIN_METHODS", "check_method", "parse_dpo_loss"]
 
 #: Training methods: supervised fine-tuning, and direct preference optimisation on preference pairs.
 TRAIN_METHODS = ("sft", "dpo")
-#: TRL's DPO loss types that need no setting beyond ``beta`` (``exo_pair`` and ``robust`` take TRL's
-#: ``label_smoothing``, which ``hfpipe finetune`` does not set: ``robust`` at 0 is ``sigmoid``).
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
-              "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+#: TRL's DPO loss types the pipeline computes pair by pair (:data:`hfpipe.loss.trl_dpo.LOSS_TYPES`, listed here so
+#: that the config reads without torch) that need no setting beyond ``beta``: not ``exo_pair``, which needs TRL's
+#: ``label_smoothing`` > 0, a setting ``hfpipe finetune`` does not have (``robust`` at 0 is ``sigmoid``'s loss).
+#: ``aot``/``aot_unpaired`` sort over the whole batch, so a microbatch's loss would depend on the others'.
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
+              "discopop", "sft", "sigmoid_norm")
 #: The flags that only preference training reads, with their defaults.
 _DPO_ONLY = {"beta": 0.1, "dpo_loss": "sigmoid"}
 #: SFT's data flags that a preference run does not read, with their defaults.

@@ -29,13 +29,15 @@ from hfpipe.data.config import DataError
 from hfpipe.data.formats import DEFAULT_ROLES, parse_turns
 from hfpipe.data.template import render_chat, template_file
 
-__all__ = ["PAIR_COLUMNS", "REF_COLUMNS", "TokenisePairs", "collate_pairs", "iterate_pairs", "pair_record",
+__all__ = ["PAIR_COLUMNS", "REFERENCE_FILE", "REF_COLUMNS", "TokenisePairs", "collate_pairs", "iterate_pairs", "pair_record",
            "pairs_digest", "require_trl"]
 
 #: The columns of a tokenised pair (TRL's names).
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 #: The reference log-probs the reference pass adds to each pair (TRL's names).
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+#: The run folder's file of those log-probs, one per pair in the pairs' order (:mod:`hfpipe.train.preference`).
+REFERENCE_FILE = "reference_logps.safetensors"
 
 
 def require_trl(flag: str = "--method dpo") -> None:

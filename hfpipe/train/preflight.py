@@ -18,6 +18,7 @@ from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
 from hfpipe.data.batches import batches_per_epoch
 from hfpipe.data.config import DataConfig, DataError, check_seq_len
 from hfpipe.data.load import load_pairs, load_splits
+from hfpipe.data.preference import REFERENCE_FILE
 from hfpipe.files import read_side_json
 from hfpipe.lora.adapters import LoraError, from_finetune_config, resolve_config
 from hfpipe.lora.tensor import check_tp_lora
@@ -74,6 +75,9 @@ def _check_output(cfg, source) -> None:
     resumed = resolve_resume(cfg.resume, cfg.output_dir)
     if resumed is not None:  # a mismatch is a preflight error too, before any process starts
         check_resume(resumed, read_meta(resumed), cfg, source.tied, per_microbatch=router_loss_on(source.config))
+        if cfg.method == "dpo" and not (out / REFERENCE_FILE).is_file():  # read back, never recomputed
+            raise CheckpointError(f"--resume {resumed}: {out / REFERENCE_FILE} is missing, the reference log-probs "
+                                  "the run stored at its start; start the run afresh in another --output-dir")
     check_lora_run(cfg, source.config, resumed)
     _check_writable(out)
 

@@ -26,6 +26,12 @@ def test_a_dpo_config_round_trips_through_a_recipe(tmp_path):
     assert FinetuneConfig.from_dict(c.to_dict()) == c
 
 
+def test_every_loss_offered_is_one_the_objective_computes():
+    from hfpipe.loss.trl_dpo import LOSS_TYPES
+
+    assert set(DPO_LOSSES) <= set(LOSS_TYPES)
+
+
 @pytest.mark.parametrize("loss", DPO_LOSSES)
 def test_every_trl_loss_type_is_accepted(loss):
     assert parse_dpo_loss(loss) == ([loss], [1.0])
