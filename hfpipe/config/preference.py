@@ -74,5 +74,8 @@ def check_method(c) -> None:
         if getattr(c, name) != default:
             raise ConfigError(f"--{name.replace('_', '-')} does not apply to --method dpo: preference data is read "
                               "in TRL's formats (prompt/chosen/rejected) and trains on the completions; drop it")
+    if c.cp > 1:
+        raise ConfigError(f"--cp {c.cp} with --method dpo: a pair's log-probs would be summed over cp ranks, which the "
+                          "preference loss does not do yet; use --cp 1 (--tp or --pp split long pairs too)")
     if c.evaluates:
         raise ConfigError("--method dpo does not evaluate yet; drop --eval-dataset, --eval-split and --eval-fraction")

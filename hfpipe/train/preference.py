@@ -184,8 +184,5 @@ def trl_pad_id(tok) -> int:
 
 
 def _multiple(cfg) -> int | None:
-    """Pad each batch's length to a multiple a cp (two halves per rank) and tp (sequence parallel) split needs."""
-    import math
-
-    m = math.lcm(2 * cfg.cp if cfg.cp > 1 else 1, cfg.tp if cfg.tp > 1 and cfg.sequence_parallel else 1)
-    return m if m > 1 else None
+    """Pad each batch's length to a multiple of tp under sequence parallelism, which splits the sequence."""
+    return cfg.tp if cfg.tp > 1 and cfg.sequence_parallel else None

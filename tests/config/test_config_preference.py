@@ -49,6 +49,8 @@ MESSAGES = [
     (dict(method="dpo", dpo_loss="sigmoid=x"), "--dpo-loss 'sigmoid=x': the weight after '=' must be a number"),
     (dict(method="dpo", format="chat"), "--format does not apply to --method dpo: preference data is read in "
      "TRL's formats (prompt/chosen/rejected) and trains on the completions; drop it"),
+    (dict(method="dpo", cp=2), "--cp 2 with --method dpo: a pair's log-probs would be summed over cp ranks, which "
+     "the preference loss does not do yet; use --cp 1 (--tp or --pp split long pairs too)"),
     (dict(method="dpo", eval_fraction=0.1), "--method dpo does not evaluate yet; drop --eval-dataset, "
      "--eval-split and --eval-fraction"),
 ]

@@ -112,3 +112,29 @@ def test_damaged_or_foreign_reference_log_probs_are_refused_in_one_line(tmp_path
     with pytest.raises(CheckpointError) as e:
         read_reference(path, "other" if damage == "other data" else "abc", 3)
     assert says in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # three runs
+def test_a_resumed_dpo_run_reads_its_reference_back_and_equals_the_uninterrupted_run(model, tmp_path):
+    flags = (*DPO, "--pp", 2, "--lr-schedule", "constant", "--save-every", 2)
+    whole = hfpipe("finetune", model, *flags, "--max-steps", 4, "--output-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = hfpipe("finetune", model, *flags, "--max-steps", 2, "--output-dir", "parts", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    stored = tmp_path / "parts" / "reference_logps.safetensors"
+    written = stored.stat().st_mtime_ns
+    rest = hfpipe("finetune", model, *flags, "--max-steps", 4, "--output-dir", "parts", "--resume", "auto",
+                  cwd=tmp_path)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "read the reference log-probs of 64 pairs" in rest.stderr and stored.stat().st_mtime_ns == written
+    want, got = rows(tmp_path / "whole"), rows(tmp_path / "parts")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(want, got):
+        for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+            assert abs(a[key] - b[key]) <= 1e-6, (key, a, b)
+    data = bytearray(stored.read_bytes())  # a damaged store is refused, never recomputed
+    data[-1] ^= 0x01
+    stored.write_bytes(bytes(data))
+    again = hfpipe("finetune", model, *flags, "--max-steps", 6, "--output-dir", "parts", "--resume", "auto",
+                   cwd=tmp_path)
+    assert again.returncode != 0 and "its bytes differ from what was stored (damaged)" in again.stderr
