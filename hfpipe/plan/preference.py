@@ -12,7 +12,8 @@ the stage it runs (one microbatch's hidden states), the working set of one decod
 rank one chunk's logits and fp32 log-probabilities (:mod:`hfpipe.loss.chunked`; the whole microbatch's
 when it is one chunk). Its compute is one forward of each pair: a third of a training step's per pair
 (forward + backward counted as 1 + 2), a quarter under full activation checkpointing (which recomputes the
-forward), with the forward-only schedule's bubble ``(p - 1) / (m + p - 1)``.
+forward); a half (a third) under LoRA, whose backward computes no weight gradients of the frozen base. The
+forward-only schedule idles ``(p - 1) / (m + p - 1)`` of it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class ReferencePass:
 
 def reference_pass(plan, ranks, config, *, tokens: int, per_layer: tuple[int, ...], hidden_elements: int,
                    dtype: str, microbatches: int, activation_checkpointing: str, tp: int = 1,
-                   sp: bool = False) -> ReferencePass:
+                   sp: bool = False, lora: bool = False) -> ReferencePass:
     """Price the forward-only reference pass of ``plan`` (see the module docstring).
 
     Args:
@@ -53,6 +54,7 @@ def reference_pass(plan, ranks, config, *, tokens: int, per_layer: tuple[int, ..
         per_layer: Bytes per token each decoder layer keeps for backward, on one tensor-parallel rank.
         hidden_elements: Elements per token of the hidden states between stages.
         dtype, microbatches, activation_checkpointing, tp, sp: As the run's.
+        lora: Whether the run trains adapters only (its backward is one forward's work, not two).
     """
     act = ACT_BYTES[dtype]
     boundary = hidden_elements * act / (tp if sp else 1)
@@ -68,7 +70,8 @@ def reference_pass(plan, ranks, config, *, tokens: int, per_layer: tuple[int, ..
         acts.append(int(held))
         peaks.append(int(report.weight_bytes + report.transient_bytes + held))
     p, m = plan.pp, microbatches
-    share = 1 / 4 if activation_checkpointing == "full" else 1 / 3
+    step = (2 if lora else 3) + (activation_checkpointing == "full")  # in forwards: backward, recompute
+    share = 1 / step
     return ReferencePass(tuple(peaks), tuple(acts), share, (p - 1) / (m + p - 1))
 
 

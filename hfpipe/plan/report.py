@@ -271,7 +271,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     if train_method == "dpo":
         reference = reference_pass(plan, ranks, config, tokens=tokens, per_layer=per_layer,
                                    hidden_elements=_hidden_elements(config), dtype=dtype, microbatches=m,
-                                   activation_checkpointing=activation_checkpointing, tp=tp, sp=sp)
+                                   activation_checkpointing=activation_checkpointing, tp=tp, sp=sp,
+                                   lora=lora_rank is not None)
         notes.append(describe_reference(reference, _size))
     notes += idle_ranks(plan)
     return PlanReport(

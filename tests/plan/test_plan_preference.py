@@ -44,6 +44,10 @@ def test_the_reference_pass_holds_weights_and_one_microbatchs_working_set(dtype)
     assert "reference pass (dpo, before training, forward only)" in format_report(report)
 
 
-def test_full_checkpointing_makes_the_reference_a_quarter_of_a_step():
-    report = plan_report(llama(), 2, seq_len=16, batch_size=2, train_method="dpo", activation_checkpointing="full")
-    assert report.reference.compute_share == pytest.approx(1 / 4)
+@pytest.mark.parametrize("lora, ac, share", [(None, "full", 1 / 4), (4, "none", 1 / 2), (4, "full", 1 / 3)])
+def test_the_reference_pass_is_one_forward_of_a_steps_forwards_and_backwards(lora, ac, share):
+    """A step is a forward and a backward of two forwards' work (one under LoRA: no base weight gradients),
+    and one more forward under full activation checkpointing."""
+    report = plan_report(llama(), 2, seq_len=16, batch_size=2, train_method="dpo", activation_checkpointing=ac,
+                         lora_rank=lora)
+    assert report.reference.compute_share == pytest.approx(share)
