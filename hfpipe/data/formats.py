@@ -56,6 +56,8 @@ def detect_format(fmt: str, columns: list[str], where: str) -> str:
         return fmt if fmt in fits else fits[0]
     asked = FIELDS if fmt == "auto" else {fmt: FIELDS[fmt]}
     wants = "; ".join(f"{f} needs " + " and ".join(map(_spell, n)) for f, n in asked.items())
+    if {"chosen", "rejected"} <= set(columns):  # preference pairs given to SFT
+        wants += ". Its 'chosen' and 'rejected' are preference pairs: train them with --method dpo"
     raise DataError(f"{where} has columns [{', '.join(columns)}]; {wants}. Rename columns with "
                     "--columns COLUMN=FIELD (e.g. --columns question=prompt,answer=response)")
 

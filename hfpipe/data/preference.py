@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from hfpipe.data.batches import BatchSampler
+from hfpipe.data.batches import epoch_sampler
 from hfpipe.data.config import DataError
 from hfpipe.data.formats import DEFAULT_ROLES, parse_turns
 from hfpipe.data.template import render_chat, template_file
@@ -180,12 +180,9 @@ def iterate_pairs(ds, *, batch_size: int, seed: int, epoch: int, dp_rank: int = 
                   start: int = 0, pad_id: int, seq_len: int, multiple: int | None = None) -> Iterator[dict]:
     """This rank's preference batches of one epoch: ``batch_size`` pairs each (``2 * batch_size`` rows), in the
     order :class:`hfpipe.data.batches.BatchSampler` gives SFT rows."""
-    sampler = BatchSampler(len(ds), batch_size=batch_size, seed=seed, epoch=epoch,
-                           dp_rank=dp_rank, dp_size=dp_size, start=start)
-    if sampler.num_batches == 0:
-        raise DataError(f"the dataset has {len(ds)} preference pairs, fewer than one global batch of "
-                        f"{batch_size * dp_size} ({batch_size} per rank x {dp_size} ranks); lower --batch-size "
-                        "or add data")
+    sampler = epoch_sampler(len(ds), what="preference pairs", fix="lower --batch-size or add data",
+                            batch_size=batch_size, seed=seed, epoch=epoch, dp_rank=dp_rank, dp_size=dp_size,
+                            start=start)
     columns = [c for c in (*PAIR_COLUMNS, *REF_COLUMNS) if c in ds.column_names]
     for indices in sampler:
         part = ds.select_columns(columns)[indices]

@@ -4,7 +4,6 @@ The oracle is TRL 1.16's own ``DPOTrainer._prepare_dataset`` (run unbound: it re
 ``max_length``/``truncation_mode``) and its ``DataCollatorForPreference``, on the same records.
 """
 
-import json
 from types import SimpleNamespace
 
 import datasets
@@ -18,6 +17,7 @@ from hfpipe.data.config import DataConfig, DataError  # noqa: E402
 from hfpipe.data.load import load_pairs  # noqa: E402
 from hfpipe.data.preference import PAIR_COLUMNS, iterate_pairs, pairs_digest  # noqa: E402
 from hfpipe.tiny import make_tiny_tokenizer  # noqa: E402
+from test_data_pipeline import write_jsonl  # noqa: E402
 
 
 def _turn(role, text):
@@ -54,14 +54,7 @@ def _cache(tmp_path, monkeypatch):
     datasets.disable_progress_bars()
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return make_tiny_tokenizer()
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+tok = pytest.fixture(scope="module", name="tok")(make_tiny_tokenizer)
 
 
 def trl_rows(records, tok, max_length):
@@ -142,3 +135,12 @@ def test_data_without_chosen_and_rejected_is_refused_naming_the_columns(tmp_path
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "response": "b"}])
     with pytest.raises(DataError, match=r"has columns \[prompt, response\]; preference data needs 'chosen'"):
         load_pairs(DataConfig(dataset=str(path), seq_len=64), tok)
+
+
+def test_the_builtin_preference_set_loads_offline_and_sft_names_the_method(tok):
+    from hfpipe.data.load import load_examples
+
+    pairs = load_pairs(DataConfig(dataset="builtin:tiny-preference", seq_len=512), tok)
+    assert len(pairs) == 64 and all(row["chosen_ids"] != row["rejected_ids"] for row in pairs)
+    with pytest.raises(DataError, match="'chosen' and 'rejected' are preference pairs: train them with --method dpo"):
+        load_examples(DataConfig(dataset="builtin:tiny-preference", seq_len=128), tok)
