@@ -150,7 +150,10 @@ def test_a_resumed_dpo_run_reads_its_reference_back_and_equals_the_uninterrupted
     (("--pp", 1, "--dp", 1, "--batch-size", 4, "--microbatches", 1),
      ("--pp", 1, "--dp", 2, "--batch-size", 2, "--microbatches", 1)),  # each replica its half of the pairs
     (("--pp", 1, "--lora-rank", 4), ("--pp", 2, "--lora-rank", 4)),  # the reference: the base, adapters off
-], ids=["dp2", "lora-pp2"])
+    (("--pp", 1, "--tp", 1), ("--pp", 1, "--tp", 2)),  # each pair's log-probs from the vocabulary-parallel head
+    (("--pp", 1, "--lora-rank", 4, "--quantize-base", "nf4"),
+     ("--pp", 2, "--lora-rank", 4, "--quantize-base", "nf4")),
+], ids=["dp2", "lora-pp2", "tp2", "qlora-pp2"])
 def test_dpo_layouts_train_the_same_steps(model, tmp_path, one, other):
     runs = []
     for name, flags in (("one", one), ("other", other)):
