@@ -66,11 +66,12 @@ def _reference_pass(cfg, pm, pairs, pad: int) -> tuple[torch.Tensor, torch.Tenso
     """Every pair's reference log-probs: each dp replica runs its contiguous share, then they are gathered."""
     d = pm.dist
     share = -(-len(pairs) // d.dp)
-    mine = pairs.select(range(min(d.dp_rank * share, len(pairs)), min((d.dp_rank + 1) * share, len(pairs))))
-    batches = _in_order(mine, cfg, pad)
-    chosen, rejected = reference_logps(pm, batches, adapters_off=pm.lora is not None)
-    both = torch.zeros(2, share, dtype=torch.float32)
-    both[0, :len(chosen)], both[1, :len(rejected)] = chosen, rejected
+    mine = list(range(d.dp_rank * share, min((d.dp_rank + 1) * share, len(pairs))))
+    # every replica runs as many batches of as many pairs: FSDP2 gathers each step's weights over the replicas
+    # (the preflight's one global batch leaves every replica some pairs; the last one is repeated to fill)
+    mine += [mine[-1]] * (share - len(mine))
+    chosen, rejected = reference_logps(pm, _in_order(pairs.select(mine), cfg, pad), adapters_off=pm.lora is not None)
+    both = torch.stack([chosen, rejected]).to(torch.float32)
     if d.dp > 1:
         parts = [torch.zeros_like(both, device=d.device) for _ in range(d.dp)]
         dist.all_gather(parts, both.to(d.device), group=d.mesh.get_group("dp"))
