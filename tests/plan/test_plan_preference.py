@@ -51,3 +51,15 @@ def test_the_reference_pass_is_one_forward_of_a_steps_forwards_and_backwards(lor
     report = plan_report(llama(), 2, seq_len=16, batch_size=2, train_method="dpo", activation_checkpointing=ac,
                          lora_rank=lora)
     assert report.reference.compute_share == pytest.approx(share)
+
+
+def test_hfpipe_plan_method_dpo_prints_pairs_and_the_reference_pass(tmp_path):
+    from typer.testing import CliRunner
+
+    from hfpipe.cli.main import app
+
+    llama().save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path), "--pp", "2", "--seq-len", "16", "--batch-size", "2", "--method", "dpo"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "4 sequences = 2 pairs" in result.output and "reference pass (dpo, before training" in result.output
