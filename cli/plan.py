@@ -22,7 +22,7 @@ __all__ = ["plan"]
 @config_flags("pp", "dp", "ep", "tp", "cp", "sequence_parallel", "reshard_per_microbatch", "gpus_per_node", "vpp",
               "schedule", "layout", "plan_method", "microbatches", "seq_len", "batch_size", "dtype",
               "fp8", "fp8_recipe", "activation_checkpointing", "compile", "trust_remote_code", "lora_rank",
-              "quantize_base", "quantize_block_size", "lora_targets", "png")
+              "quantize_base", "quantize_block_size", "lora_targets", "method", "png")
 def plan(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from hfpipe.config.names import FP8_RECIPES, QUANTIZE_BASE, SCHEDULES, ConfigError, check_fp8
+from hfpipe.config.preference import check_method
 from hfpipe.parallel.dims import ParallelDims
 from hfpipe.parallel.rules import check_layout
 
@@ -53,6 +54,7 @@ def check(c: "FinetuneConfig") -> None:
     if c.fp8_recipe != FP8_RECIPES[0] and not c.fp8:
         raise ConfigError(f"--fp8-recipe {c.fp8_recipe} applies with --fp8; add --fp8")
     check_fp8(c.fp8_recipe if c.fp8 else None, c.dtype, c.quantize_base)
+    check_method(c)
 
 
 def _flag(name: str) -> str:

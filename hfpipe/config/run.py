@@ -91,10 +91,19 @@ class FinetuneConfig:
     packing: bool = True
     """Pack several samples into each sequence instead of padding."""
 
+    # -- method --
+    method: str = "sft"
+    """sft (supervised fine-tuning) | dpo (preference pairs in TRL's formats, TRL's DPO losses against a
+    reference pass run before training and stored with the run; needs the trl extra)."""
+    beta: float = 0.1
+    """With --method dpo: TRL's beta, how far the trained model may move from the reference."""
+    dpo_loss: str = "sigmoid"
+    """With --method dpo: TRL's loss_type (sigmoid, ipo, hinge, ...), or several weighted, sigmoid=1,sft=0.5."""
+
     # -- optimisation --
     batch_size: int = 8
-    """Sequences per data-parallel rank per schedule step, split into `microbatches`.
-    Sequences per optimizer step: batch_size * grad_accum * dp."""
+    """Sequences per data-parallel rank per schedule step, split into `microbatches` (pairs of two
+    sequences under --method dpo). Sequences per optimizer step: batch_size * grad_accum * dp."""
     grad_accum: int = 1
     """Schedule steps whose gradients add up before each optimizer step."""
     lr: float = 2e-5

@@ -12,7 +12,7 @@ import torch
 
 from hfpipe.data.config import COLUMNS, DataError
 
-__all__ = ["BatchSampler", "batches_per_epoch", "iterate_batches", "model_inputs"]
+__all__ = ["BatchSampler", "batches_per_epoch", "epoch_sampler", "iterate_batches", "model_inputs"]
 
 
 def batches_per_epoch(ds, batch_size: int, dp_size: int = 1) -> int:
@@ -53,18 +53,26 @@ class BatchSampler:
             yield order[b * g + first : b * g + first + self.batch_size].tolist()
 
 
+def epoch_sampler(num_rows: int, *, what: str = "rows", fix: str = "lower --batch-size or --seq-len, or add data",
+                  **order) -> BatchSampler:
+    """The :class:`BatchSampler` of one epoch (``order``: its keywords), refusing data of less than one global
+    batch of ``what`` (rows, pairs) in one line that says the ``fix``."""
+    sampler = BatchSampler(num_rows, **order)
+    if sampler.num_batches == 0:
+        size, dp = order["batch_size"], order.get("dp_size", 1)
+        raise DataError(f"the dataset has {num_rows} {what}, fewer than one global batch of {size * dp} "
+                        f"({size} per rank x {dp} ranks); {fix}")
+    return sampler
+
+
 def iterate_batches(ds, *, batch_size: int, seed: int, epoch: int, dp_rank: int = 0,
                     dp_size: int = 1, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's batches of one epoch: int64 tensors ``[batch_size, seq_len]`` per column.
 
     See :class:`BatchSampler` for the order and the sharding rule.
     """
-    sampler = BatchSampler(len(ds), batch_size=batch_size, seed=seed, epoch=epoch,
-                           dp_rank=dp_rank, dp_size=dp_size, start=start)
-    if sampler.num_batches == 0:
-        raise DataError(f"the dataset has {len(ds)} rows, fewer than one global batch of "
-                        f"{batch_size * dp_size} ({batch_size} per rank x {dp_size} ranks); "
-                        "lower --batch-size or --seq-len, or add data")
+    sampler = epoch_sampler(len(ds), batch_size=batch_size, seed=seed, epoch=epoch, dp_rank=dp_rank,
+                            dp_size=dp_size, start=start)
     view = ds.with_format("numpy", columns=list(COLUMNS))
     for indices in sampler:
         rows = view[indices]

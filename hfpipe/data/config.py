@@ -19,7 +19,7 @@ FORMATS = ("auto", "alpaca", "sharegpt", "chat", "instruction", "text")
 #: Roles a chat template is given; ``--roles`` maps other names onto these.
 ROLES = ("system", "user", "assistant", "tool")
 _ASSETS = Path(__file__).resolve().parent.parent / "assets" / "data"
-BUILTIN_DATASETS = {n: _ASSETS / f"{n.replace('-', '_')}.jsonl" for n in ("tiny-chat", "tiny-text")}
+BUILTIN_DATASETS = {n: _ASSETS / f"{n.replace('-', '_')}.jsonl" for n in ("tiny-chat", "tiny-text", "tiny-preference")}
 
 
 class DataError(HfpipeError):

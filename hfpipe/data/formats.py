@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from hfpipe.data.config import ROLES, DataError
 
-__all__ = ["DEFAULT_ROLES", "FIELDS", "alpaca_prompt", "detect_format", "document"]
+__all__ = ["DEFAULT_ROLES", "FIELDS", "alpaca_prompt", "detect_format", "document", "parse_turns"]
 
 #: Required columns per format (a tuple inside means "one of"), in auto-detection order.
 FIELDS = {
@@ -56,6 +56,8 @@ def detect_format(fmt: str, columns: list[str], where: str) -> str:
         return fmt if fmt in fits else fits[0]
     asked = FIELDS if fmt == "auto" else {fmt: FIELDS[fmt]}
     wants = "; ".join(f"{f} needs " + " and ".join(map(_spell, n)) for f, n in asked.items())
+    if {"chosen", "rejected"} <= set(columns):  # preference pairs given to SFT
+        wants += ". Its 'chosen' and 'rejected' are preference pairs: train them with --method dpo"
     raise DataError(f"{where} has columns [{', '.join(columns)}]; {wants}. Rename columns with "
                     "--columns COLUMN=FIELD (e.g. --columns question=prompt,answer=response)")
 
@@ -84,7 +86,7 @@ def document(fmt: str, record: dict, roles: dict[str, str]):
                  {"role": "assistant", "content": _string(record, "output")}]
     else:
         column = FIELDS[fmt][0]
-        turns = _messages(record.get(column), column, {**DEFAULT_ROLES, **roles})
+        turns = parse_turns(record.get(column), column, {**DEFAULT_ROLES, **roles})
     system = record.get("system")
     if isinstance(system, str) and system.strip() and turns[0]["role"] != "system":
         turns = [{"role": "system", "content": system}] + turns
@@ -109,7 +111,7 @@ def _string(record: dict, key: str) -> str:
     return value
 
 
-def _messages(value, column: str, roles: dict[str, str]) -> list[dict]:
+def parse_turns(value, column: str, roles: dict[str, str]) -> list[dict]:
     """Turns as ``{role, content}`` dicts with mapped roles, without Arrow's ``None`` keys."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{column} must be a non-empty list of turns")

@@ -19,19 +19,20 @@ from typing import TYPE_CHECKING
 from hfpipe.data.config import COLUMNS, DataConfig, DataError
 from hfpipe.data.formats import FIELDS, OPTIONAL, detect_format
 from hfpipe.data.packing import pack_batch, pad_batch
+from hfpipe.data.preference import PAIR_COLUMNS, TokenisePairs, require_trl
 from hfpipe.data.sources import explain_source, load_raw, locate
 from hfpipe.data.tokenise import Tokenise
 
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["load_examples", "load_splits"]
+__all__ = ["load_examples", "load_pairs", "load_splits"]
 
 log = logging.getLogger(__name__)
 
 _VERSION = "4"  # bump when tokenisation or packing output changes: it keys the cache
 _KNOWN = sorted({f for needs in FIELDS.values() for n in needs for f in (n if isinstance(n, tuple) else (n,))}
-                | {f for extra in OPTIONAL.values() for f in extra})
+                | {f for extra in OPTIONAL.values() for f in extra} | {"chosen", "rejected"})
 
 
 @dataclass
@@ -114,11 +115,7 @@ def _rows(cfg: DataConfig, raw, tokenizer, where: _Locator, num_proc: int | None
 
     raw = _rename(cfg, raw)
     fmt = detect_format(cfg.format, list(raw.column_names), f"--dataset {cfg.dataset}")
-    try:
-        template = Path(cfg.chat_template).expanduser().read_text() if cfg.chat_template else None
-    except UnicodeDecodeError:
-        raise DataError(f"--chat-template {cfg.chat_template}: not UTF-8 text (a binary file?); give a jinja "
-                        "template file") from None
+    template = _template_text(cfg)
     body = Tokenise(tokenizer, fmt, cfg.roles, template, cfg.train_on_prompt, where, cfg.chat_template)
     _check_tokenizer(cfg, fmt, body)
     key = _fingerprint(_VERSION, raw._fingerprint, fmt, json.dumps(cfg.roles, sort_keys=True),
@@ -142,6 +139,45 @@ def _rows(cfg: DataConfig, raw, tokenizer, where: _Locator, num_proc: int | None
     log.info("%s: %d documents -> %d rows of %d tokens (%s, packing=%s)", cfg.dataset,
              len(docs), len(rows), cfg.seq_len, fmt, cfg.packing)
     return rows
+
+
+def load_pairs(cfg: DataConfig, tokenizer, *, num_proc: int | None = None) -> datasets.Dataset:
+    """Preference pairs of ``--dataset`` as token ids (:mod:`hfpipe.data.preference`), cached by ``datasets``.
+
+    Pairs whose prompt fills ``seq_len`` are dropped as TRL drops them, and said (most of them dropped is
+    refused, as for SFT). ``cfg.format`` and ``cfg.packing`` do not apply: the format is TRL's, and pairs are
+    padded per batch by TRL's collator.
+    """
+    require_trl()
+    with _bars_on_terminals_only():
+        raw = _rename(cfg, load_raw(cfg.dataset, cfg.dataset_config, cfg.split))
+        missing = [c for c in ("chosen", "rejected") if c not in raw.column_names]
+        if missing:
+            raise DataError(f"--dataset {cfg.dataset} has columns [{', '.join(raw.column_names)}]; preference "
+                            f"data needs 'chosen' and 'rejected' (and 'prompt', unless the prompt is the shared "
+                            "beginning of both); rename columns with --columns COLUMN=FIELD")
+        template = _template_text(cfg)
+        body = TokenisePairs(tokenizer, cfg.roles, template, cfg.seq_len, _Locator(cfg.dataset), cfg.chat_template)
+        key = _fingerprint(_VERSION, "pairs", raw._fingerprint, json.dumps(cfg.roles, sort_keys=True), template,
+                           cfg.seq_len, _tokenizer_key(tokenizer))
+        try:
+            pairs = raw.map(body, batched=True, with_indices=True, num_proc=num_proc,
+                            remove_columns=raw.column_names, new_fingerprint=key, desc="tokenise pairs")
+        except UnicodeDecodeError:
+            explain_source(cfg.dataset)
+            raise DataError(f"--dataset {cfg.dataset}: holds text that is not UTF-8; re-save it as UTF-8") from None
+        pairs = _drop_unusable(cfg, pairs, "preference pairs")
+    log.info("%s: %d preference pairs (%d sequences of at most %d tokens)", cfg.dataset, len(pairs),
+             2 * len(pairs), cfg.seq_len)
+    return pairs.select_columns(list(PAIR_COLUMNS))
+
+
+def _template_text(cfg: DataConfig) -> str | None:
+    try:
+        return Path(cfg.chat_template).expanduser().read_text() if cfg.chat_template else None
+    except UnicodeDecodeError:
+        raise DataError(f"--chat-template {cfg.chat_template}: not UTF-8 text (a binary file?); give a jinja "
+                        "template file") from None
 
 
 def _drop_unusable(cfg: DataConfig, docs, fmt: str):

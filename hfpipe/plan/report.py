@@ -68,6 +68,7 @@ from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import layer_bytes_per_token
 from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as price_ep
 from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
+from hfpipe.plan.preference import describe_reference, reference_pass, sequences_per_pair
 from hfpipe.plan.model_config import load_model_config
 from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
 from hfpipe.plan import context, tensor
@@ -145,6 +146,8 @@ class PlanReport:
     sequence_parallel: bool = True
     reshard_per_microbatch: bool = False  # FSDP2 reshards weights and gradients every microbatch
     cp: int = 1  # context-parallel degree (hfpipe.plan.context)
+    method: str = "sft"  # dpo: microbatches hold both sequences of their pairs (hfpipe.plan.preference)
+    reference: object = None  # dpo: the reference pass's hfpipe.plan.preference.ReferencePass
 
     @property
     def gpus(self) -> int:
@@ -157,7 +160,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                 activation_checkpointing: str = "none", name: str | None = None,
                 dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear",
                 ep: int = 1, quantize_base: str | None = None, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
-                reshard_per_microbatch: bool = False, quantize_block_size: int | None = None) -> PlanReport:
+                reshard_per_microbatch: bool = False, quantize_block_size: int | None = None,
+                train_method: str = "sft") -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -187,6 +191,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
             sequence too (hfpipe.plan.tensor).
         reshard_per_microbatch: FSDP2 reshards weights and reduce-scatters gradients every
             microbatch instead of once per step (hfpipe.plan.tensor).
+        train_method: ``sft``, or ``dpo``: ``batch_size`` counts pairs of two sequences, and the reference pass
+            before training is priced too (hfpipe.plan.preference).
 
     Raises:
         PlanError, ParallelError, UnsupportedModelError: the plan cannot be made (the message
@@ -215,7 +221,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                            model_config=config, reshard_per_microbatch=reshard, lora=lora_rank is not None,
                            quantize_base=quantize_base, seq_len=seq_len)
     vpp, m = checked.vpp, checked.microbatches
-    batch = batch_size or m
+    batch = (batch_size or m) * sequences_per_pair(train_method)  # sequences: a dpo pair is two
     plan = plan_pipeline(config, pp, vpp=vpp, style=checked.style, method=method,
                          layout=layout, seq_len=seq_len)
     costs = layer_costs(config, seq_len)
@@ -261,6 +267,13 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         notes.append(describe_ep(config, ep, dp, a2a, _size, dtype, frozen=lora_rank is not None, tp=tp))
     if quantize_base:
         notes.append(describe_quant(quantize_base, ranks, _size))
+    reference = None
+    if train_method == "dpo":
+        reference = reference_pass(plan, ranks, config, tokens=tokens, per_layer=per_layer,
+                                   hidden_elements=_hidden_elements(config), dtype=dtype, microbatches=m,
+                                   activation_checkpointing=activation_checkpointing, tp=tp, sp=sp,
+                                   lora=lora_rank is not None)
+        notes.append(describe_reference(reference, _size))
     notes += idle_ranks(plan)
     return PlanReport(
         model=name or getattr(config, "_name_or_path", "") or config.model_type,
@@ -270,7 +283,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         ranks=ranks, balance=plan.balance, bubble=bubble_fraction(schedule, pp, vpp, m),
         actions=actions, dp=dp, lora=lora, layer_act=(min(measured, default=0), max(measured, default=0)),
         hidden=config.hidden_size, ep=ep, notes=tuple(notes), tp=tp, sequence_parallel=sp,
-        reshard_per_microbatch=reshard, cp=cp)
+        reshard_per_microbatch=reshard, cp=cp, method=train_method, reference=reference)
 
 
 def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard, m, tokens, ac, adapters):

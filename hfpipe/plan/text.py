@@ -79,7 +79,8 @@ def format_report(report) -> str:
         "",
         f"balance {r.balance:.3f} (costliest stage / mean; 1.000 is perfect)",
         f"bubble {100 * r.bubble:.1f}% of each step idle ({r.schedule}, analytic)",
-        f"tokens per schedule step: {tokens:,} ({r.microbatches * r.microbatch_size} sequences x "
+        f"tokens per schedule step: {tokens:,} ({r.microbatches * r.microbatch_size} sequences"
+        f"{f' = {r.microbatches * r.microbatch_size // 2} pairs' if r.method == 'dpo' else ''} x "
         f"{r.seq_len} x dp {r.dp}) on {r.gpus} GPUs{mesh}",
         f"peak memory {size(worst.total_bytes)} on rank {worst.rank}",
         f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "

@@ -217,6 +217,8 @@ def format_line(row: dict, total: int, eta_s: float | None = None) -> str:
     text = (f"step {row['step']}/{total} loss {row['loss']:.4f} grad_norm "
             f"{row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s seen {row.get('tokens_seen_per_s', 0):.0f} "
             f"trained {row['tokens_per_s']:.0f}")
+    if "rewards/margins" in row:  # preference training (--method dpo): TRL's reward metrics
+        text += f" reward_acc {row['rewards/accuracies']:.3f} margin {row['rewards/margins']:.4f}"
     if eta_s is not None:
         text += f" eta {duration(eta_s)}"
     return text

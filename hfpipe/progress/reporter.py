@@ -53,18 +53,20 @@ class Reporter:
         else:
             LINES.setLevel(logging.INFO)  # this rank's other loggers may be at WARNING
 
-    def log(self, step: int, result) -> dict:
-        """Take one step's :class:`hfpipe.train.step.StepResult`; return its own metrics row.
+    def log(self, step: int, result, extra: dict | None = None) -> dict:
+        """Take one step's :class:`hfpipe.train.step.StepResult` (and ``extra`` metrics of it, such as DPO's
+        ``rewards/margins``); return its own metrics row.
 
-        A row goes to the sinks when ``step`` is a multiple of ``log_every`` or the last step.
+        A row goes to the sinks when ``step`` is a multiple of ``log_every`` or the last step; its extra
+        metrics are then the mean over the steps since the previous row, weighted as the loss is.
         """
         self.tokens += result.tokens
         self.seen += getattr(result, "seen", 0)
-        self.window.append(result)
+        self.window.append((result, extra or {}))
         elapsed = time.perf_counter() - self.t0
         row = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
                "tokens": result.tokens, "tokens_per_s": self.tokens / max(elapsed, 1e-9),
-               "tokens_seen_per_s": self.seen / max(elapsed, 1e-9), "elapsed_s": elapsed}
+               "tokens_seen_per_s": self.seen / max(elapsed, 1e-9), "elapsed_s": elapsed, **(extra or {})}
         if self.bar is not None:
             self.bar.update(1)
         if step % self.log_every == 0 or step == self.total:
@@ -72,10 +74,12 @@ class Reporter:
         return row
 
     def _window_row(self, row: dict) -> dict:
-        tokens = sum(r.tokens for r in self.window)
-        loss = sum(r.loss * r.tokens for r in self.window) / max(tokens, 1)
+        tokens = sum(r.tokens for r, _ in self.window)
+        loss = sum(r.loss * r.tokens for r, _ in self.window) / max(tokens, 1)
+        extra = {k: sum(r.tokens * e[k] for r, e in self.window if k in e) /
+                 max(1, sum(r.tokens for r, e in self.window if k in e)) for k in self.window[-1][1]}
         self.window = []
-        return {**row, "loss": loss, "tokens": tokens}
+        return {**row, **extra, "loss": loss, "tokens": tokens}
 
     def _emit(self, row: dict, elapsed: float) -> None:
         if not self.enabled:

@@ -47,14 +47,21 @@ class TrainLoop:
         total: Optimizer steps to run in all.
         save_checkpoint: :func:`hfpipe.checkpoint.pipeline_state.save_pipeline_checkpoint` bound to ``pm``.
         held: The evaluation rows, or None.
+        epoch_batches: ``(epoch, start) ->`` this rank's model batches of that epoch from batch ``start``;
+            default SFT's rows (:func:`hfpipe.data.batches.iterate_batches`). ``--method dpo`` passes its pairs'.
+        step_metrics: ``(batches) ->`` more metrics of a step's batches for its row (the same on every rank).
+        record: More fields for every checkpoint's ``hfpipe.json`` (dpo: its stored reference log-probs).
     """
 
     def __init__(self, cfg, pm, optimizer, scheduler, examples, total: int, *,
-                 save_checkpoint: Callable, held=None) -> None:
+                 save_checkpoint: Callable, held=None, epoch_batches: Callable | None = None,
+                 step_metrics: Callable | None = None, record: dict | None = None) -> None:
         self.cfg, self.pm, self.optimizer, self.scheduler = cfg, pm, optimizer, scheduler
         self.examples, self.total = examples, total
         self.save_checkpoint = save_checkpoint
         self.held = held  # the evaluation rows, or None
+        self.epoch_batches = epoch_batches or self._sft_batches
+        self.step_metrics, self.record = step_metrics, record or {}
         self.trainer = trainer_for(pm, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm)
         self.pos = RunPosition()
         self.out = Path(cfg.output_dir)
@@ -76,16 +83,19 @@ class TrainLoop:
         """Yield this dp rank's batches forever, from the saved position, epoch after epoch."""
         d = self.pm.dist
         while True:
-            it = iterate_batches(self.examples, batch_size=self.cfg.batch_size, seed=self.cfg.seed,
-                                 epoch=self.pos.epoch, dp_rank=d.dp_rank, dp_size=d.dp,
-                                 start=self.pos.batch_in_epoch)
-            for batch in it:
+            for batch in self.epoch_batches(self.pos.epoch, self.pos.batch_in_epoch):
                 self.pos.batch_in_epoch += 1
-                yield model_inputs(batch, packed=self.cfg.packing)
+                yield batch
             if self.pos.batch_in_epoch < batches_per_epoch(self.examples, self.cfg.batch_size, d.dp):
                 raise RuntimeError("data iterator stopped early")
             self.pos.epoch += 1
             self.pos.batch_in_epoch = 0
+
+    def _sft_batches(self, epoch: int, start: int):
+        d = self.pm.dist
+        for batch in iterate_batches(self.examples, batch_size=self.cfg.batch_size, seed=self.cfg.seed, epoch=epoch,
+                                     dp_rank=d.dp_rank, dp_size=d.dp, start=start):
+            yield model_inputs(batch, packed=self.cfg.packing)
 
     def train(self) -> dict:
         """Run the steps left and save the last one; return the summary (``{}`` on a rank that does not report).
@@ -103,7 +113,7 @@ class TrainLoop:
             if self.pos.step == self.start:  # the first step's line follows: the launcher's ticker stops
                 say_phase(None)
             self.pos.step += 1
-            row = report.log(self.pos.step, result)
+            row = report.log(self.pos.step, result, self.step_metrics(batches) if self.step_metrics else None)
             self.history.append(row)
             self._stop_if_diverged(result, report)
             if evaluator.due(self.pos.step, final=self.pos.step == self.total):
@@ -166,7 +176,7 @@ class TrainLoop:
 
     def save(self) -> None:
         """Save this step's checkpoint (asynchronously with --async-save), after the one in flight."""
-        extra = {"config": self.cfg.to_dict(),
+        extra = {"config": self.cfg.to_dict(), **self.record,
                  "train": {"position": vars(self.pos).copy(), "scheduler": self.scheduler.state_dict()}}
         if self.cfg.chat_template:  # a resume must mask the data the same way: the file, not its name
             extra["data"] = {"chat_template_sha256": template_digest(self.cfg.chat_template)}

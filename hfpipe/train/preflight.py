@@ -17,7 +17,8 @@ from pathlib import Path
 from hfpipe.checkpoint.dcp import CheckpointError, read_meta, resolve_resume
 from hfpipe.data.batches import batches_per_epoch
 from hfpipe.data.config import DataConfig, DataError, check_seq_len
-from hfpipe.data.load import load_splits
+from hfpipe.data.load import load_pairs, load_splits
+from hfpipe.data.preference import REFERENCE_FILE
 from hfpipe.files import read_side_json
 from hfpipe.lora.adapters import LoraError, from_finetune_config, resolve_config
 from hfpipe.lora.tensor import check_tp_lora
@@ -74,6 +75,9 @@ def _check_output(cfg, source) -> None:
     resumed = resolve_resume(cfg.resume, cfg.output_dir)
     if resumed is not None:  # a mismatch is a preflight error too, before any process starts
         check_resume(resumed, read_meta(resumed), cfg, source.tied, per_microbatch=router_loss_on(source.config))
+        if cfg.method == "dpo" and not (out / REFERENCE_FILE).is_file():  # read back, never recomputed
+            raise CheckpointError(f"--resume {resumed}: {out / REFERENCE_FILE} is missing, the reference log-probs "
+                                  "the run stored at its start; start the run afresh in another --output-dir")
     check_lora_run(cfg, source.config, resumed)
     _check_writable(out)
 
@@ -131,7 +135,10 @@ def data_config(cfg, *, held_out: bool = False) -> DataConfig | None:
 
 
 def load_run_splits(cfg, tok):
-    """Training rows and evaluation rows (None without an evaluation set)."""
+    """Training rows and evaluation rows (None without an evaluation set); under --method dpo the preference
+    pairs (:func:`hfpipe.data.load.load_pairs`) and no evaluation set."""
+    if cfg.method == "dpo":
+        return load_pairs(data_config(cfg), tok), None
     return load_splits(data_config(cfg), tok, eval_cfg=data_config(cfg, held_out=True),
                        eval_fraction=cfg.eval_fraction)
 

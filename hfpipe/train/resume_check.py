@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 MUST_MATCH = ("model", "seq_len", "batch_size", "grad_accum", "dp", "seed", "dataset",
               "dataset_config", "split", "format", "packing", "columns", "roles", "chat_template",
               "train_on_prompt", "eval_fraction", "lora_rank", "lora_alpha", "lora_dropout",
-              "lora_targets", "quantize_base", "quantize_block_size")
+              "lora_targets", "quantize_base", "quantize_block_size", "method", "beta", "dpo_loss")
+#: MUST_MATCH fields added after checkpoints were written without them, and the value those runs had.
+_ADDED = {"method": "sft", "beta": 0.1, "dpo_loss": "sigmoid"}
 #: Settings that split each step's rows another way: only the order of the loss sums changes.
 SUMMATION_ORDER = ("microbatches",)
 #: Settings whose change applies from the resumed step on (the last three to AdamW's groups).
@@ -111,8 +113,7 @@ def _recorded(path, saved: dict) -> dict:
     Python API, which records no run) would otherwise let a changed --seed or --seq-len through.
     """
     old = saved.get("config")
-    if not isinstance(old, dict):
-        old = {}
+    old = {**_ADDED, **old} if isinstance(old, dict) and old else {}
     missing = [_flag(k) for k in MUST_MATCH if k not in old]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")

@@ -37,6 +37,7 @@ from hfpipe.progress.logs import log_formatter, quiet_import_noise, rank_level
 from hfpipe.progress.ticker import Ticker
 from hfpipe.train.loop import RunPosition, TrainLoop
 from hfpipe.train.optim import build_optimizer, build_scheduler, load_scheduler_state
+from hfpipe.train.preference import pair_metrics, preference_batches, prepare_preference, trl_pad_id
 from hfpipe.train.preflight import load_run_splits, preflight, run_tokenizer
 from hfpipe.train.resume_check import apply_schedule_changes, check_resume
 
@@ -95,12 +96,13 @@ def run_worker(cfg_dict: dict) -> dict:
     pm = build_pipeline(cfg.model, *from_config(cfg), trust_remote_code=cfg.trust_remote_code, dist=dist_info)
     say_phase("reading the tokenised data")
     examples, held = _load_data(cfg, pm, dist_info)
+    examples, method = _method(cfg, pm, examples)
     total = _total_steps(cfg, examples)
     optimizer = build_optimizer(pm.modules, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps)
     scheduler = build_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=total,
                                 schedule=cfg.lr_schedule, lr=cfg.lr, min_lr=cfg.min_lr)
     run = TrainLoop(cfg, pm, optimizer, scheduler, examples, total, held=held,
-                    save_checkpoint=partial(save_pipeline_checkpoint, pm))
+                    save_checkpoint=partial(save_pipeline_checkpoint, pm), **method)
     _resume(run)
     say_phase("building the schedule and running the first step")
     summary = run.train()
@@ -141,6 +143,18 @@ def _load_data(cfg, pm, dist_info):
     finally:
         said.setLevel(level)
     return splits
+
+
+def _method(cfg, pm, examples):
+    """The rows and the loop's options of ``--method``: SFT's as they are; under dpo the pairs with their
+    reference log-probs (computed by the reference pass, or read back on resume) and TRL's DPO loss."""
+    if cfg.method != "dpo":
+        return examples, {}
+    say_phase("reference pass: the reference log-probs of every pair")
+    pad = trl_pad_id(run_tokenizer(pm.source.folder, cfg))
+    pairs, record = prepare_preference(cfg, pm, examples, pad)
+    return pairs, dict(epoch_batches=preference_batches(cfg, pm, pairs, pad), step_metrics=partial(pair_metrics, pm),
+                       record={"reference": record})
 
 
 def _total_steps(cfg, examples) -> int:

@@ -43,6 +43,7 @@ def test_the_recipes_are_there():
         "llama3_1_70b_sft_pp3_tp8.yaml",
         "llama3_1_8b_sft_128k_cp8.yaml",
         "llama3_1_8b_sft_pp4.yaml",
+        "llama3_2_1b_dpo_lora_pp2.yaml",
         "llama3_2_1b_lora_pp2.yaml",
         "llama3_2_1b_sft_pp2.yaml",
     ]
@@ -155,3 +156,11 @@ def test_the_tensor_parallel_recipes_keep_tp_inside_a_node_with_a_small_bubble()
         assert cfg.tp == 8 and cfg.sequence_parallel and report.bubble <= 0.15
     cfg = FinetuneConfig.from_yaml(find_recipe("llama3_1_405b_sft_pp16_tp8"))
     assert (cfg.pp, cfg.tp, cfg.dp, cfg.seq_len, cfg.dtype) == (16, 8, 1, 8192, "bf16-mixed")
+
+
+def test_the_dpo_recipe_trains_preference_pairs_with_lora():
+    cfg = FinetuneConfig.from_yaml(find_recipe("llama3_2_1b_dpo_lora_pp2"))
+    assert (cfg.method, cfg.dataset, cfg.lora_rank, cfg.pp) == ("dpo", "builtin:tiny-preference", 16, 2)
+    report = report_for(hf_config(cfg), cfg)
+    assert report.method == "dpo" and report.microbatch_size == 2 * cfg.batch_size // cfg.num_microbatches
+    assert max(report.reference.peak_bytes) < max(r.total_bytes for r in report.ranks)
