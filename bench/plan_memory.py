@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import shutil
 import sys
 import tempfile
@@ -277,6 +278,11 @@ def measure(path: str, case: Case, steps: int = 2) -> Held:
     from hfpipe.api import load_pipeline
     from hfpipe.train.optim import build_optimizer
 
+    cuda = torch.cuda.is_available()
+    if cuda:  # what an earlier case left is not this run's
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated() if cuda else 0
     pm = load_pipeline(path, **case.options())
     opt = build_optimizer(pm.modules, lr=1e-4)
     trainer = pm.trainer(opt, max_grad_norm=1.0)
@@ -288,7 +294,6 @@ def measure(path: str, case: Case, steps: int = 2) -> Held:
     opt.register_step_pre_hook(at_step)
     g = torch.Generator().manual_seed(0)
     vocab = pm.source.config.vocab_size
-    cuda = torch.cuda.is_available()
     for i in range(steps):
         ids = torch.randint(3, vocab, (case.batch, case.seq), generator=g)
         if cuda and i == steps - 1:
@@ -296,7 +301,7 @@ def measure(path: str, case: Case, steps: int = 2) -> Held:
             torch.cuda.reset_peak_memory_stats()
         with SavedTensors(pm.modules) as saved:
             trainer.step({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
-    held.peak = torch.cuda.max_memory_allocated() if cuda else 0
+    held.peak = torch.cuda.max_memory_allocated() - base if cuda else 0
     # the parameters and buffers, and (FSDP2) the compute copies gathered for the forward: saved.own
     held.weights = sum(saved.own.values())
     held.optimizer = _storages(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
@@ -332,17 +337,22 @@ def make_model(out: Path, shape: str, layers: int) -> Path:
 def compare(path: str, case: Case, steps: int = 2) -> dict:
     """Plan against run for ``case`` on the model at ``path`` (launched over ``case.world`` ranks)."""
     from hfpipe.parallel.launch import launch
-    from hfpipe.source.config import load_config
 
     # one rank runs here (a process group of one); more are launched as finetune launches them
     if case.world == 1:
         mine = measure(path, case, steps)
     else:
         mine = launch(measure, case.world, path, case, steps, threads_per_rank=1)[0]
-    total, state, act = planned(load_config(Path(path)), case)
+    total, state, act = planned(_config(path), case)
     return dict(case=case, plan=total, plan_state=state, plan_act=act, run=mine.total,
                 run_state=mine.weights + mine.grads + mine.optimizer, run_act=mine.activations, peak=mine.peak,
                 top=mine.top)
+
+
+def _config(path: str):
+    from hfpipe.source.config import load_config
+
+    return load_config(Path(path))
 
 
 def _row(r: dict) -> str:
@@ -380,7 +390,11 @@ def main() -> None:
             for ac in a.ac.split(","):
                 for dtype in a.dtype.split(","):
                     case = Case(mode, ac, dtype, a.seq, a.batch, a.tp, a.cp, lora_rank=a.lora_rank)
-                    r = compare(path, case)
+                    try:
+                        r = compare(path, case)
+                    except torch.OutOfMemoryError:  # worth a row: what did the plan say?
+                        print(f"{case}: out of memory; plan {planned(_config(path), case)[0] / 2**30:.2f} GiB")
+                        continue
                     print(_row(r), flush=True)
                     for nbytes, shape, dt, module in (r["top"] if a.detail else ()):
                         print(f"      {nbytes / 2**20:9.2f} MiB  {dt:<9} {str(shape):<22} {module}")
