@@ -25,7 +25,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["layer_bytes_per_token"]
+__all__ = ["head_bytes_per_token", "layer_bytes_per_token"]
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +33,19 @@ _TOKENS = 64
 _DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def layer_bytes_per_token(config, dtype: str) -> tuple[int, ...]:
-    """Bytes each decoder layer keeps per token until its backward, at ``dtype`` (plan's names)."""
+def layer_bytes_per_token(config, dtype: str, lora: tuple[int, str] | None = None) -> tuple[int, ...]:
+    """Bytes each decoder layer keeps per token until its backward, at ``dtype`` (plan's names).
+
+    ``lora``: ``(rank, targets)`` of a LoRA run, measured on the layer with PEFT's adapters in it and
+    its base frozen, as the run builds it (a frozen linear keeps no input; each adapter keeps its own
+    copy of its input in the adapters' dtype, fp32 over a bf16 base: see :func:`_add_lora`).
+    """
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return _measure_all(key, type(config), dtype)
+    return _measure_all(key, type(config), dtype, lora)
 
 
 @functools.lru_cache(maxsize=32)
-def _measure_all(key: str, config_cls, dtype: str) -> tuple[int, ...]:
+def _measure_all(key: str, config_cls, dtype: str, lora: tuple[int, str] | None = None) -> tuple[int, ...]:
     from hfpipe.models.meta import build_meta_model, model_config
 
     fields = json.loads(key)
@@ -52,7 +57,9 @@ def _measure_all(key: str, config_cls, dtype: str) -> tuple[int, ...]:
         for i, layer in enumerate(full.model.layers):
             kind = _signature(config, i, layer)
             if kind not in by_kind:
-                by_kind[kind] = _measure_layer(config, full, i, _DTYPES[dtype])
+                by_kind[kind] = _measure_layer(config, full, i, dtype, lora)
+                if lora is not None and _adapts_parameters(full, lora):  # experts' adapters: not measured
+                    by_kind[kind] = max(by_kind[kind], _measure_layer(config, full, i, dtype))
             out.append(by_kind[kind])
         return tuple(out)
     except Exception as e:  # noqa: BLE001 - a family the measurement cannot run gets the formula
@@ -70,11 +77,12 @@ def _signature(config, index: int, layer) -> str:
     return json.dumps([classes, shapes, kinds[index] if kinds else None])
 
 
-def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
+def _measure_layer(cfg, full, index: int, precision: str, lora: tuple[int, str] | None = None) -> int:
     """Bytes autograd keeps, per token, when hfpipe's one-layer stage runs ``_TOKENS`` tokens.
 
     The stage takes its modules from ``full`` (the meta model) and gives them real buffers and
-    zero-stride parameters, as loading would give them weights.
+    zero-stride parameters, as loading would give them weights; a LoRA run's adapters then go in
+    as :func:`hfpipe.lora.adapters.add_adapters` puts them.
     """
     from hfpipe.models.registry import adapter_for
     from hfpipe.models.spec import StageSpec
@@ -82,10 +90,18 @@ def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
 
     adapter = adapter_for(cfg)
     stage = PipelineStageModule(StageSpec(0, (index,), embed=False, head=False), cfg, full, adapter)
+    dtype = _DTYPES[precision]
     _materialise(stage, dtype)
+    if lora is not None:
+        _add_lora(stage, full, lora, precision)
     rng = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
     x = torch.randn(adapter.hidden_shape(cfg, 1, _TOKENS), generator=rng, dtype=dtype, requires_grad=True)
     extra = {"input_ids": torch.zeros(1, _TOKENS, dtype=torch.long)} if adapter.layer_inputs else {}
+    return _saved_bytes(stage, lambda: stage(x, **extra)) // _TOKENS
+
+
+def _saved_bytes(stage: torch.nn.Module, run) -> int:
+    """Bytes autograd still keeps for backward once ``run()`` has returned (``stage``'s parameters not counted)."""
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     kept: list[tuple[weakref.ref, int, int]] = []  # (tensor, storage address, storage bytes)
 
@@ -96,13 +112,75 @@ def _measure_layer(cfg, full, index: int, dtype: torch.dtype) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _SkipMatmuls():
-        out = stage(x, **extra)
+        out = run()
     # Only what is still alive waits for backward: a branch the output does not depend on (a
     # router's statistics) frees its saved tensors during forward, and the allocator may reuse
     # their addresses, so counting by address alone over- or under-counted by chance.
     alive = {ptr: nbytes for ref, ptr, nbytes in kept if ref() is not None}
     del out
-    return sum(alive.values()) // _TOKENS
+    return sum(alive.values())
+
+
+def head_bytes_per_token(config, dtype: str, lora: tuple[int, str] | None = None) -> int:
+    """Bytes the last stage's head keeps per token until its backward when the loss is not chunked:
+    the final norm, the head and the family's logit transforms (measured as a layer is), and the
+    cross-entropy's fp32 log-probabilities (``4 * vocab``; the logits themselves are not kept) and its
+    int64 targets."""
+    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return _measure_head(key, type(config), dtype, lora)
+
+
+@functools.lru_cache(maxsize=32)
+def _measure_head(key: str, config_cls, dtype: str, lora: tuple[int, str] | None) -> int:
+    from hfpipe.models.meta import build_meta_model, model_config
+    from hfpipe.models.registry import adapter_for
+    from hfpipe.models.spec import StageSpec
+    from hfpipe.models.stage import PipelineStageModule
+
+    fields = json.loads(key)
+    loss = 4 * fields["vocab_size"] + 8
+    try:
+        cfg = model_config(config_cls.from_dict(fields))
+        full = build_meta_model(cfg, _DTYPES[dtype])
+        adapter = adapter_for(cfg)
+        stage = PipelineStageModule(StageSpec(0, (), embed=False, head=True), cfg, full, adapter)
+        _materialise(stage, _DTYPES[dtype])
+        if lora is not None:
+            _add_lora(stage, full, lora, dtype)
+        x = torch.zeros(adapter.hidden_shape(cfg, 1, _TOKENS), dtype=_DTYPES[dtype], requires_grad=True)
+        return _saved_bytes(stage, lambda: stage.logits(x)) // _TOKENS + loss
+    except Exception as e:  # noqa: BLE001 - the norm and the head's input, by formula
+        log.info("head memory of %s by formula (measuring failed: %s)", fields.get("model_type"), e)
+        return loss + fields["hidden_size"] * (4 + 2 * (4 if dtype == "fp32" else 2))
+
+
+def _adapts_parameters(full, lora: tuple[int, str]) -> bool:
+    from hfpipe.lora.adapters import lora_config, resolve_config
+
+    return bool(resolve_config(lora_config(lora[0], targets=lora[1]), full).target_parameters)
+
+
+def _add_lora(stage: torch.nn.Module, full, lora: tuple[int, str], precision: str) -> None:
+    """PEFT's adapters on ``stage`` as a LoRA run adds them, in the dtype they compute in.
+
+    Over a bf16 base they are fp32 (PEFT's ``autocast_adapter_dtype``), and PEFT casts each adapted
+    linear's input to them: every adapter keeps its own fp32 copy of its input (q, k and v one each),
+    more than the frozen base saves (a frozen linear keeps none). Under ``bf16-mixed`` FSDP2 casts
+    the adapters to bf16 for the forward like every parameter, so they keep bf16 inputs.
+    """
+    from hfpipe.lora.adapters import add_adapters, lora_config, resolve_config
+
+    rank, targets = lora
+    config = resolve_config(lora_config(rank, targets=targets), full)
+    # PEFT's adapters on fused expert stacks (target_parameters) make every expert's whole delta weight
+    # in forward (256 experts: 15 GB); the measurement adapts the linears only, and the caller bounds
+    # the layer by the full run's bytes too (see _measure_all)
+    config.target_parameters = None
+    add_adapters([stage], config)
+    if precision == "bf16-mixed":
+        for name, p in stage.named_parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
 
 
 class _SkipMatmuls(TorchDispatchMode):

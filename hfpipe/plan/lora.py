@@ -118,7 +118,8 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
     """A plan's :class:`~hfpipe.plan.report.RankReport` for a LoRA run of the same layout.
 
     The base is frozen: its weights stay but it has no gradients and no AdamW state. The adapters
-    are fp32 weights, fp32 gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each. With
+    are fp32 weights, fp32 gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each (and under
+    ``bf16-mixed`` the bf16 copy FSDP2 gathers for the forward, 2 more). With
     ``dp > 1`` FSDP2 shards both as it shards a full run (hfpipe.plan.memory.param_bytes): the
     masters and AdamW state split ``dp`` ways, the gathered compute copies and the step's
     unsharded gradients whole. Activations are the full run's: backward still goes through every
@@ -132,8 +133,8 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
             + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)
     base = rank_report.params
     base_w = param_bytes(dtype, dp)[0]  # a frozen weight costs what a full run's weight costs
-    if dp == 1:
-        w, g, o = 4, 4, 8
+    if dp == 1:  # under bf16-mixed FSDP2 holds a bf16 compute copy beside the fp32 masters, as of the base
+        w, g, o = 4 + 2 * (dtype == "bf16-mixed"), 4, 8
     else:  # adapters: fp32 masters, grads and moments, sharded as param_bytes shards a full run's
         w, g, o = 4 / dp + fsdp_bytes(dtype)[1], 4 + 4 / dp, 8 / dp
     return dataclasses.replace(rank_report, weight_bytes=int(base * base_w + w * n),

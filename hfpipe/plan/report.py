@@ -65,11 +65,12 @@ from dataclasses import dataclass
 
 from hfpipe.loss.budget import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
-from hfpipe.plan.activations import layer_bytes_per_token
+from hfpipe.plan.activations import head_bytes_per_token, layer_bytes_per_token
 from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as price_ep
 from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
 from hfpipe.plan.preference import describe_reference, reference_pass, sequences_per_pair
 from hfpipe.plan.model_config import load_model_config
+from hfpipe.plan.peak import rank_peak
 from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
 from hfpipe.plan import context, tensor
 from hfpipe.plan.text import format_report, size as _size
@@ -110,11 +111,12 @@ class RankReport:
     tp_bytes: int = 0  # tensor-parallel traffic one GPU moves per step (not memory)
     fsdp_bytes: int = 0  # FSDP2's all-gather + reduce-scatter traffic one GPU moves per step
     cp_bytes: int = 0  # context-parallel K/V gathers one GPU receives per step (not memory)
+    apart_bytes: int = 0  # of grads + activations, what never exists at once (hfpipe.plan.peak)
 
     @property
     def total_bytes(self) -> int:
         return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.transient_bytes)
+                + self.transient_bytes - self.apart_bytes)
 
 
 @dataclass(frozen=True)
@@ -227,19 +229,23 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     costs = layer_costs(config, seq_len)
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens, shards = batch // m * seq_len // cp, dp * cp  # a cp rank's tokens; FSDP2 over dp x cp
-    measured = layer_bytes_per_token(config, dtype)
+    lora_key = (lora_rank, lora_targets) if lora_rank is not None else None
+    measured = layer_bytes_per_token(config, dtype, lora_key)
     per_layer = context.layer_bytes(tensor.layer_bytes(measured, tp, sp), config, cp, tp, dtype)
-    per_mb = [_stage_activations(config, s, tokens, dtype, activation_checkpointing, per_layer, tp, sp)
-              for s in plan.stages]
+    head = _Head(head_bytes_per_token(config, dtype, lora_key), lora_rank is None or _adapted_head(config, lora_key))
+    parts = [_stage_parts(config, s, tokens, dtype, activation_checkpointing, per_layer, costs, tp, sp, head)
+             for s in plan.stages]
+    per_mb = [sum(a for a, _ in p) for p in parts]
     counts, peaks = in_flight(actions, per_mb)
     extra = tokens * max(per_layer, default=0) if activation_checkpointing != "none" else 0  # one recompute
-    extra += context.held_kv(config, tokens, cp, tp, dtype)  # one layer's whole-sequence dK/dV
+    kv = context.held_kv(config, tokens, cp, tp, dtype)  # one layer's whole-sequence dK/dV
     mean_cost = sum(s.cost for s in plan.stages) / len(plan.stages) or 1.0
     stages = tuple(StageReport(
         s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
         s.cost / mean_cost, counts[s.index], per_mb[s.index],
-        counts[s.index] * per_mb[s.index] + (extra if s.layers else 0)) for s in plan.stages)
-    recomputes = [extra if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
+        counts[s.index] * per_mb[s.index] + (extra + kv if s.layers else 0)) for s in plan.stages)
+    recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens, dtype, tp)) + kv
+                  if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r]) for r in range(pp))
     # tp first: under ep the routed experts stay whole over tp, and price_ep then prices each rank's 1 / ep of
@@ -258,6 +264,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
             ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep, tp)
     ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, shards, ep, tp, sp, reshard, m, tokens,
                                     activation_checkpointing, adapters)
+    ranks = tuple(_apart(r, actions[r.rank], {s.index: parts[s.index] for s in plan.stages_of_rank(r.rank)},
+                         recomputes[r.rank]) for r in ranks)
     cp_bytes = context.cp_traffic(plan, config, cp, tp, m, batch // m, seq_len, dtype, activation_checkpointing)
     ranks = tuple(dataclasses.replace(r, cp_bytes=c) for r, c in zip(ranks, cp_bytes))
     notes += lines + context.describe(cp, dp, cp_bytes, [r.fsdp_bytes for r in ranks], _size)
@@ -313,24 +321,69 @@ def _stage_params(stage, costs) -> int:
             + costs.head_params * stage.head)
 
 
-def _stage_activations(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...],
-                       tp: int = 1, sp: bool = False) -> int:
-    """Activation bytes one microbatch of ``tokens`` tokens leaves in ``stage`` until backward, on one
-    tensor-parallel rank (``per_layer`` already is that rank's; a residual splits only with ``sp``)."""
+@dataclass(frozen=True)
+class _Head:
+    """What the last stage's head keeps per token when the loss is not chunked (measured:
+    :func:`hfpipe.plan.activations.head_bytes_per_token`), and whether its weight trains."""
+
+    bytes_per_token: int
+    trains: bool
+
+    def unchunked(self, config, tokens: int, dtype: str, tp: int) -> int:
+        """The head's bytes for one microbatch of ``tokens``, or 0 when the loss is chunked (then it
+        keeps gradients, which its backward hands on rather than frees)."""
+        return 0 if 0 < chunk_tokens(config.vocab_size) < tokens else int(tokens * self.bytes_per_token / tp)
+
+
+def _adapted_head(config, lora: tuple[int, str]) -> bool:
+    from hfpipe.plan.lora import adapter_params
+
+    return adapter_params(config, *lora).get("head", 0) > 0
+
+
+def _recompute(stages, extra: int, head: int) -> int:
+    """What recomputing one checkpointed layer adds to a rank's peak (``extra``: the largest layer's bytes).
+
+    The recompute runs in a microbatch's backward, which on the last stage starts by freeing the
+    head's log-probabilities (``head``): the rank's peak counts that microbatch whole, so the
+    recompute adds only what it keeps beyond them.
+    """
+    return max(0, extra - head) if any(s.head for s in stages) else extra
+
+
+def _stage_parts(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...], costs,
+                 tp: int = 1, sp: bool = False, head: _Head | None = None) -> list[tuple[int, int]]:
+    """Per part of ``stage`` in backward order (head, layers last to first, embedding): the activation
+    bytes one microbatch of ``tokens`` tokens leaves in it until backward, on one tensor-parallel rank
+    (``per_layer`` already is that rank's; a residual splits only with ``sp``), and the part's parameters."""
     act = _ACT_BYTES[dtype]
     residual = tp if sp else 1
     boundary = _hidden_elements(config) * act / residual  # a layer's input
     checkpointed = {"none": 0, "full": 1, "selective": 2}[ac]  # every layer, or every other one
-    layers = sum(boundary if checkpointed and j % checkpointed == 0 else per_layer[i]
-                 for j, i in enumerate(stage.layers))
-    logits = config.vocab_size * (act + 4) / tp  # vocabulary-parallel
+    layers = [(int(tokens * (boundary if checkpointed and j % checkpointed == 0 else per_layer[i])), i)
+              for j, i in enumerate(stage.layers)]
+    head = head or _Head(config.vocab_size * 4 + config.hidden_size * 3 * act, True)
     h = config.hidden_size
+    top = (8 * tokens + 64) * bool(checkpointed and stage.layers)  # checkpointing keeps the positions, scalars
     if stage.head and 0 < chunk_tokens(config.vocab_size) < tokens:
-        # hfpipe.loss.chunked: no logits kept, but the hidden states' gradient and the head's
-        # (vocab x hidden) gradient wait for the backward (one chunk's logits are transient)
-        kept = tokens * h * act / residual + config.vocab_size * h * act / tp
-        return int(layers * tokens + kept)
-    return int((layers + logits * stage.head) * tokens)
+        # hfpipe.loss.chunked: no logits kept, but the hidden states' gradient and, where the head trains,
+        # the head's (vocab x hidden) gradient wait for the backward (one chunk's logits are transient),
+        # and the int64 targets
+        top += tokens * h * act / residual + config.vocab_size * h * act / tp * head.trains + 8 * tokens
+    elif stage.head:
+        top += head.unchunked(config, tokens, dtype, tp)
+    out = [(int(top), costs.head_params * stage.head)]
+    out += [(a, costs.layer_params[i]) for a, i in reversed(layers)]
+    return out + [(8 * tokens * stage.embed, costs.embed_params * stage.embed)]  # the embedding keeps the ids
+
+
+def _apart(rank: RankReport, steps, parts: dict[int, list[tuple[int, int]]], recompute: int) -> RankReport:
+    """``rank`` with what its gradients and activations never hold at once (:func:`hfpipe.plan.peak.rank_peak`);
+    each part's gradients are the rank's gradient bytes shared by its parameters."""
+    params = sum(p for stage in parts.values() for _, p in stage) or 1
+    grads = {s: [(a, rank.grad_bytes * p / params) for a, p in stage] for s, stage in parts.items()}
+    peak = rank_peak(steps, grads, recompute)
+    return dataclasses.replace(rank, apart_bytes=max(0, int(rank.activation_bytes + rank.grad_bytes - peak)))
 
 
 def _rank_report(rank: int, plan, stages, costs, config, per_param, activations: int) -> RankReport:

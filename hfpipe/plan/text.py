@@ -86,6 +86,10 @@ def format_report(report) -> str:
         f"per parameter: weights {w} B, grads {g} B, AdamW {o} B ({r.dtype}{fsdp}); activations "
         f"{_per_layer(r)} per token per layer (measured on transformers' layer), logits on the head stage",
     ]
+    apart = max(k.apart_bytes for k in r.ranks)
+    if apart:
+        lines.append(f"total: gradients and activations as they coexist over the schedule (up to {size(apart)} "
+                     "less than their columns' sum: a backward frees a layer's activations as it makes its gradients)")
     if r.lora:
         lines.append(r.lora)
     lines += r.notes

@@ -40,7 +40,7 @@ def llama8b():
 
 # -- the issue's bars ------------------------------------------------------------------------------
 
-def test_the_issues_8b_at_128k_fits_one_node_of_80gb_at_cp8_where_dp8_needed_118_gib(llama8b):
+def test_the_issues_8b_at_128k_fits_one_node_of_80gb_at_cp8_where_dp8_does_not(llama8b):
     result = runner.invoke(app, ["plan", "meta-llama/Llama-3.1-8B", "--cp", "8", "--seq-len", "131072",
                                  "--batch-size", "1", "--microbatches", "1", "--dtype", "bf16-mixed",
                                  "--activation-checkpointing", "full", "--gpu-memory", "80GB"])
@@ -48,9 +48,11 @@ def test_the_issues_8b_at_128k_fits_one_node_of_80gb_at_cp8_where_dp8_needed_118
     assert "fits: every rank within 80.0 GiB (8 GPUs)" in result.stdout
     assert "on 8 GPUs (pp 1 x dp 1 x cp 8)" in result.stdout and "cp comm/step" in result.stdout
     after = plan_report(llama8b, 1, cp=8, **LONG_8B)
-    before = plan_report(llama8b, 1, dp=8, **LONG_8B)  # the issue's "before": 118 GiB a rank
+    # the issue's "before" was 118 GiB a rank; 87 since the plan counts gradients and activations as they
+    # coexist (hfpipe.plan.peak) and the head as what it keeps (tests/plan/test_plan_memory_measured.py)
+    before = plan_report(llama8b, 1, dp=8, **LONG_8B)
     assert after.gpus == before.gpus == 8
-    assert 117 * GIB < peak(before) < 120 * GIB and 60 * GIB < peak(after) < 0.9 * LIMIT
+    assert 84 * GIB < peak(before) < 90 * GIB and 50 * GIB < peak(after) < 0.9 * LIMIT
     # the same FSDP2 shards over 8 ranks; only the activations differ
     assert [after.ranks[0].weight_bytes, after.ranks[0].grad_bytes] == [before.ranks[0].weight_bytes,
                                                                        before.ranks[0].grad_bytes]
@@ -60,7 +62,7 @@ def test_the_issues_8b_at_128k_fits_one_node_of_80gb_at_cp8_where_dp8_needed_118
 def test_the_issues_70b_at_32k_fits_80gb_on_a_64_gpu_recipe_where_pp8_dp8_needed_124_gib():
     config = load_model_config("meta-llama/Llama-3.1-70B")
     before = plan_report(config, 8, dp=8, seq_len=32768, dtype="bf16-mixed", activation_checkpointing="full")
-    assert 122 * GIB < peak(before) < 126 * GIB
+    assert 116 * GIB < peak(before) < 122 * GIB  # the issue's 124 before gradients and activations were apart
     result = runner.invoke(app, ["plan", "--recipe", "llama3_1_70b_sft_32k_pp16_cp4", "--gpu-memory", "80GB"])
     assert result.exit_code == 0, result.output
     assert "fits: every rank within 80.0 GiB (64 GPUs)" in result.stdout
@@ -88,7 +90,8 @@ def test_cp2_halves_every_activation_but_the_gathered_kv_which_is_counted_by_han
     for a, b in zip(one.stages, two.stages):
         layers = len(one.plan.stages[a.index].layers)
         saved = layers * (2 - 1) * kv * 8  # each layer saves the other rank's K/V of its 8 tokens
-        assert b.activation_bytes_per_microbatch - saved == a.activation_bytes_per_microbatch / 2  # head's logits too
+        assert b.activation_bytes_per_microbatch - saved == pytest.approx(a.activation_bytes_per_microbatch / 2,
+                                                                          abs=64)  # the head's too
         # one layer's whole-sequence dK/dV waits for its reduce-scatter: 16 tokens' K/V
         assert b.activation_bytes == b.in_flight * b.activation_bytes_per_microbatch + 16 * kv
     middle = one.plan.stages[1].layers
@@ -103,8 +106,11 @@ def test_under_full_recompute_cp_divides_the_kept_inputs_and_the_recomputed_laye
     kv, n = 2 * 32 * 4, len(four.plan.stages[1].layers)
     inputs = n * 64 * 4 * 4  # each layer's input (hidden 64, fp32) of 4 tokens a rank
     recompute = (biggest + 3 * kv) * 4  # one layer again, with the 3 other ranks' K/V
-    assert four.stages[1].activation_bytes == four.stages[1].in_flight * inputs + recompute + 16 * kv
-    assert one.stages[1].activation_bytes == one.stages[1].in_flight * inputs * 4 + biggest * 16
+    def positions(tokens):  # the int64 positions checkpointing keeps, and its scalars
+        return 8 * tokens + 64
+
+    assert four.stages[1].activation_bytes == four.stages[1].in_flight * (inputs + positions(4)) + recompute + 16 * kv
+    assert one.stages[1].activation_bytes == one.stages[1].in_flight * (inputs * 4 + positions(16)) + biggest * 16
 
 
 @pytest.mark.parametrize("ac, recomputed", [("none", lambda n: 0), ("full", lambda n: n),
@@ -156,7 +162,7 @@ def test_the_fit_search_proposes_cp_when_the_sequence_is_what_does_not_fit(llama
     cfg = FinetuneConfig(model="meta-llama/Llama-3.1-8B", dp=8, **LONG_8B)
     assert peak(report_for(llama8b, cfg)) > LIMIT
     found = suggest(llama8b, cfg, LIMIT)
-    assert {"cp": 4} in [s.changes for s in found if not s.search]  # 32 GPUs, down from dp 8's 118 GiB
+    assert any(set(s.changes) == {"cp"} for s in found if not s.search)  # cp, not more dp
     assert_fits_as_proposed(llama8b, cfg, found)
 
 

@@ -120,7 +120,7 @@ def test_a_quantized_base_prices_its_linears_by_kind_and_the_rest_in_the_run_dty
         assert q.weight_bytes == pytest.approx(want, abs=2)
         assert q.transient_bytes == 2 * largest * 2  # the largest linear in bf16, twice
         assert (q.grad_bytes, q.optimizer_bytes) == (p.grad_bytes, p.optimizer_bytes)
-        assert q.total_bytes == q.weight_bytes + q.grad_bytes + q.optimizer_bytes + q.activation_bytes \
+        assert q.total_bytes == q.weight_bytes + q.grad_bytes + q.optimizer_bytes + q.activation_bytes - q.apart_bytes \
             + q.transient_bytes
 
 

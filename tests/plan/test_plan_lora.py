@@ -49,7 +49,7 @@ def test_lora_memory_per_rank_is_the_adapters_of_its_stages(kind, targets):
         assert n > 0
         assert (r.grad_bytes, r.optimizer_bytes) == (4 * n, 8 * n)  # fp32 grads and AdamW, adapters only
         assert r.weight_bytes == f.params * BYTES_PER_PARAM["bf16"][0] + 4 * n  # frozen bf16 base + fp32 adapters
-        assert r.activation_bytes == f.activation_bytes and r.params == f.params
+        assert r.params == f.params  # (activations: a LoRA layer's own, tests/plan/test_plan_memory_measured.py)
     text = format_report(lora)
     assert f"LoRA rank 8 on {','.join(targets) if not isinstance(targets, str) else targets}: " \
            f"{sum(per_layer.values()):,} adapter parameters" in text

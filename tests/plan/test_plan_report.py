@@ -62,11 +62,14 @@ def test_weights_grads_and_optimizer_bytes_follow_the_dtype(dtype):
     for rank in plan_report(llama(), 2, seq_len=16, dtype=dtype).ranks:
         assert (rank.weight_bytes, rank.grad_bytes, rank.optimizer_bytes) == (
             w * rank.params, g * rank.params, o * rank.params)
-        assert rank.total_bytes == (w + g + o) * rank.params + rank.activation_bytes
+        assert rank.total_bytes == (w + g + o) * rank.params + rank.activation_bytes - rank.apart_bytes
+        assert 0 <= rank.apart_bytes < min(rank.grad_bytes, rank.activation_bytes)
+    # rank 0's first backward frees a microbatch's layers as it makes their gradients: never all at once
+    assert plan_report(llama(), 2, seq_len=16, dtype=dtype).ranks[0].apart_bytes > 0
 
 
-def test_activations_are_each_layers_measured_bytes_plus_logits_on_the_head():
-    from hfpipe.plan.activations import layer_bytes_per_token
+def test_activations_are_each_layers_measured_bytes_plus_the_heads_on_the_last_stage():
+    from hfpipe.plan.activations import head_bytes_per_token, layer_bytes_per_token
 
     config = llama(layers=4)
     h, vocab, seq, mb_size = config.hidden_size, config.vocab_size, 16, 3
@@ -74,15 +77,19 @@ def test_activations_are_each_layers_measured_bytes_plus_logits_on_the_head():
     per_layer = layer_bytes_per_token(config, "bf16-mixed")
     tokens = mb_size * seq
     first, last = report.stages
-    assert first.activation_bytes_per_microbatch == sum(per_layer[:2]) * tokens  # two layers
-    assert last.activation_bytes_per_microbatch == (sum(per_layer[2:]) + vocab * (2 + 4)) * tokens
+    ids = 8 * tokens  # the embedding keeps the int64 token ids
+    assert first.activation_bytes_per_microbatch == sum(per_layer[:2]) * tokens + ids  # two layers
+    head = head_bytes_per_token(config, "bf16-mixed")
+    assert vocab * 4 < head < vocab * 4 + 16 * h  # fp32 log-probs; the norm's and head's inputs; no logits
+    assert last.activation_bytes_per_microbatch == (sum(per_layer[2:]) + head) * tokens
     fp32 = plan_report(config, 2, seq_len=seq, batch_size=2 * mb_size, dtype="fp32").stages[0]
     assert fp32.activation_bytes_per_microbatch > first.activation_bytes_per_microbatch
     full = plan_report(config, 2, seq_len=seq, batch_size=2 * mb_size, activation_checkpointing="full")
-    assert full.stages[0].activation_bytes_per_microbatch == 2 * h * 2 * tokens  # layer inputs only
+    positions = 8 * tokens + 64  # checkpointing keeps the int64 positions (and a few scalars)
+    assert full.stages[0].activation_bytes_per_microbatch == 2 * h * 2 * tokens + ids + positions  # layer inputs
     assert full.ranks[0].activation_bytes < report.ranks[0].activation_bytes
     selective = plan_report(config, 2, seq_len=seq, batch_size=2 * mb_size, activation_checkpointing="selective")
-    assert selective.stages[0].activation_bytes_per_microbatch == (h * 2 + per_layer[1]) * tokens
+    assert selective.stages[0].activation_bytes_per_microbatch == (h * 2 + per_layer[1]) * tokens + ids + positions
 
 
 def in_flight(schedule, pp, m):

@@ -1,0 +1,71 @@
+"""``hfpipe plan``'s memory per rank is what the run holds: within 10% of it and never under it.
+
+The oracle is the run itself (``bench/plan_memory.py``): one optimizer step of ``load_pipeline`` on a
+small Llama of Llama-3's proportions (hidden 256, 4 layers, heads 4:1 over kv heads, MLP 3.5 h,
+vocabulary 32 h, 2 x 512 tokens), counting the bytes it really holds: parameters and buffers (and
+the compute copies FSDP2 gathers under bf16-mixed), gradients, AdamW state, and the activations
+autograd saves for backward, over unique storages, with ``saved_tensors_hooks`` (and the layers
+activation checkpointing recomputes); activations and gradients are counted at their peak together,
+as they come and go in backward. Each mode the plan prices is compared on the rank's total, and on
+activations alone. The cheap cases run by default; the whole matrix (dtypes, AC, a quantized base,
+tp, cp and ep over launched ranks) is slow.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from plan_memory import Case, compare, make_model  # noqa: E402
+
+#: How far above the run the plan may be: a plan over by more sends a run to more GPUs than it needs.
+OVER = 1.10
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return str(make_model(tmp_path_factory.mktemp("plan-memory") / "llama", "llama3-small", 4))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> str:
+    return str(make_model(tmp_path_factory.mktemp("plan-memory") / "moe", "qwen3-moe-small", 4))
+
+
+def assert_priced(r: dict) -> None:
+    """The plan's total and activations are at or above the run's, and within :data:`OVER` of it."""
+    case = r["case"]
+    for what, plan, run in (("total", r["plan"], r["run"]), ("activations", r["plan_act"], r["run_act"])):
+        assert run <= plan <= OVER * run, f"{case}: {what} planned {plan:,} bytes, the run held {run:,} " \
+                                          f"({plan / run:.3f}x)"
+
+
+@pytest.mark.parametrize("case", [Case("full", "none", "bf16"), Case("lora", "none", "bf16"),
+                                  Case("lora", "full", "bf16")], ids=str)
+def test_the_plan_prices_what_the_run_holds(llama, case):
+    # LoRA without checkpointing was 0.92x of the run's activations: PEFT casts each adapted linear's
+    # input to the fp32 adapters, one copy per adapter, which the plan now measures on the layer.
+    assert_priced(compare(llama, case))
+
+
+MATRIX = [Case(mode, ac, dtype) for mode in ("full", "lora") for ac in ("none", "selective", "full")
+          for dtype in ("fp32", "bf16", "bf16-mixed")]
+MATRIX += [Case("qlora", ac, "bf16") for ac in ("none", "full")]
+MATRIX += [Case(mode, "none", "bf16", tp=2) for mode in ("full", "lora")]
+MATRIX += [Case(mode, ac, "bf16", cp=2) for mode in ("full", "lora") for ac in ("none", "full")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MATRIX, ids=str)
+def test_every_mode_the_plan_prices_is_what_the_run_holds(llama, case):
+    assert_priced(compare(llama, case))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [Case("full", "none", "bf16", ep=2), Case("full", "none", "bf16"),
+                                  Case("lora", "none", "bf16", ep=2)], ids=str)
+def test_a_moe_model_is_priced_as_it_runs_with_and_without_expert_parallelism(moe, case):
+    assert_priced(compare(moe, case))
