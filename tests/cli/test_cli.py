@@ -135,7 +135,7 @@ def test_plans_config_flags_are_finetunes_own():
 
     finetune, plan = flags("finetune"), flags("plan")
     shared = set(finetune) & set(plan) - {"recipe"}
-    assert len(shared) == 24
+    assert len(shared) == 25
     assert all(plan[name] == finetune[name] for name in shared), [n for n in shared if plan[n] != finetune[n]]
 
 
