@@ -23,10 +23,20 @@ COMPILE = {"compile": True}
 ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 
 
+def compiled_worker(*args) -> dict:
+    """``pipeline_worker``'s run, and how many graphs torch compiled on this rank (none: it ran eagerly)."""
+    from torch._dynamo.utils import counters
+
+    out = pipeline_worker(*args)
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    return out
+
+
 def _run(kind: str, pp: int, schedules, dp: int = 1, layers: int = 2, **options) -> None:
     path = str(tiny_checkpoint(kind, num_hidden_layers=layers))
     ref = reference_run(path, dp=dp)
-    results = run_ranks(pipeline_worker, pp * dp, path, pp, dp, tuple(schedules), 1, {**COMPILE, **options})
+    results = run_ranks(compiled_worker, pp * dp, path, pp, dp, tuple(schedules), 1, {**COMPILE, **options})
+    assert all(r["graphs"] >= 1 for r in results.values()), {rank: r["graphs"] for rank, r in results.items()}
     check_equal(ref, results, schedules)
 
 
