@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import shutil
 import sys
 import tempfile
@@ -341,7 +342,9 @@ def compare(path: str, case: Case, steps: int = 2) -> dict:
     # one rank runs here (a process group of one); more are launched as finetune launches them
     if case.world == 1:
         mine = measure(path, case, steps)
-    else:
+    else:  # the launched ranks import this file by name, as the caller did
+        here = str(Path(__file__).resolve().parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         mine = launch(measure, case.world, path, case, steps, threads_per_rank=1)[0]
     total, state, act = planned(_config(path), case)
     return dict(case=case, plan=total, plan_state=state, plan_act=act, run=mine.total,

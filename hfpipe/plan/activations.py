@@ -25,6 +25,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hfpipe.errors import HfpipeError
+
 __all__ = ["head_bytes_per_token", "layer_bytes_per_token"]
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ def _measure_all(key: str, config_cls, dtype: str, lora: tuple[int, str] | None 
                     by_kind[kind] = max(by_kind[kind], _measure_layer(config, full, i, dtype))
             out.append(by_kind[kind])
         return tuple(out)
+    except HfpipeError:  # the user's input (a --lora-targets that matches nothing): said once, by the caller
+        raise
     except Exception as e:  # noqa: BLE001 - a family the measurement cannot run gets the formula
         log.info("activation memory of %s by formula (measuring a layer failed: %s: %s)",
                  fields.get("model_type"), type(e).__name__, (str(e).splitlines() or [""])[0][:200])
@@ -149,6 +153,8 @@ def _measure_head(key: str, config_cls, dtype: str, lora: tuple[int, str] | None
             _add_lora(stage, full, lora, dtype)
         x = torch.zeros(adapter.hidden_shape(cfg, 1, _TOKENS), dtype=_DTYPES[dtype], requires_grad=True)
         return _saved_bytes(stage, lambda: stage.logits(x)) // _TOKENS + loss
+    except HfpipeError:
+        raise
     except Exception as e:  # noqa: BLE001 - the norm and the head's input, by formula
         log.info("head memory of %s by formula (measuring failed: %s)", fields.get("model_type"), e)
         return loss + fields["hidden_size"] * (4 + 2 * (4 if dtype == "fp32" else 2))

@@ -176,5 +176,9 @@ def test_plan_counts_the_chunked_head(monkeypatch):
     chunked = head_stage().activation_bytes_per_microbatch
     monkeypatch.setattr(budget, "AUTO_CHUNK_BYTES", 1 << 62)  # one chunk: the plain head
     plain = head_stage().activation_bytes_per_microbatch
+    from hfpipe.plan.activations import head_bytes_per_token
+
     tokens, v, h = 4096, 128256, 4096
-    assert plain - chunked == tokens * v * (2 + 4) - (tokens * h * 2 + v * h * 2)
+    head = head_bytes_per_token(cfg, "bf16-mixed")  # fp32 log-probs, targets, the norm's and head's inputs
+    assert v * 4 < head < v * 4 + 16 * h
+    assert plain - chunked == tokens * head - (tokens * h * 2 + v * h * 2 + 8 * tokens)  # chunked: + targets
