@@ -37,5 +37,20 @@ def apply_fsdp(modules: list, dist, *, param_dtype: torch.dtype, compute_dtype: 
         for layer in m.model.layers.values():
             if dims.ep > 1 and experts_of(layer):
                 shard_moe_layer(layer, mesh, dist.expert_replica_mesh(), mp, dims.grad_divide_factor)
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=again)
-        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=again)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=again,
+                        ignored_params=_left_out_on_one_rank(layer, dims.grad_divide_factor))
+        fully_shard(m, mesh=mesh, mp_policy=stage_mp, reshard_after_forward=again,
+                    ignored_params=_left_out_on_one_rank(m, dims.grad_divide_factor))
+
+
+def _left_out_on_one_rank(module, ranks: int) -> set | None:
+    """Frozen parameters whose tensor class gathers itself (``fsdp_pre_all_gather``: torchao's NF4 base), left
+    out of FSDP2 when its mesh is one rank (bf16-mixed at ``--dp 1``), where there is nothing to shard.
+
+    torch 2.13's FSDP2 gathers a one-rank mesh by a shortcut that takes one tensor per parameter, where such a
+    class hands several (``ValueError: not enough values to unpack``); left out, the base dequantizes to the
+    compute dtype of its input as it does without FSDP2.
+    """
+    if ranks != 1:
+        return None
+    return {p for p in module.parameters() if not p.requires_grad and hasattr(p, "fsdp_pre_all_gather")} or None
