@@ -13,12 +13,12 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage
 
 from hfpipe.errors import HfpipeError
 from hfpipe.loss.budget import chunk_tokens
 from hfpipe.loss.linear_head import LinearHead
 from hfpipe.loss.objective import Head, Objective, StageLoss, TokenMean
+from hfpipe.pipeline.accumulating_stage import AccumulatingStage
 from hfpipe.pipeline.inputs import pad_rows
 from hfpipe.pipeline.shapes import resize_schedule
 from hfpipe.pipeline.stage_sync import ReducingStage
@@ -69,7 +69,8 @@ class Pipeline:
                  loss_chunk_tokens: int | None = None, reduce_every_microbatch: bool = False,
                  context=None, objective: Objective | None = None) -> None:
         self.modules = stages
-        self.stage_class = ReducingStage if reduce_every_microbatch else PipelineStage
+        # Stages whose set-up for a new batch shape keeps the gradients of earlier accumulation batches
+        self.stage_class = ReducingStage if reduce_every_microbatch else AccumulatingStage
         self.loss_chunk_tokens = loss_chunk_tokens
         self.owners = list(owners)
         self.num_stages = len(self.owners)

@@ -14,13 +14,15 @@ sync is overridden, the backward itself is torch's.
 from __future__ import annotations
 
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
+
+from hfpipe.pipeline.accumulating_stage import AccumulatingStage
 
 __all__ = ["ReducingStage"]
 
 
-class ReducingStage(PipelineStage):
-    """A :class:`torch.distributed.pipelining.PipelineStage` whose FSDP2 module reduces every microbatch.
+class ReducingStage(AccumulatingStage):
+    """A pipeline stage (:class:`~hfpipe.pipeline.accumulating_stage.AccumulatingStage`) whose FSDP2 module
+    reduces every microbatch.
 
     On the last stage the stage's own unit (final norm and head) stays gathered from its forward to its
     backward: the chunked head loss (:mod:`hfpipe.loss.chunked`) runs them after the stage's

@@ -46,7 +46,7 @@ def main(spec: dict) -> None:
         bf16=spec.get("bf16", False), use_cpu=spec.get("bf16", False),  # bf16 on CPU needs use_cpu
         torch_compile_backend=spec.get("compile_backend"),  # set: torch_compile=True
         report_to=[], disable_tqdm=True, dataloader_drop_last=True, seed=7)
-    collator = DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=8)
+    collator = DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=spec.get("pad_to", 8))
     data = {"train_dataset": dataset(tok, 64, 0), "data_collator": collator, "processing_class": tok}
     if spec.get("eval"):
         data["eval_dataset"] = dataset(tok, 8, 3)
