@@ -76,23 +76,6 @@ def apply_compile(modules: list, spec: CompileSpec | None) -> int:
     return count
 
 
-def _cache_of_this_rank() -> None:
-    """In a world of several ranks, compile without torch's on-disk FX graph and autograd caches.
-
-    torch 2.13's caches key a graph without the process-group names its collectives carry (DTensor's under
-    --tp), so a rank can load a graph compiled for another group and fail ("Could not resolve the process
-    group registered under the name 12", measured at pp2 x tp2; a cache folder per rank did not cure it, the
-    caches off did). Each rank compiles its own graphs; identical layers still share them in memory.
-    """
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        inductor_config.fx_graph_cache = False
-        functorch_config.enable_autograd_cache = False
-
-
 class _Recompiles:
     """Counts torch's compiles by frame and logs every one after a frame's first (torch's compile-start hook)."""
 

@@ -183,7 +183,21 @@ def test_compiled_full_activation_checkpointing():
     _run("llama", 2, ("1f1b",), activation_checkpointing="full")
 
 
+def test_compile_with_tp_is_refused_in_one_line():
+    """Compiled tensor-parallel layers lose their process group inside torch 2.13 (measured at pp2 x tp2, in the
+    slow test below): refused before anything loads, by the validator the API, finetune and plan share."""
+    from hfpipe.errors import ParallelError
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
+
+    with pytest.raises(ParallelError, match="--compile with --tp 2: torch 2.13 cannot yet run") as e:
+        check_layout(ParallelDims(pp=2, tp=2), "1f1b", compile=True)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="refused (hfpipe.parallel.rules): a compiled tp layer's collective loses its "
+                   "process group in torch 2.13")
 def test_compiled_pp2_x_tp2():
     from test_parallel_tensor_pipeline import _run as run_tp
 
