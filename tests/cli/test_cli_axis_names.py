@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hfpipe.cli.main import app
+from _trust import error_lines
 
 AXES = {"pipeline-parallel": "pp", "data-parallel": "dp", "tensor-parallel": "tp", "context-parallel": "cp",
         "expert-parallel": "ep"}
@@ -14,7 +15,7 @@ AXES = {"pipeline-parallel": "pp", "data-parallel": "dp", "tensor-parallel": "tp
 
 def _error(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(app, list(args))
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    lines = error_lines(result.output)
     return result.exit_code, lines[-1] if lines else ""
 
 

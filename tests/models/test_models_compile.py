@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from _dist import run_ranks, tiny_checkpoint
 from test_train_equivalence import check_equal, pipeline_worker, reference_run
+from _trust import error_lines
 
 COMPILE = {"compile": True}
 ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
@@ -93,7 +94,7 @@ def test_plan_and_finetune_refuse_what_cannot_run_compiled_exit_2(command, tmp_p
         args += ["--dataset", str(tmp_path / "d.jsonl"), "--output-dir", str(tmp_path / "out")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    lines = error_lines(result.output)
     assert len(lines) == 1 and "--compile with --schedule zbv: the zero-bubble schedules" in lines[0], lines
     assert not (tmp_path / "out").exists()
 

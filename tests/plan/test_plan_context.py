@@ -22,6 +22,7 @@ from hfpipe.plan.memory import fsdp_bytes, param_bytes
 from hfpipe.plan.report import load_model_config, plan_report
 from hfpipe.recipes import find_recipe
 from hfpipe.tiny import tiny_config
+from _trust import error_lines
 
 GIB = 2**30
 LIMIT = parse_memory("80GB")
@@ -197,7 +198,7 @@ def test_a_sequence_cp_cannot_cut_in_2_cp_chunks_is_refused_in_one_line():
         plan_report(tiny_config("llama"), 1, cp=4, seq_len=100)
     result = runner.invoke(app, ["plan", "meta-llama/Llama-3.1-8B", "--cp", "4", "--seq-len", "100"])
     assert result.exit_code == 2
-    assert [line for line in result.output.splitlines() if line.strip()] == [
+    assert error_lines(result.output) == [
         "error: command line: --seq-len 100 does not split into 8 equal chunks (two per cp rank, head and tail) for --cp 4; "
         "use a multiple of 8, e.g. 96"]
 

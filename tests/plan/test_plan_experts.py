@@ -20,6 +20,7 @@ from hfpipe.plan.report import load_model_config, param_bytes, plan_report
 from hfpipe.errors import ParallelError
 from hfpipe.plan.split import PlanError, plan_pipeline
 from hfpipe.tiny import tiny_config
+from _trust import error_lines
 
 GIB = 2**30
 runner = CliRunner()
@@ -92,7 +93,7 @@ def test_bad_ep_and_quantize_base_get_one_line_and_exit_2(tmp_path, kind, args, 
     result = runner.invoke(app, ["plan", str(tmp_path), "--pp", "2", "--seq-len", "16", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
-    assert len(result.output.strip().splitlines()) == 1
+    assert len(error_lines(result.output)) == 1
 
 
 def quantized_params(config) -> tuple[int, int, int]:

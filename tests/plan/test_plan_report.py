@@ -21,6 +21,7 @@ from hfpipe.plan.actions import schedule_actions, timeline
 from hfpipe.plan.report import BYTES_PER_PARAM, format_report, load_model_config, plan_report
 from hfpipe.source.folder import SourceError
 from hfpipe.tiny import tiny_config
+from _trust import error_lines
 
 BUNDLED = ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B",
            "deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V3")
@@ -213,5 +214,5 @@ def test_plan_refuses_a_seq_len_past_the_models_context_as_finetune_does(seq_len
 
     result = CliRunner().invoke(app, ["plan", "meta-llama/Llama-3.1-8B", "--seq-len", str(seq_len)])
     assert result.exit_code == 2
-    assert [line for line in result.output.splitlines() if line.strip()] == [
+    assert error_lines(result.output) == [
         f"error: --seq-len {seq_len} exceeds the model's max_position_embeddings 131072; lower --seq-len"]

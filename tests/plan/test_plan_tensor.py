@@ -22,6 +22,7 @@ from hfpipe.plan.fit import fewest_gpus, parse_memory, report_for, suggest
 from hfpipe.plan.memory import fsdp_bytes, param_bytes
 from hfpipe.plan.report import load_model_config, plan_report
 from hfpipe.tiny import tiny_config
+from _trust import error_lines
 
 GIB = 2**30
 runner = CliRunner()
@@ -197,7 +198,7 @@ def test_bad_tp_gets_one_line_and_exit_2_from_the_cli(tmp_path):
     result = runner.invoke(app, ["plan", str(tmp_path), "--pp", "2", "--seq-len", "16", "--tp", "4"])
     assert result.exit_code == 2, result.output
     assert "num_key_value_heads=2, which 4 tp ranks" in result.output and "Traceback" not in result.output
-    assert len(result.output.strip().splitlines()) == 1
+    assert len(error_lines(result.output)) == 1
 
 
 def test_plan_and_finetune_refuse_heads_with_one_rule():
