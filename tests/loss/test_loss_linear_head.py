@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfpipe.loss.chunked import chunked_loss_sum, head_path
 from hfpipe.loss.linear_head import LinearHead, _chunk_loss_and_grad, _fused_loss_and_grad
@@ -19,6 +18,7 @@ from hfpipe.models.registry import adapter_for
 from hfpipe.models.spec import StageSpec
 from hfpipe.models.stage import build_stage_modules
 from hfpipe.tiny import tiny_config
+from test_pipeline_head_loss import _Largest  # records the largest tensor any op makes
 
 B, T = 2, 24
 
@@ -103,19 +103,6 @@ def test_a_lora_head_on_the_generic_path_still_equals_the_full_logits():
                                                                   linear=linear))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
-
-
-class _Largest(TorchDispatchMode):
-    """Records the largest tensor any op makes."""
-
-    largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def test_the_fast_path_holds_one_chunk_of_logits_at_most():
