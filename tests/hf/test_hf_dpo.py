@@ -163,3 +163,12 @@ def test_lora_equals_trl_with_peft_whose_reference_is_the_base(tmp_path):
     got, want = dpo_pair(tmp_path, lora=True, precompute=False, eval=True)
     assert_same_dpo(got, want)
     assert (got / "final" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_chunked_head_takes_the_log_probs_16_tokens_at_a_time(tmp_path, monkeypatch):
+    """The last stage never holds a microbatch's whole logits: log-probs read chunk by chunk without gradients,
+    then the head's backward run chunk by chunk with TRL's gradient of each token's log-prob."""
+    monkeypatch.setenv("HFPIPE_LOSS_CHUNK_TOKENS", "16")
+    got, want = dpo_pair(tmp_path, loss_type="sigmoid", eval=True)
+    assert_same_dpo(got, want)

@@ -14,7 +14,7 @@ import hfpipe.hf  # noqa: F401 - first, as a user's script has it in place of TR
 from datasets import Dataset
 from trl import DPOConfig
 
-from train_lm import lora_config, plain_model  # the oracle's model and LoRA, as the Trainer script builds them
+from train_lm import lora_config, plain_model, train_and_record  # as the Trainer script builds, trains, records
 
 
 def preference_dataset(n: int, seed: int) -> Dataset:
@@ -54,16 +54,7 @@ def main(spec: dict) -> None:
         trainer = PipelineDPOTrainer(spec["model"], args=args, pp=spec.get("pp"), peft_config=peft, **axes, **data)
     ref = {k: [float(v) for v in trainer.train_dataset[k]] for k in ("ref_chosen_logps", "ref_rejected_logps")
            if k in trainer.train_dataset.column_names}
-    trainer.train()
-    history = trainer.state.log_history
-    if spec.get("eval"):
-        history = history + [trainer.evaluate()]
-    trainer.save_model(f"{spec['out']}/final")
-    if trainer.is_world_process_zero():
-        with open(f"{spec['out']}/log_history.json", "w") as f:
-            json.dump(history, f)
-        with open(f"{spec['out']}/ref_logps.json", "w") as f:
-            json.dump(ref, f)
+    train_and_record(trainer, spec, {"ref_logps": ref})
 
 
 if __name__ == "__main__":

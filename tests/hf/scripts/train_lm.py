@@ -71,14 +71,21 @@ def main(spec: dict) -> None:
         trainer.add_callback(Stop())
     if spec.get("count_syncs"):
         trainer.add_callback(CountSyncs(f"{spec['out']}/syncs.json", trainer))
+    train_and_record(trainer, spec)
+
+
+def train_and_record(trainer, spec: dict, more: dict | None = None) -> None:
+    """Train (resuming from ``spec["resume"]``), evaluate at the end under ``spec["eval"]``, ``save_model()``
+    into ``out/final``; world rank 0 writes ``out/log_history.json`` and ``out/<name>.json`` of ``more``."""
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     history = trainer.state.log_history
     if spec.get("eval"):
         history = history + [trainer.evaluate()]
     trainer.save_model(f"{spec['out']}/final")
     if trainer.is_world_process_zero():
-        with open(f"{spec['out']}/log_history.json", "w") as f:
-            json.dump(history, f)
+        for name, value in {"log_history": history, **(more or {})}.items():
+            with open(f"{spec['out']}/{name}.json", "w") as f:
+                json.dump(value, f)
 
 
 class CountSyncs(TrainerCallback):
