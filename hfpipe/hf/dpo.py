@@ -117,6 +117,13 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
                 .add_column("ref_rejected_logps", rejected.tolist()))
 
     # ---- the step and evaluation -------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device) -> int | None:
+        """The step's count: its batches over dp (a batch counts 1). TRL's batches carry no labels until
+        ``pair_batch`` makes them, so they are checked in :meth:`training_step`, not here."""
+        if not batch_samples:
+            return None
+        return self._steps.step_count([self._local(b) for b in batch_samples])
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One accumulation batch of pairs through the schedule; the loss returned is the same on every rank."""
         model.train()

@@ -47,7 +47,8 @@ FREE = ("output_dir", "pp", "ep", "tp",
         "cp",  # context parallelism lays the sequence out over ranks; DCP reshards by name
         "sequence_parallel", "reshard_per_microbatch", "vpp", "schedule",
         "layout", "plan_method", "dtype", "fp8", "fp8_recipe",  # how the matmuls round, not what is trained
-        "activation_checkpointing", "save_every", "keep", "async_save", "resume", "save_hf_at_end",
+        "activation_checkpointing", "compile",  # compiled layers compute as eager ones, names unchanged
+        "save_every", "keep", "async_save", "resume", "save_hf_at_end",
         "trust_remote_code", "threads_per_rank", "log_every", "eval_dataset", "eval_split", "eval_every",
         "eval_batches", "keep_best", "report_to", "timeout",
         # the same records give the same rows with it or without it: it only decides whether to refuse

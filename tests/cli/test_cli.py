@@ -386,7 +386,9 @@ def test_entry_point_plan_prints_everything_before_its_fast_exit():
     proc = entry("plan", "meta-llama/Llama-3.2-1B", "--pp", 2)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("meta-llama/Llama-3.2-1B: 1.24B parameters")
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("per parameter: weights 4 B")  # fp32
+    *_, per_parameter, total = proc.stdout.rstrip().splitlines()
+    assert per_parameter.startswith("per parameter: weights 4 B")  # fp32
+    assert total.startswith("total: gradients and activations as they coexist")
 
 
 @pytest.mark.parametrize("args", [["export", "nope", "x"], ["verify", "./nope"], ["finetune", "./nope"],

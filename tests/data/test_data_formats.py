@@ -239,7 +239,7 @@ def test_errors_suggest_only_options_that_exist():
     root = Path(hfpipe.__file__).parent
     config = [p for p in (root / "config").glob("*.py") if p.name != "options.py"]  # options: other commands'
     files = [*(root / "data").glob("*.py"), *(root / "train").glob("*.py"), *config]
-    named = set(re.findall(r"(--[a-z][a-z-]+)", "".join(p.read_text() for p in files)))
+    named = set(re.findall(r"(--[a-z][a-z0-9-]+)", "".join(p.read_text() for p in files)))
     assert "--text-field" not in named and "--columns" in named
     # generate's and export's, in the next: commands after a run; --log-level is hfpipe's own, before the command
     other = {"--help", "--prompt", "--force", "--log-level"}

@@ -259,7 +259,7 @@ def _run_checkpoint(tiny: Path, ckpt: Path, root: Path, out: Path, edit) -> Path
     (lambda d: {k: v for k, v in d.items() if k != "dataset"}, "does not record the run's --dataset"),
     (lambda d: {k: v for k, v in d.items() if k not in ("seed", "seq_len", "batch_size")},
      "does not record the run's --seq-len, --batch-size, --seed"),
-    (lambda d: {}, "does not record the run's --model, --seq-len, --batch-size, --grad-accum and 18 more"),
+    (lambda d: {}, "does not record the run's --model, --seq-len, --batch-size, --grad-accum and 21 more"),
     (lambda d: {"model": d["model"], "pp": 2, "dp": 1, "ep": 1}, "saved by the Python API"),
 ])
 def test_a_record_missing_a_setting_is_refused_not_matched(tiny, ckpt, tmp_path, edit, message):

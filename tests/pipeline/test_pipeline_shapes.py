@@ -17,13 +17,13 @@ def counting_worker(*args) -> dict:
     import hfpipe.pipeline.schedule as pipeline
 
     built = []
-    base = pipeline.PipelineStage
+    base = pipeline.AccumulatingStage  # the stage class a Pipeline builds (without --reshard-per-microbatch)
 
     def counted(*a, **k):
         built.append(a[1])  # the stage index
         return base(*a, **k)
 
-    pipeline.PipelineStage = counted
+    pipeline.AccumulatingStage = counted
     out = pipeline_worker(*args)
     out["built"] = built
     return out
