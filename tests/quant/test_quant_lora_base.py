@@ -190,16 +190,13 @@ def test_deepseek_v3_attention_experts_and_shared_experts_nf4_pp2():
                   build=quantized_moe_model(16, "nf4"))
 
 
-def test_nf4_base_under_bf16_mixed_on_one_rank_trains_as_its_fp32_run():
-    """bf16-mixed at --dp 1 runs FSDP2 on a one-rank mesh for its casts, whose shortcut cannot gather an NF4
-    tensor (torch 2.13): the frozen base is left out of it there (hfpipe.parallel.fsdp) and trains; its losses
-    track the fp32 run of the same NF4 base as bf16 tracks fp32 (tests/pipeline/test_pipeline_precision.py)."""
+def _nf4_losses(path: str) -> dict:
+    """Three steps of an NF4 base's LoRA in fp32 and in bf16-mixed, at pp 1 (a spawned rank: its own world)."""
     from peft import LoraConfig
 
     from hfpipe.api import load_pipeline
     from hfpipe.train.optim import build_optimizer
 
-    path = str(tiny_checkpoint("llama", num_hidden_layers=2))
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(3, 100, (2, 16), generator=g) for _ in range(3)]
     losses = {}
@@ -207,7 +204,18 @@ def test_nf4_base_under_bf16_mixed_on_one_rank_trains_as_its_fp32_run():
         pm = load_pipeline(path, pp=1, dtype=dtype, quantize_base="nf4",
                            lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
         trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-3), max_grad_norm=1.0)
-        losses[dtype] = torch.tensor([trainer.step({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                                    "labels": ids}).loss for ids in batches])
-    assert not torch.equal(losses["bf16-mixed"], losses["fp32"]), "bf16-mixed must really compute in bf16"
-    torch.testing.assert_close(losses["bf16-mixed"], losses["fp32"], atol=5e-2, rtol=0)
+        losses[dtype] = [trainer.step({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}).loss
+                         for ids in batches]
+    return losses
+
+
+def test_nf4_base_under_bf16_mixed_on_one_rank_trains_as_its_fp32_run():
+    """bf16-mixed at --dp 1 runs FSDP2 on a one-rank mesh for its casts, whose shortcut cannot gather an NF4
+    tensor (torch 2.13): the frozen base is left out of it there (hfpipe.parallel.fsdp) and trains; its losses
+    track the fp32 run of the same NF4 base as bf16 tracks fp32 (tests/pipeline/test_pipeline_precision.py)."""
+    from _dist import run_ranks
+
+    losses = run_ranks(_nf4_losses, 1, str(tiny_checkpoint("llama", num_hidden_layers=2)))[0]
+    fp32, mixed = torch.tensor(losses["fp32"]), torch.tensor(losses["bf16-mixed"])
+    assert not torch.equal(mixed, fp32), "bf16-mixed must really compute in bf16"
+    torch.testing.assert_close(mixed, fp32, atol=5e-2, rtol=0)
