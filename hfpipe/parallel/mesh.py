@@ -222,9 +222,7 @@ def init_distributed(dims: ParallelDims | int, dp: int = 1, *, timeout_s: float 
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-        # A script that ends without destroy_process_group() gets NCCL's "leak resources" warning at exit
-        # on every rank (seen on an H200 after load_pipeline); hfpipe started the group, hfpipe ends it.
-        atexit.register(_destroy_at_exit)
+    _end_group_at_exit()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != dims.world:
         sizes = " x ".join(f"--{n} {getattr(dims, n)}" for n in MESH_DIMS if getattr(dims, n) > 1 or n == "pp")
@@ -232,6 +230,21 @@ def init_distributed(dims: ParallelDims | int, dp: int = 1, *, timeout_s: float 
                           "start that many processes or change the degrees")
     mesh = init_device_mesh(device.type, dims.shape, mesh_dim_names=MESH_DIMS)
     return Dist(rank, device, dims, mesh)
+
+
+_ENDS_AT_EXIT = False
+
+
+def _end_group_at_exit() -> None:
+    """End the process group at exit, also one the script or transformers started (``TrainingArguments``
+    starts it under torchrun, and nobody ends it). Left to the interpreter's finalisation, gloo's worker
+    threads can still hold tensors and abort the rank with "terminate called without an active exception"
+    (seen once in CI after PipelineTrainer.save_model; pytorch#179291), and NCCL warns about leaked resources
+    on every rank (seen on an H200 after load_pipeline). At exit the script is done with the group."""
+    global _ENDS_AT_EXIT
+    if not _ENDS_AT_EXIT:
+        atexit.register(_destroy_at_exit)
+        _ENDS_AT_EXIT = True
 
 
 def _destroy_at_exit() -> None:
