@@ -117,12 +117,6 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError(f"--compile with --schedule {schedule}: the zero-bubble schedules split the backward "
                             "into input and weight passes, which torch cannot run on compiled layers "
                             "(pytorch#161904); use 1f1b, gpipe, interleaved-1f1b or looped-bfs, or drop --compile")
-    if compile and dims.tp > 1:
-        # Measured on torch 2.13 (CPU, pp2 x tp2): with each block's input a DTensor (one input-gradient sum per
-        # block, hfpipe.parallel.tensor_plan), a compiled layer's collective names a process group the rank
-        # cannot resolve ("Could not resolve the process group registered under the name 12"); open.
-        raise ParallelError(f"--compile with --tp {dims.tp}: torch 2.13 cannot yet run hfpipe's tensor-parallel "
-                            "layers compiled (a compiled collective loses its process group); drop --compile or --tp")
     _check_tp_with(dims, schedule, quantize_base)
     _check_cp_with(dims, seq_len)
     if reshard_per_microbatch and dims.dp == 1:
