@@ -89,7 +89,7 @@ def build_pipeline(model: str, layout: PipelineLayout, stages: StageOptions, *, 
     checked = check_layout(dims, layout.schedule, vpp=layout.vpp, microbatches=layout.microbatches,
                            model_config=source.config, reshard_per_microbatch=stages.reshard_per_microbatch,
                            lora=stages.lora is not None, quantize_base=stages.quantize_base,
-                           compile=stages.compile)
+                           compile=stages.compile, sequence_parallel=stages.sequence_parallel)
     plan = plan_pipeline(source.config, dims.pp, vpp=checked.vpp, style=checked.style, method=layout.method,
                          layout=layout.layout)
     dist = _with_dims(dist, dims) if dist else init_distributed(dims)

@@ -200,6 +200,20 @@ def test_under_tp_or_ep_the_compiled_layers_keep_out_of_aotautograds_cache(monke
     assert not functorch_config.enable_autograd_cache
 
 
+def test_a_forced_aotautograd_cache_is_refused_with_tp_in_one_line(monkeypatch):
+    """TORCHINDUCTOR_AUTOGRAD_CACHE=1 outranks the switch in code: refused by the validator before anything loads."""
+    from hfpipe.errors import ParallelError
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
+
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    check_layout(ParallelDims(pp=2, tp=2), "1f1b")  # not compiled: nothing to refuse
+    with pytest.raises(ParallelError, match=r"^TORCHINDUCTOR_AUTOGRAD_CACHE=1 forces .* unset it for --compile "
+                                            r"with --tp$") as e:
+        check_layout(ParallelDims(pp=2, tp=2), "1f1b", compile=True)
+    assert "\n" not in str(e.value)
+
+
 def graph_of_another_tp_group(cache_dir: str) -> tuple[str, str]:
     """torch alone, on hfpipe's pp 2 x tp 2 mesh: each rank compiles a DTensor gather over its tp group (the
     graph's one input is the DTensor, as in a stage's last-layer PrepareModuleOutput), the second stage's ranks
@@ -244,11 +258,25 @@ def test_aotautograds_cache_hands_one_tp_group_another_groups_graph(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_compiled_pp2_x_tp2(sequence_parallel):
+def test_compiled_pp2_x_tp2():
+    """With sequence parallelism (the default): every block's input a DTensor, gathered by sequence."""
     from test_parallel_tensor_pipeline import _run as run_tp
 
-    run_tp("llama", 2, 2, ("1f1b",), sequence_parallel=sequence_parallel, **COMPILE)
+    run_tp("llama", 2, 2, ("1f1b",), **COMPILE)
+
+
+def test_compile_with_tp_without_sequence_parallelism_is_refused_in_one_line():
+    """Measured with the refusal lifted (pp2 x tp2 Llama, the slow test above with sequence_parallel=False): torch
+    2.13's AOTAutograd trace of such a layer's backward recurses without end at the second sequence length."""
+    from hfpipe.errors import ParallelError
+    from hfpipe.parallel.dims import ParallelDims
+    from hfpipe.parallel.rules import check_layout
+
+    check_layout(ParallelDims(pp=2, tp=2), "1f1b", compile=True)  # with sequence parallelism: runs (above)
+    with pytest.raises(ParallelError, match=r"^--compile with --tp 2 --no-sequence-parallel: torch 2.13 cannot "
+                                            r"trace") as e:
+        check_layout(ParallelDims(pp=2, tp=2), "1f1b", compile=True, sequence_parallel=False)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
