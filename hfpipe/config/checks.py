@@ -175,7 +175,8 @@ def _check_layout(c: "FinetuneConfig") -> None:
     becomes the 2 a multi-stage schedule needs."""
     layout = check_layout(c.dims, c.schedule, vpp=c.vpp, microbatches=c.microbatches, batch_size=c.batch_size,
                           reshard_per_microbatch=c.reshard_per_microbatch, lora=c.lora_rank is not None,
-                          quantize_base=c.quantize_base, seq_len=c.seq_len, compile=c.compile)
+                          quantize_base=c.quantize_base, seq_len=c.seq_len, compile=c.compile,
+                          sequence_parallel=c.sequence_parallel)
     c.vpp = layout.vpp
 
 
