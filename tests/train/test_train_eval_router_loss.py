@@ -1,0 +1,75 @@
+"""An evaluation loss of a MoE model with ``output_router_logits`` is what transformers' model returns as ``loss``.
+
+transformers' ``Qwen3MoeForCausalLM`` (Mixtral's, ...) adds ``router_aux_loss_coef * aux`` of its whole batch to the
+language-model loss, and ``Trainer.evaluate`` averages that per-batch loss over the rows. Evaluation runs no
+backward, so the pipeline takes the aux loss exactly over the whole batch (the router sums of every microbatch,
+batch and dp rank added, then finished once: hfpipe.models.router_loss), however the rows are split:
+
+- the Python API's ``trainer.eval_loss(batches)``: transformers' ``loss`` of the rows of ``batches`` as one batch;
+- the CLI's ``--eval-*``: the same over the whole evaluation set (rows added to fill its last batch count nothing);
+- ``PipelineTrainer.evaluate()``: the plain ``Trainer.evaluate()``'s number (tests/hf/test_hf_trainer_axes.py).
+
+The oracle is transformers' model itself, fp32, within 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from test_pipeline_router_loss import _batches, _checkpoint
+
+TOL = 1e-5
+
+
+def _cases(vocab: int) -> dict[str, list[dict]]:
+    """Padded rows: a batch of 4, one of 3 (not a multiple of the 2 microbatches: a row is added to fill it), and
+    two batches of 4 handed at once."""
+    a, b = _batches(vocab, 4, steps=1)[0], _batches(vocab, 8, steps=1)[0]
+    return {"one": [a], "odd": [{k: v[:3] for k, v in a.items()}],
+            "two": [{k: v[:4] for k, v in b.items()}, {k: v[4:] for k, v in b.items()}]}
+
+
+def _plain(path: str) -> dict[str, float]:
+    """transformers' ``loss`` of each case's rows as one batch (the two batches of "two" concatenated)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for name, batches in _cases(model.config.vocab_size).items():
+            rows = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+            out[name] = float(model(**rows, use_cache=False).loss)
+    return out
+
+
+def _eval_worker(path: str, schedules: tuple[str, ...]) -> dict:
+    from hfpipe.api import load_pipeline
+    from hfpipe.parallel.mesh import init_distributed
+
+    dist = init_distributed(2, 1)
+    got = {}
+    for schedule in schedules:
+        pm = load_pipeline(path, pp=2, schedule=schedule, microbatches=2, dist=dist)
+        trainer = pm.trainer(torch.optim.SGD(pm.parameters(), lr=0.0))
+        got[schedule] = {name: trainer.eval_loss(b) for name, b in _cases(pm.source.config.vocab_size).items()}
+    return got
+
+
+def test_the_api_eval_loss_is_transformers_loss_with_the_router_aux_loss_at_pp2():
+    """1F1B (torch's schedule, 2 microbatches) and ZBV (both stages on each rank: the stages run in order),
+    on every rank; the aux loss is a sizeable part of it (coef 0.5)."""
+    path = _checkpoint("qwen3_moe", num_hidden_layers=4)
+    ranks = run_ranks(_eval_worker, 2, path, ("1f1b", "zbv"))
+    want = _plain(path)
+    from transformers import AutoModelForCausalLM
+
+    lm_only = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_router_logits=False).eval()
+    batch = _cases(lm_only.config.vocab_size)["one"][0]
+    with torch.no_grad():
+        assert want["one"] - float(lm_only(**batch, use_cache=False).loss) > 0.1  # the aux term counts
+    for rank, got in ranks.items():
+        for schedule, losses in got.items():
+            for name, value in losses.items():
+                assert abs(value - want[name]) <= TOL, (rank, schedule, name, value, want[name])
