@@ -73,3 +73,41 @@ def test_the_api_eval_loss_is_transformers_loss_with_the_router_aux_loss_at_pp2(
         for schedule, losses in got.items():
             for name, value in losses.items():
                 assert abs(value - want[name]) <= TOL, (rank, schedule, name, value, want[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(dp=2, microbatches=2)])
+def test_the_cli_eval_loss_is_transformers_loss_of_the_whole_set_with_the_router_aux_loss(tmp_path, layout):
+    """``hfpipe finetune`` at lr 0 (the loaded weights evaluated): the eval set, dealt in batches whose last one
+    is filled with rows that carry nothing, gives transformers' ``loss`` of all its rows as one batch; the
+    perplexity is the token loss's."""
+    import math
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfpipe.config.run import FinetuneConfig
+    from hfpipe.data.config import DataConfig
+    from hfpipe.data.load import load_splits
+    from hfpipe.train.runner import run_finetune
+    from test_train_evaluate import transformers_eval
+
+    path = _checkpoint("qwen3_moe", num_hidden_layers=4)
+    cfg = FinetuneConfig(model=path, output_dir=str(tmp_path / "out"), max_steps=1, seq_len=32, batch_size=6,
+                         dataset="builtin:tiny-text", packing=False, eval_fraction=0.2, lr=0.0, min_lr=0.0,
+                         threads_per_rank=1, **layout)
+    got = run_finetune(cfg)["evals"][-1]
+    data = DataConfig(dataset=cfg.dataset, seq_len=32, packing=False)
+    _, held = load_splits(data, AutoTokenizer.from_pretrained(path), eval_fraction=0.2)
+    assert len(held) % (cfg.batch_size * cfg.dp), "the last eval batch is filled"
+    want, tokens = transformers_eval(path, path, data, rows=held)
+    assert got["eval_tokens"] == tokens and abs(got["eval_loss"] - want) <= TOL, (got, want)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_router_logits=False)
+    assert got["eval_ppl"] == pytest.approx(math.exp(_lm_loss(lm, held)), rel=1e-5)
+
+
+def _lm_loss(model, rows) -> float:
+    from hfpipe.data.config import COLUMNS
+
+    batch = {k: torch.tensor(rows[k]) for k in COLUMNS if k != "position_ids"}
+    with torch.no_grad():
+        return float(model.eval()(**batch, use_cache=False).loss)
