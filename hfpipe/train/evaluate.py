@@ -23,7 +23,6 @@ import torch
 
 from hfpipe.data.config import COLUMNS
 from hfpipe.loss.tokens import IGNORE_INDEX, count_tokens
-from hfpipe.train.step import EvalSum
 
 __all__ = ["Evaluator", "eval_batches"]
 
@@ -109,27 +108,28 @@ class Evaluator:
 
         kw = dict(batch_size=self.cfg.batch_size, dp_size=self.dist.dp, limit=self.cfg.eval_batches)
         tokens = eval_tokens(self.rows, **kw)
-        total, chunk = EvalSum(0.0, 0), []
+        total, chunk = None, []
         batches = eval_batches(self.rows, dp_rank=self.dist.dp_rank, **kw)
         for batch in batches:
             chunk.append(model_inputs(batch, packed=self.cfg.packing))
             if len(chunk) == _CHUNK:
-                total += self._chunk_sum(chunk)
+                total = self._add(total, chunk)
                 chunk = []
         if chunk:
-            total += self._chunk_sum(chunk)
+            total = self._add(total, chunk)
         # whole rows counted here and summed over the cp ranks too would count each token cp times: the sums
         # come from the step engine, over every dp and cp shard once
-        loss = total.value(self.trainer.pipe.router_loss, tokens)
-        lm_loss = total.loss / max(tokens, 1)
+        loss = 0.0 if total is None else total.value(self.trainer.pipe.router_loss, tokens)
+        lm_loss = 0.0 if total is None else total.loss / max(tokens, 1)
         self.last_step = step
         self.improved = self.best is None or loss < self.best
         self.best = loss if self.improved else self.best
         return {"step": step, "eval_loss": loss, "eval_ppl": _ppl(lm_loss), "eval_tokens": tokens}
 
-    def _chunk_sum(self, chunk: list[dict]) -> EvalSum:
-        """A chunk's :class:`hfpipe.train.step.EvalSum` over every dp and cp shard."""
-        return self.trainer.eval_sum(chunk)
+    def _add(self, total, chunk: list[dict]):
+        """``total`` plus a chunk's :class:`hfpipe.train.step.EvalSum` over every dp and cp shard."""
+        part = self.trainer.eval_sum(chunk)
+        return part if total is None else total + part
 
 
 def _ppl(loss: float) -> float:
