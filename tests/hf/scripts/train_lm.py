@@ -6,9 +6,10 @@ hfpipe's PipelineTrainer; ``tests/hf/test_hf_trainer.py`` compares the two.
 
 SPEC keys: model, out, trainer, pp, dp, tp, ep, cp, microbatches, batch, eval_batch, ga, max_steps, clip, lora,
 eval, save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted), bf16,
-logging_steps, train (false: evaluate only), count_syncs (what the steps after the first convert to Python and which collectives they call:
+logging_steps, count_syncs (what the steps after the first convert to Python and which collectives they call:
 ``out/syncs.json``, see :class:`CountSyncs`).
 It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``out/final``.
+With ``train`` false it only evaluates the model as loaded (``eval`` set) and saves nothing.
 """
 
 import json
