@@ -15,7 +15,8 @@ What differs under a pipeline is answered here, each where the Trainer asks:
   labels shifted before the split): the count is taken on those, so summed over dp x cp it is the plain
   Trainer's;
 - the model is never wrapped (no DDP) and the optimizer never handed to accelerate;
-- evaluation: the mean of each batch's token-mean loss weighted by its rows, as ``evaluation_loop`` does
+- evaluation: the mean of each batch's loss (token mean, plus a MoE router aux loss over the whole batch, as
+  transformers' model returns it) weighted by its rows, as ``evaluation_loop`` does
   (rows counted over dp: the cp ranks of a replica hold the same rows).
 """
 
@@ -225,8 +226,8 @@ class PipelineLoop:
     # ---- evaluation --------------------------------------------------------------------------------
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
-        """Each batch's token-mean loss (over its dp shards), averaged weighted by rows, as transformers'
-        ``evaluation_loop`` averages ``loss.repeat(batch_size)``."""
+        """Each batch's loss (over its dp shards: ``StepEngine.eval_loss``, the model's ``loss`` with a router aux
+        loss), averaged weighted by rows, as transformers' ``evaluation_loop`` averages ``loss.repeat(batch_size)``."""
         from transformers.trainer_utils import EvalLoopOutput
 
         self.model.eval()

@@ -11,6 +11,7 @@ logging_steps, fp8 (PipelineTrainer's keyword), accelerate_fp8 (ACCELERATE_MIXED
 and which collectives they call:
 ``out/syncs.json``, see :class:`CountSyncs`).
 It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``out/final``.
+With ``train`` false it only evaluates the model as loaded (``eval`` set) and saves nothing.
 """
 
 import json
@@ -81,12 +82,15 @@ def main(spec: dict) -> None:
 
 def train_and_record(trainer, spec: dict, more: dict | None = None) -> None:
     """Train (resuming from ``spec["resume"]``), evaluate at the end under ``spec["eval"]``, ``save_model()``
-    into ``out/final``; world rank 0 writes ``out/log_history.json`` and ``out/<name>.json`` of ``more``."""
-    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    into ``out/final``; world rank 0 writes ``out/log_history.json`` and ``out/<name>.json`` of ``more``.
+    ``spec["train"]`` false: ``evaluate()`` the model as loaded, and nothing else."""
+    if spec.get("train", True):
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
     history = trainer.state.log_history
     if spec.get("eval"):
         history = history + [trainer.evaluate()]
-    trainer.save_model(f"{spec['out']}/final")
+    if spec.get("train", True):
+        trainer.save_model(f"{spec['out']}/final")
     if trainer.is_world_process_zero():
         for name, value in {"log_history": history, **(more or {})}.items():
             with open(f"{spec['out']}/{name}.json", "w") as f:
