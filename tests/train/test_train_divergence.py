@@ -48,7 +48,7 @@ def diverging_worker(path: str, axis: str) -> dict:
             "stop": caught(lambda: check_finite(2, bad.loss, bad.grad_norm, None))}
 
 
-@pytest.mark.parametrize("axis", ["cp", pytest.param("tp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("axis", ["cp", "tp"])
 def test_a_step_non_finite_on_one_rank_stops_every_rank_with_one_message(axis):
     results = run_ranks(diverging_worker, 2, str(tiny_checkpoint("llama", num_hidden_layers=2)), axis)
     assert all(math.isfinite(v) for r in results.values() for v in r["good"])
