@@ -102,7 +102,7 @@ def build_pipeline(model: str, layout: PipelineLayout, stages: StageOptions, *, 
     group = dist.tied_group(first, last) if tied and first != last else None
     pipe = Pipeline(modules, plan.owners, layout.schedule, checked.microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=stages.loss_chunk_tokens, reduce_every_microbatch=stages.reshard_per_microbatch,
-                    context=modules[0].context if modules else None)
+                    context=modules[0].context if modules else None, vocab_split=dims.tp > 1)
     return (model_class or RankPipeline)(source, plan, dist, modules, pipe, group, lora, stages.quantize, layout.ep,
                                          stats)
 

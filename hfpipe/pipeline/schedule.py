@@ -43,6 +43,20 @@ def _vocab_split(last) -> bool:
     return "tp" in names and weight.placements[names.index("tp")].is_shard()
 
 
+def _agreed_vocab_split(stages, given: bool | None) -> bool:
+    """Whether the head is split over tp ranks, as every rank of the pipeline knows it (see ``vocab_split``)."""
+    last = next((m for m in stages if m.is_last), None)
+    split = _vocab_split(last) if last is not None else any(_on_tp_mesh(p) for m in stages for p in m.parameters())
+    if given is not None and last is not None and given != split:
+        raise PipelineError(f"Pipeline(vocab_split={given}): the last stage's head is {'' if split else 'not '}split "
+                            "over tp ranks; pass what the layout says (--tp > 1)")
+    return split if given is None else given
+
+
+def _on_tp_mesh(param) -> bool:
+    return "tp" in (getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ())
+
+
 class Pipeline:
     """This rank's stages driven by a torch schedule.
 
@@ -63,12 +77,15 @@ class Pipeline:
             takes whole rows and runs this rank's tokens of them (:meth:`local`).
         objective: What the last stage computes of each microbatch and what a step divides it by
             (:class:`hfpipe.loss.objective.Objective`; default SFT's :class:`~hfpipe.loss.objective.TokenMean`).
+        vocab_split: The head is split over tp ranks (``--tp`` > 1), on every rank of the pipeline alike;
+            ``None`` reads it from this rank's stages (a parameter on a ``tp`` mesh).
     """
 
     def __init__(self, stages, owners: list[int], schedule: str, microbatches: int, group, device,
                  loss_chunk_tokens: int | None = None, reduce_every_microbatch: bool = False,
-                 context=None, objective: Objective | None = None) -> None:
+                 context=None, objective: Objective | None = None, vocab_split: bool | None = None) -> None:
         self.modules = stages
+        self.vocab_split = _agreed_vocab_split(stages, vocab_split)
         # Stages whose set-up for a new batch shape keeps the gradients of earlier accumulation batches
         self.stage_class = ReducingStage if reduce_every_microbatch else AccumulatingStage
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -128,28 +145,37 @@ class Pipeline:
         self._schedules[key] = (shape, entry[1])
         return entry[1]
 
-    def _set_head(self, shape, mode: str) -> bool:
-        """Route the last stage's head through the chunked loss for this batch (or not).
+    def _head_chunk(self, shape, mode: str) -> int:
+        """Tokens per chunk of the head loss for this batch shape and ``mode``, 0 for the head in the forward.
 
-        Only training and evaluation losses chunk; logits asked for are whole.
+        Decided alike on every rank of the pipeline, from the shape and what every rank knows: the choice
+        keys the schedules, and a choice made on the loss rank alone would set the stages up for a new shape
+        on some ranks and not on others, whose next messages then mismatch. Only training and evaluation
+        losses chunk; logits asked for are whole.
         """
+        if mode == "logits" or not self.modules:
+            return 0
+        chunk = chunk_tokens(self.modules[0].config.vocab_size, self.loss_chunk_tokens)
+        tokens = shape[0] // self.microbatches * shape[1]
+        if 0 < chunk < tokens:
+            return chunk
+        # One chunk would hold the whole microbatch: nothing to save, unless the head is split over tp
+        # ranks, whose logits the stage would otherwise gather whole on every rank (measured by
+        # bench/tp.py) instead of taking the vocabulary-parallel loss on them.
+        return tokens if self.vocab_split else 0
+
+    def _set_head(self, shape, mode: str) -> bool:
+        """Route the last stage's head through the chunked loss for this batch (or not): :meth:`_head_chunk`."""
         last = next((m for m in self.modules if m.is_last), None)
-        chunk = 0
-        if last is not None and mode != "logits":
-            vocab = getattr(last.lm_head, "out_features", None) or last.config.vocab_size
-            chunk = chunk_tokens(vocab, self.loss_chunk_tokens)
-            tokens = shape[0] // self.microbatches * shape[1]
-            if not 0 < chunk < tokens:
-                # One chunk would hold the whole microbatch: nothing to save, unless the head is split
-                # over tp ranks, whose logits the stage would otherwise gather whole on every rank
-                # (measured by bench/tp.py) instead of taking the vocabulary-parallel loss on them.
-                chunk = tokens if _vocab_split(last) else 0
+        chunk = self._head_chunk(shape, mode)
+        head = None
         if last is not None:
             last.head_in_loss = chunk > 0
+            parts = last.head_parts() if chunk else None
+            head = Head(last.logits, chunk, LinearHead(*parts) if parts else None) if chunk else None
         for m in self.modules:  # router sums ride along with a loss (hfpipe.models.router_loss)
             m.carry_router_sums, m.router_sums_out = mode in ("train", "loss"), mode == "loss"
-        parts = last.head_parts() if chunk else None
-        self.loss.head = Head(last.logits, chunk, LinearHead(*parts) if parts else None) if chunk else None
+        self.loss.head = head
         return chunk > 0
 
     def local(self, batch: dict) -> dict:

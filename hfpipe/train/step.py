@@ -105,6 +105,9 @@ class StepEngine:
         self._tied = [p for n, p in named if n in ("model.embed_tokens.weight", "lm_head.weight")]
         # The head copy of a tied embedding is counted in the norm on the embedding's rank only.
         self._norm_params = [p for n, p in named if not (tied_group is not None and n == "lm_head.weight")]
+        # Every rank sums the norm in one dtype (a rank of empty stages has no gradient to read it from).
+        fp64 = any(m.hidden_dtype == torch.float64 for m in pipe.modules)
+        self._norm_dtype = torch.float64 if fp64 else torch.float32
 
     @property
     def objective(self):
@@ -221,7 +224,7 @@ class StepEngine:
         """
         grads = [p.grad for p in self._norm_params if p.grad is not None]
         pp_group = self.dist.pp_group if self.dist.dims.pp > 1 else None
-        norm = squared_norm(grads, pp_group, self.dist.device).sqrt()
+        norm = squared_norm(grads, pp_group, self.dist.device, self._norm_dtype).sqrt()
         if self.max_grad_norm:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             grads = [p.grad for p in self._params if p.grad is not None]
