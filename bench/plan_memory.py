@@ -307,7 +307,7 @@ def measure(path: str, case: Case, steps: int = 2) -> Held:
     held.weights = sum(saved.own.values())
     held.optimizer = _storages(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
                                and t.dim() > 0)
-    held.activations, held.together, held.top = saved.peak, saved.together, saved.at_peak[:12]
+    held.activations, held.together, held.top = saved.peak, saved.together, saved.at_peak[:int(os.environ.get("PLAN_MEMORY_TOP", 12))]
     return held
 
 

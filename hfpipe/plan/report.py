@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 from hfpipe.loss.budget import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
-from hfpipe.plan.activations import head_bytes_per_token, layer_bytes_per_token
+from hfpipe.plan.activations import head_bytes_per_token, layer_layouts
 from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as price_ep
 from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
 from hfpipe.plan.preference import describe_reference, reference_pass, sequences_per_pair
@@ -230,9 +230,11 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens, shards = batch // m * seq_len // cp, dp * cp  # a cp rank's tokens; FSDP2 over dp x cp
     lora_key = (lora_rank, lora_targets) if lora_rank is not None else None
-    measured = layer_bytes_per_token(config, dtype, lora_key)
-    per_layer = context.layer_bytes(tensor.layer_bytes(measured, tp, sp), config, cp, tp, dtype)
-    head = _Head(head_bytes_per_token(config, dtype, lora_key), lora_rank is None or _adapted_head(config, lora_key))
+    layouts = layer_layouts(config, dtype, lora_key, tp, experts_whole=ep > 1, fsdp=shards > 1)
+    measured = tuple(sum(held) for held in layouts)
+    per_layer = context.layer_bytes(tensor.layer_bytes(layouts, tp, sp), config, cp, tp, dtype, seq_len)
+    head = _Head(head_bytes_per_token(config, dtype, lora_key, tp, fsdp=shards > 1),
+                 lora_rank is None or _adapted_head(config, lora_key))
     parts = [_stage_parts(config, s, tokens, dtype, activation_checkpointing, per_layer, costs, tp, sp, head)
              for s in plan.stages]
     per_mb = [sum(a for a, _ in p) for p in parts]
@@ -244,7 +246,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
         s.cost / mean_cost, counts[s.index], per_mb[s.index],
         counts[s.index] * per_mb[s.index] + (extra + kv if s.layers else 0)) for s in plan.stages)
-    recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens, dtype, tp)) + kv
+    recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens)) + kv
                   if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r]) for r in range(pp))
@@ -329,10 +331,10 @@ class _Head:
     bytes_per_token: int
     trains: bool
 
-    def unchunked(self, config, tokens: int, dtype: str, tp: int) -> int:
-        """The head's bytes for one microbatch of ``tokens``, or 0 when the loss is chunked (then it
-        keeps gradients, which its backward hands on rather than frees)."""
-        return 0 if 0 < chunk_tokens(config.vocab_size) < tokens else int(tokens * self.bytes_per_token / tp)
+    def unchunked(self, config, tokens: int) -> int:
+        """The head's bytes for one microbatch of ``tokens`` (on one tp rank), or 0 when the loss is chunked
+        (then it keeps gradients, which its backward hands on rather than frees)."""
+        return 0 if 0 < chunk_tokens(config.vocab_size) < tokens else int(tokens * self.bytes_per_token)
 
 
 def _adapted_head(config, lora: tuple[int, str]) -> bool:
@@ -371,7 +373,7 @@ def _stage_parts(config, stage, tokens: int, dtype: str, ac: str, per_layer: tup
         # and the int64 targets
         top += tokens * h * act / residual + config.vocab_size * h * act / tp * head.trains + 8 * tokens
     elif stage.head:
-        top += head.unchunked(config, tokens, dtype, tp)
+        top += head.unchunked(config, tokens)
     out = [(int(top), costs.head_params * stage.head)]
     out += [(a, costs.layer_params[i]) for a, i in reversed(layers)]
     return out + [(8 * tokens * stage.embed, costs.embed_params * stage.embed)]  # the embedding keeps the ids
