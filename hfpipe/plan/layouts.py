@@ -44,7 +44,7 @@ def share(held: tuple[int, int, int], tp: int, sp: bool) -> float:
     return whole + seq / (tp if sp else 1) + split / tp
 
 
-def weight_styles(stage: torch.nn.Module, config, tp: int, experts_whole: bool = False) -> dict[int, int]:
+def weight_styles(stage: torch.nn.Module, config, experts_whole: bool = False) -> dict[int, int]:
     """Storage address of each weight the runtime splits -> the tag of the matmul output it makes.
 
     ``stage`` is the measured stage under the full model's module names (with PEFT's adapters if any:
@@ -56,7 +56,8 @@ def weight_styles(stage: torch.nn.Module, config, tp: int, experts_whole: bool =
 
     modules = dict(stage.named_modules())
     names = [n.replace(".base_layer", "") for n in modules]  # the plan names a PEFT-wrapped linear as before
-    plan = stage_tp_plan(config, names, True, tp, experts_whole=experts_whole)
+    # which module splits how does not depend on how many ranks (tp 1: no divisibility to check)
+    plan = stage_tp_plan(config, names, True, 1, experts_whole=experts_whole)
     styles: dict[int, int] = {}
 
     def mark(module, tag: int) -> None:

@@ -136,7 +136,7 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
     if dp == 1:  # under bf16-mixed FSDP2 holds a bf16 compute copy beside the fp32 masters, as of the base
         w, g, o = 4 + 2 * (dtype == "bf16-mixed"), 4, 8
     else:  # adapters: fp32 masters, grads and moments, sharded as param_bytes shards a full run's
-        w, g, o = 4 / dp + fsdp_bytes(dtype)[1], 4 + 4 / dp, 8 / dp
+        w, g, o = 4 / dp + fsdp_bytes(dtype)[1], 4, 8 / dp  # whole gradients, reduce-scattered unit by unit
     return dataclasses.replace(rank_report, weight_bytes=int(base * base_w + w * n),
                                grad_bytes=int(g * n), optimizer_bytes=int(o * n)), n
 

@@ -65,7 +65,8 @@ def test_the_issues_8b_at_128k_fits_one_node_of_80gb_at_cp8_where_dp8_does_not(l
 def test_the_issues_70b_at_32k_fits_80gb_on_a_64_gpu_recipe_where_pp8_dp8_needed_124_gib():
     config = load_model_config("meta-llama/Llama-3.1-70B")
     before = plan_report(config, 8, dp=8, seq_len=32768, dtype="bf16-mixed", activation_checkpointing="full")
-    assert 116 * GIB < peak(before) < 122 * GIB  # the issue's 124 before gradients and activations were apart
+    # the issue's 124 before gradients and activations were apart, and the whole gradients and their shards
+    assert 110 * GIB < peak(before) < 122 * GIB
     result = runner.invoke(app, ["plan", "--recipe", "llama3_1_70b_sft_32k_pp16_cp4", "--gpu-memory", "80GB"])
     assert result.exit_code == 0, result.output
     assert "fits: every rank within 80.0 GiB (64 GPUs)" in result.stdout

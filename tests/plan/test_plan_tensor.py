@@ -105,7 +105,7 @@ def test_activations_split_as_the_tp_plan_leaves_each_saved_tensor_on_a_rank():
     config = tiny_config("llama", num_hidden_layers=6)  # hidden 64, head_dim 16
     kw = dict(seq_len=16, batch_size=4, microbatches=4, dtype="fp32")
     measured = layer_bytes_per_token(config, "fp32")
-    layouts = layer_layouts(config, "fp32", tp=2)
+    layouts = layer_layouts(config, "fp32")
     whole, seq, split = layouts[0]
     assert whole == (2 * 64 + 2 * 16) * 4 and seq > 0 and split > 0
     assert [sum(held) for held in layouts] == list(measured)  # tags split the bytes, they add none
@@ -131,10 +131,10 @@ def test_a_lora_adapter_keeps_its_fp32_copy_of_the_gathered_input_whole_on_every
     config = tiny_config("llama", num_hidden_layers=2)  # hidden 64, head_dim 16
     copies, rotary = 5 * 64 * 4, 2 * 16 * 2  # q, k, v, gate, up each cast the block's gathered bf16 input
     lora_b_inputs = 7 * 4  # every adapter's lora_A output (r 4); the frozen bases keep no input
-    assert layer_layouts(config, "bf16", (4, "all-linear"), tp=2)[0][0] == copies + rotary + lora_b_inputs * 4
+    assert layer_layouts(config, "bf16", (4, "all-linear"))[0][0] == copies + rotary + lora_b_inputs * 4
     # FSDP2 (dp x cp > 1) runs the adapters in bf16: they save the gathered input itself, once per block
     gathered = 2 * 64 * 2
-    assert layer_layouts(config, "bf16", (4, "all-linear"), tp=2, fsdp=True)[0][0] == gathered + rotary + lora_b_inputs * 2
+    assert layer_layouts(config, "bf16", (4, "all-linear"), fsdp=True)[0][0] == gathered + rotary + lora_b_inputs * 2
 
 
 @pytest.mark.parametrize("ac, recomputed", [("none", lambda n: 0), ("full", lambda n: n),
