@@ -14,11 +14,15 @@ Random weights of real shapes (``--model-shape``: Llama-3-8B's, or a small Llama
 Printed per mode: plan / run for the total and for activations (``--detail``: the largest saved
 tensors, by module). ``tests/plan/test_plan_memory_measured.py`` asserts the CPU ratios in CI.
 
+``--tp``, ``--cp`` and ``--ep`` launch that many ranks (as ``finetune`` launches them) and compare rank 0.
+
 Run (GPU, what the lead runs):
   python bench/plan_memory.py --model-shape llama3-8b --layers 8 --seq 4096 --batch 2 \\
       --mode full,lora --ac none,full
 CPU:
   python bench/plan_memory.py --model-shape llama3-small --layers 4 --seq 512 --batch 2 --mode full,lora
+  python bench/plan_memory.py --mode full,lora --cp 2 --detail 30
+  python bench/plan_memory.py --model-shape qwen3-moe-small --mode full,lora --ep 2
 """
 
 from __future__ import annotations
@@ -273,9 +277,9 @@ def _parts(t: torch.Tensor):
     yield t
 
 
-def measure(path: str, case: Case, steps: int = 2) -> Held:
+def measure(path: str, case: Case, steps: int = 2, top: int = 12) -> Held:
     """One rank's bytes in the last of ``steps`` optimizer steps of ``case`` (on CUDA the second step is the
-    one measured: the first makes the AdamW state)."""
+    one measured: the first makes the AdamW state), with the ``top`` largest saved tensors at the peak."""
     from hfpipe.api import load_pipeline
     from hfpipe.train.optim import build_optimizer
 
@@ -307,7 +311,7 @@ def measure(path: str, case: Case, steps: int = 2) -> Held:
     held.weights = sum(saved.own.values())
     held.optimizer = _storages(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
                                and t.dim() > 0)
-    held.activations, held.together, held.top = saved.peak, saved.together, saved.at_peak[:12]
+    held.activations, held.together, held.top = saved.peak, saved.together, saved.at_peak[:top]
     return held
 
 
@@ -335,17 +339,17 @@ def make_model(out: Path, shape: str, layers: int) -> Path:
     return out
 
 
-def compare(path: str, case: Case, steps: int = 2) -> dict:
+def compare(path: str, case: Case, steps: int = 2, top: int = 12) -> dict:
     """Plan against run for ``case`` on the model at ``path`` (launched over ``case.world`` ranks)."""
     from hfpipe.parallel.launch import launch
 
     # one rank runs here (a process group of one); more are launched as finetune launches them
     if case.world == 1:
-        mine = measure(path, case, steps)
+        mine = measure(path, case, steps, top)
     else:  # the launched ranks import this file by name, as the caller did
         here = str(Path(__file__).resolve().parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-        mine = launch(measure, case.world, path, case, steps, threads_per_rank=1)[0]
+        mine = launch(measure, case.world, path, case, steps, top, threads_per_rank=1)[0]
     total, state, act = planned(_config(path), case)
     return dict(case=case, plan=total, plan_state=state, plan_act=act, run=mine.total,
                 run_state=mine.weights + mine.grads + mine.optimizer, run_act=mine.activations, peak=mine.peak,
@@ -381,8 +385,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16", help="comma-separated of fp32, bf16-mixed, bf16")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel (a MoE --model-shape; dp = ep)")
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--detail", action="store_true", help="the largest saved tensors at the peak, per case")
+    p.add_argument("--detail", type=int, nargs="?", const=12, default=0,
+                   help="the largest saved tensors at the peak, per case (how many; default 12)")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hfpipe-plan-memory-"))
     try:
@@ -392,14 +398,14 @@ def main() -> None:
         for mode in a.mode.split(","):
             for ac in a.ac.split(","):
                 for dtype in a.dtype.split(","):
-                    case = Case(mode, ac, dtype, a.seq, a.batch, a.tp, a.cp, lora_rank=a.lora_rank)
+                    case = Case(mode, ac, dtype, a.seq, a.batch, a.tp, a.cp, a.ep, lora_rank=a.lora_rank)
                     try:
-                        r = compare(path, case)
+                        r = compare(path, case, top=a.detail)
                     except torch.OutOfMemoryError:  # worth a row: what did the plan say?
                         print(f"{case}: out of memory; plan {planned(_config(path), case)[0] / 2**30:.2f} GiB")
                         continue
                     print(_row(r), flush=True)
-                    for nbytes, shape, dt, module in (r["top"] if a.detail else ()):
+                    for nbytes, shape, dt, module in r["top"]:
                         print(f"      {nbytes / 2**20:9.2f} MiB  {dt:<9} {str(shape):<22} {module}")
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()

@@ -133,12 +133,11 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
             + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)
     base = rank_report.params
     base_w = param_bytes(dtype, dp)[0]  # a frozen weight costs what a full run's weight costs
+    m = 8 if dtype == "fp64" else 4  # the adapters' masters: fp32, fp64 in an fp64 run
     if dp == 1:  # under bf16-mixed FSDP2 holds a bf16 compute copy beside the fp32 masters, as of the base
-        w, g, o = 4 + 2 * (dtype == "bf16-mixed"), 4, 8
-    else:  # adapters: fp32 masters, grads and moments, sharded as param_bytes shards a full run's
-        w, g, o = 4 / dp + fsdp_bytes(dtype)[1], 4 + 4 / dp, 8 / dp
-    if dtype == "fp64":  # an fp64 run's adapters are fp64: twice each
-        w, g, o = 2 * w, 2 * g, 2 * o
+        w, g, o = m + 2 * (dtype == "bf16-mixed"), m, 2 * m
+    else:  # adapters: masters, grads and moments, sharded as param_bytes shards a full run's
+        w, g, o = m / dp + fsdp_bytes(dtype)[1], m, 2 * m / dp  # whole gradients, reduce-scattered unit by unit
     return dataclasses.replace(rank_report, weight_bytes=int(base * base_w + w * n),
                                grad_bytes=int(g * n), optimizer_bytes=int(o * n)), n
 

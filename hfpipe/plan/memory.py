@@ -26,7 +26,10 @@ def param_bytes(dtype: str, dp: int = 1, reshard: bool = False) -> tuple[float, 
     """(weights, gradients, optimizer) bytes per parameter on one rank at data-parallel ``dp``.
 
     ``dp == 1`` is :data:`BYTES_PER_PARAM`; above it, FSDP2's shards plus the whole compute-dtype
-    parameters and reduce-dtype gradients a pipeline step keeps (see the module docstring).
+    parameters and reduce-dtype gradients a pipeline step keeps (see the module docstring). The sharded
+    gradients are not added to the whole ones: torch's pipeline stage reduce-scatters them after the step's
+    last backward one FSDP2 unit at a time, freeing each unit's whole gradients as it makes its shard (a cp2
+    run never held whole + shard: at its optimizer step it held the shards alone, in backward the whole).
     ``reshard`` (``--reshard-per-microbatch``): those two are sharded too; the one unit FSDP2 holds
     gathered at a time is priced apart (:func:`hfpipe.plan.tensor.gathered_unit`).
     """
@@ -35,4 +38,4 @@ def param_bytes(dtype: str, dp: int = 1, reshard: bool = False) -> tuple[float, 
     master, compute, grad, optim = _FSDP_BYTES[dtype]
     if reshard:
         return master / dp + compute / dp, grad / dp, optim / dp
-    return master / dp + compute, grad + grad / dp, optim / dp
+    return master / dp + compute, grad, optim / dp

@@ -19,9 +19,12 @@ decoder layer and then the stage, no reshard after forward): fp32 masters, the s
 kept for the optimizer and AdamW state are split ``dp`` ways, but during a schedule step torch's
 pipeline stage keeps the stage's parameters gathered in the compute dtype and accumulates their
 gradients unsharded in the reduce dtype (fp32; bf16 with ``bf16``) until the step's last backward
-(``set_requires_gradient_sync(False)`` for every microbatch before it). So per parameter:
-weights ``master / dp + compute``, grads ``reduce + grad / dp``, optimizer ``adamw / dp`` (see
-:func:`param_bytes`): more dp shrinks a rank down to the 6 bytes (bf16-mixed) it cannot shard.
+(``set_requires_gradient_sync(False)`` for every microbatch before it), then reduce-scatters them one
+unit at a time, each unit's whole gradients freed as its shard is made. So per parameter:
+weights ``master / dp + compute``, grads ``reduce``, optimizer ``adamw / dp`` (see
+:func:`param_bytes`): more dp shrinks a rank down to the 6 bytes (bf16-mixed) it cannot shard. (Not
+priced: the reduce-scatter's fp32 buffers of the unit being reduced, after the last backward, when
+the activations are gone.)
 
 Activations, bytes per token per decoder layer: measured on transformers' own layer, one of each
 kind (dense, MoE, ...), by :mod:`hfpipe.plan.activations` (Korthikanti et al.'s ``34 * h`` for a
@@ -65,7 +68,7 @@ from dataclasses import dataclass
 
 from hfpipe.loss.budget import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
-from hfpipe.plan.activations import head_bytes_per_token, layer_bytes_per_token
+from hfpipe.plan.activations import expert_adapter_bytes, head_bytes_per_token, layer_layouts
 from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as price_ep
 from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
 from hfpipe.plan.preference import describe_reference, reference_pass, sequences_per_pair
@@ -230,21 +233,25 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens, shards = batch // m * seq_len // cp, dp * cp  # a cp rank's tokens; FSDP2 over dp x cp
     lora_key = (lora_rank, lora_targets) if lora_rank is not None else None
-    measured = layer_bytes_per_token(config, dtype, lora_key)
-    per_layer = context.layer_bytes(tensor.layer_bytes(measured, tp, sp), config, cp, tp, dtype)
-    head = _Head(head_bytes_per_token(config, dtype, lora_key), lora_rank is None or _adapted_head(config, lora_key))
-    parts = [_stage_parts(config, s, tokens, dtype, activation_checkpointing, per_layer, costs, tp, sp, head)
+    layouts = layer_layouts(config, dtype, lora_key, experts_whole=ep > 1 and tp > 1, fsdp=shards > 1)
+    measured = tuple(sum(held) for held in layouts)
+    per_layer = context.layer_bytes(tensor.layer_bytes(layouts, tp, sp), config, cp, tp, dtype, seq_len)
+    head = _Head(head_bytes_per_token(config, dtype, lora_key, tp, fsdp=shards > 1),
+                 lora_rank is None or _adapted_head(config, lora_key))
+    # a LoRA run's adapters on the expert stacks: each microbatch keeps its experts' weights with their delta
+    fixed = tuple(b // ep for b in expert_adapter_bytes(config, dtype, lora_key, fsdp=shards > 1))
+    parts = [_stage_parts(config, s, tokens, dtype, activation_checkpointing, per_layer, costs, tp, sp, head, fixed)
              for s in plan.stages]
     per_mb = [sum(a for a, _ in p) for p in parts]
     counts, peaks = in_flight(actions, per_mb)
-    extra = tokens * max(per_layer, default=0) if activation_checkpointing != "none" else 0  # one recompute
+    extra = tokens * max(per_layer, default=0) + max(fixed, default=0) if activation_checkpointing != "none" else 0
     kv = context.held_kv(config, tokens, cp, tp, dtype)  # one layer's whole-sequence dK/dV
     mean_cost = sum(s.cost for s in plan.stages) / len(plan.stages) or 1.0
     stages = tuple(StageReport(
         s.index, plan.rank_of_stage(s.index), _holds(s), _stage_params(s, costs),
         s.cost / mean_cost, counts[s.index], per_mb[s.index],
         counts[s.index] * per_mb[s.index] + (extra + kv if s.layers else 0)) for s in plan.stages)
-    recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens, dtype, tp)) + kv
+    recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens)) + kv
                   if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r]) for r in range(pp))
@@ -329,10 +336,10 @@ class _Head:
     bytes_per_token: int
     trains: bool
 
-    def unchunked(self, config, tokens: int, dtype: str, tp: int) -> int:
-        """The head's bytes for one microbatch of ``tokens``, or 0 when the loss is chunked (then it
-        keeps gradients, which its backward hands on rather than frees)."""
-        return 0 if 0 < chunk_tokens(config.vocab_size) < tokens else int(tokens * self.bytes_per_token / tp)
+    def unchunked(self, config, tokens: int) -> int:
+        """The head's bytes for one microbatch of ``tokens`` (on one tp rank), or 0 when the loss is chunked
+        (then it keeps gradients, which its backward hands on rather than frees)."""
+        return 0 if 0 < chunk_tokens(config.vocab_size) < tokens else int(tokens * self.bytes_per_token)
 
 
 def _adapted_head(config, lora: tuple[int, str]) -> bool:
@@ -352,16 +359,18 @@ def _recompute(stages, extra: int, head: int) -> int:
 
 
 def _stage_parts(config, stage, tokens: int, dtype: str, ac: str, per_layer: tuple[int, ...], costs,
-                 tp: int = 1, sp: bool = False, head: _Head | None = None) -> list[tuple[int, int]]:
+                 tp: int = 1, sp: bool = False, head: _Head | None = None,
+                 fixed: tuple[int, ...] = ()) -> list[tuple[int, int]]:
     """Per part of ``stage`` in backward order (head, layers last to first, embedding): the activation
     bytes one microbatch of ``tokens`` tokens leaves in it until backward, on one tensor-parallel rank
-    (``per_layer`` already is that rank's; a residual splits only with ``sp``), and the part's parameters."""
+    (``per_layer`` already is that rank's; a residual splits only with ``sp``; ``fixed``: what a layer keeps
+    per microbatch whatever its tokens), and the part's parameters."""
     act = _ACT_BYTES[dtype]
     residual = tp if sp else 1
     boundary = _hidden_elements(config) * act / residual  # a layer's input
     checkpointed = {"none": 0, "full": 1, "selective": 2}[ac]  # every layer, or every other one
-    layers = [(int(tokens * (boundary if checkpointed and j % checkpointed == 0 else per_layer[i])), i)
-              for j, i in enumerate(stage.layers)]
+    layers = [(int(tokens * boundary if checkpointed and j % checkpointed == 0 else
+                   tokens * per_layer[i] + (fixed[i] if fixed else 0)), i) for j, i in enumerate(stage.layers)]
     head = head or _Head(config.vocab_size * 4 + config.hidden_size * 3 * act, True)
     h = config.hidden_size
     top = (8 * tokens + 64) * bool(checkpointed and stage.layers)  # checkpointing keeps the positions, scalars
@@ -371,7 +380,7 @@ def _stage_parts(config, stage, tokens: int, dtype: str, ac: str, per_layer: tup
         # and the int64 targets
         top += tokens * h * act / residual + config.vocab_size * h * act / tp * head.trains + 8 * tokens
     elif stage.head:
-        top += head.unchunked(config, tokens, dtype, tp)
+        top += head.unchunked(config, tokens)
     out = [(int(top), costs.head_params * stage.head)]
     out += [(a, costs.layer_params[i]) for a, i in reversed(layers)]
     return out + [(8 * tokens * stage.embed, costs.embed_params * stage.embed)]  # the embedding keeps the ids

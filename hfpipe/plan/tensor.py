@@ -8,14 +8,13 @@ it keeps: ``(params - whole) / tp + whole``. Under ``--ep`` the routed experts a
 rank holds its ep shard whole (:mod:`hfpipe.plan.experts` prices them; :func:`price_ranks` leaves them
 as priced).
 
-Activations follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
-Models"): of a GPT block's ``34 * h`` bytes per token, tensor parallelism alone divides ``24 * h``
-(what sits between the split matmuls) and leaves ``10 * h`` whole (the norms' and residuals' inputs
-and the dropout masks, replicated on every rank); sequence parallelism splits those over the
-sequence too, so everything divides by tp. hfpipe measures each layer's bytes
-(:mod:`hfpipe.plan.activations`) and splits them in that ratio. A layer's input kept under
-activation checkpointing is a residual: whole without sequence parallelism, ``1 / tp`` with it. The
-head's logits are vocabulary-parallel (``1 / tp``).
+Activations are measured per layer (:mod:`hfpipe.plan.activations`) with each saved tensor tagged
+by how the runtime's tp plan leaves it on a rank (:mod:`hfpipe.plan.layouts`): split by heads or
+features (``1 / tp``), the residual stream and the norms' (``1 / tp`` with sequence parallelism,
+whole without), or whole (a block's gathered input that its column-split projections save, and a
+LoRA adapter's fp32 copy of it). A layer's input kept under activation checkpointing is a residual.
+The head's log-probabilities are vocabulary-parallel (``1 / tp``); the final norm and the head's
+input are whole (the last layer's output is gathered).
 
 Collectives per microbatch, as hfpipe's plan runs them (counted at torch's dispatcher by
 ``bench/tp.py``: measured / planned 1.00 on Llama, Qwen3-MoE and DeepSeek-V3). In units of one
@@ -59,14 +58,12 @@ import dataclasses
 
 from hfpipe.errors import PlanError
 from hfpipe.plan.experts import replicas
+from hfpipe.plan.layouts import share
 from hfpipe.plan.memory import ACT_BYTES, BYTES_PER_PARAM, fsdp_bytes
 from hfpipe.plan.tensor_comm import LORA_BYTES, Adapters, adapter_comm, layer_comm, spared_bytes, step_partials
 
 __all__ = ["check_tp", "describe", "fsdp_traffic", "gathered_unit", "layer_bytes", "price_ranks",
            "tp_traffic"]
-
-#: Korthikanti et al.'s 34 h bytes per token of a block, of which tensor parallelism alone splits 24 h.
-_SPLIT_BY_TP = 24 / 34
 
 
 def check_tp(config, tp: int, *, dp: int = 1, reshard: bool = False, lora: bool = False) -> None:
@@ -77,12 +74,10 @@ def check_tp(config, tp: int, *, dp: int = 1, reshard: bool = False, lora: bool 
                         "base as FSDP2 holds it per step: leave it out with --lora-rank")
 
 
-def layer_bytes(per_layer: tuple[int, ...], tp: int, sp: bool) -> tuple[int, ...]:
-    """Each layer's activation bytes per token on one tensor-parallel rank (module docstring)."""
-    if tp == 1:
-        return tuple(per_layer)
-    share = 1 / tp if sp else _SPLIT_BY_TP / tp + (1 - _SPLIT_BY_TP)
-    return tuple(int(b * share) for b in per_layer)
+def layer_bytes(layouts, tp: int, sp: bool) -> tuple[int, ...]:
+    """Each layer's activation bytes per token on one tensor-parallel rank, from its measured
+    ``(whole, by sequence, split)`` bytes (:func:`hfpipe.plan.activations.layer_layouts`)."""
+    return tuple(int(share(held, tp, sp)) for held in layouts)
 
 
 def price_ranks(ranks, plan, costs, tp: int, ep: int = 1) -> tuple:

@@ -58,13 +58,14 @@ def test_the_plan_of_a_config_uses_finetunes_defaults():
 @pytest.mark.parametrize("dtype", sorted(BYTES_PER_PARAM))
 def test_dp_shards_masters_grads_and_adamw_but_not_the_step_buffers(dtype):
     """FSDP2 under pipelining: the compute-dtype weights and reduce-dtype gradients are whole
-    for the whole step (no reshard after forward, no gradient sync before the last backward)."""
+    for the whole step (no reshard after forward, no gradient sync before the last backward); their
+    shards replace them one unit at a time after it, so the two are never held whole together."""
     compute, reduce = {"fp32": (4, 4), "bf16-mixed": (2, 4), "bf16": (2, 2), "fp64": (8, 8)}[dtype]
-    master, grad = {"bf16": (2, 2), "fp64": (8, 8)}.get(dtype, (4, 4))
+    master = {"bf16": 2, "fp64": 8}.get(dtype, 4)
     adamw = 2 * master
     assert param_bytes(dtype, 1) == BYTES_PER_PARAM[dtype]
     for dp in (2, 4, 8):
-        assert param_bytes(dtype, dp) == (master / dp + compute, reduce + grad / dp, adamw / dp)
+        assert param_bytes(dtype, dp) == (master / dp + compute, reduce, adamw / dp)
     one, four = (plan_report(tiny_config("llama"), 2, seq_len=16, dtype=dtype, dp=dp) for dp in (1, 4))
     for a, b in zip(one.ranks, four.ranks):
         assert b.params == a.params and b.activation_bytes == a.activation_bytes
@@ -111,7 +112,7 @@ def test_cli_plan_takes_a_recipe_by_name_and_answers_whether_it_fits():
     assert bad.exit_code == 0, bad.stderr
     assert "rank   0:" in bad.stdout and "does NOT fit, by" in bad.stdout
     assert "does NOT fit: 3 of 16 ranks over 80.0 GiB" in bad.stdout
-    assert "--dp 4" in bad.stdout and "--pp 24" in bad.stdout
+    assert "--dp 2" in bad.stdout and "--pp 24" in bad.stdout
 
 
 def test_cli_plan_defaults_are_finetunes(tmp_path):

@@ -86,7 +86,7 @@ def test_with_dp_fsdp2_shards_the_frozen_base_and_the_adapters_as_in_a_full_run(
         n = sum(per_layer[f"layer.{i}"] for s in full2.plan.stages_of_rank(r2.rank) for i in s.layers)
         assert r2.weight_bytes == f2.weight_bytes + int((4 / 2 + compute) * n)  # the base priced as the full run's
         assert r2.optimizer_bytes == r1.optimizer_bytes // 2 == 4 * n  # AdamW moments split over dp
-        assert r2.grad_bytes == 6 * n  # the step's unsharded fp32 gradient plus its shard
+        assert r2.grad_bytes == 4 * n  # the step's unsharded fp32 gradient (its shard replaces it after)
     assert "sharded over dp=2 by FSDP2" in format_report(lora2)
 
 

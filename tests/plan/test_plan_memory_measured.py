@@ -54,11 +54,17 @@ def test_the_plan_prices_what_the_run_holds(llama, case):
 MATRIX = [Case(mode, ac, dtype) for mode in ("full", "lora") for ac in ("none", "selective", "full")
           for dtype in ("fp32", "bf16", "bf16-mixed")]
 MATRIX += [Case("qlora", ac, "bf16") for ac in ("none", "full")]
-# Open (measured 2026-11-27): under tp the plan divides a LoRA layer's bytes by tp, but each adapter's fp32 copy
-# of its input is whole (0.86x; full 0.99x); under cp the plan is 0.97x-1.20x; LoRA at ep2 0.92x.
-_OPEN = pytest.mark.xfail(reason="tp/cp/ep pricing of the measured layers is not yet within 10% (see the note)")
-MATRIX += [pytest.param(Case(mode, "none", "bf16", tp=2), marks=_OPEN) for mode in ("full", "lora")]
-MATRIX += [pytest.param(Case(mode, ac, "bf16", cp=2), marks=_OPEN) for mode in ("full", "lora") for ac in ("none", "full")]
+# tp: each saved tensor priced as the tp plan leaves it on a rank (a block's gathered input and each LoRA adapter's
+# fp32 copy of it are whole: 0.86x when all was divided by tp); cp: SDPA's additive mask per layer (0.97x without);
+# FSDP2 over dp x cp: the adapters run in bf16 (1.31x when priced with fp32 copies), whole gradients not added to
+# their shards (1.12x)
+MATRIX += [Case(mode, "none", "bf16", tp=2) for mode in ("full", "lora")]
+MATRIX += [Case(mode, ac, "bf16", cp=2) for mode in ("full", "lora") for ac in ("none", "full")]
+# Open (measured 2026-11-27): LoRA on the experts at ep2 holds 0.94x of the plan's: hfpipe's expert-parallel
+# dispatch (hfpipe.parallel.expert) with PEFT's ParamWrapper keeps per token more than the one-process experts the
+# plan measures (on few experts, hfpipe.plan.activations._expert_adapters): about 2 x top_k x h of dispatch buffers
+_OPEN = pytest.mark.xfail(strict=True, reason="LoRA on the experts at ep2: the plan measures the one-process "
+                                              "experts, not hfpipe's ep dispatch (see the note)")
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from hfpipe.cli.main import app
 from hfpipe.config.run import FinetuneConfig
 from hfpipe.config.run import bundled_config_dir
-from hfpipe.plan.activations import layer_bytes_per_token
+from hfpipe.plan.activations import layer_bytes_per_token, layer_layouts
 from hfpipe.plan.cost import layer_costs
 from hfpipe.plan.fit import fewest_gpus, parse_memory, report_for, suggest
 from hfpipe.plan.memory import fsdp_bytes, param_bytes
@@ -97,18 +97,25 @@ def test_tp2_halves_weights_grads_and_adamw_but_keeps_the_norms_whole(dtype):
         assert b.optimizer_bytes == pytest.approx(a.optimizer_bytes / 2, rel=1e-4)
 
 
-def test_activations_divide_by_tp_with_sequence_parallelism_and_24_of_34_parts_without():
-    config = tiny_config("llama", num_hidden_layers=6)
+def test_activations_split_as_the_tp_plan_leaves_each_saved_tensor_on_a_rank():
+    """Each saved tensor is tagged by how the runtime's tp plan holds it (hfpipe.plan.layouts): the inputs
+    a block gathers for its column-split projections (attention's and the MLP's, h each) and the rotary
+    tables (head_dim each of cos and sin) are whole on every rank; the norms' and the residual stream's split
+    over the sequence only with sequence parallelism; the rest (heads, the MLP's intermediate) over tp."""
+    config = tiny_config("llama", num_hidden_layers=6)  # hidden 64, head_dim 16
     kw = dict(seq_len=16, batch_size=4, microbatches=4, dtype="fp32")
     measured = layer_bytes_per_token(config, "fp32")
+    layouts = layer_layouts(config, "fp32")
+    whole, seq, split = layouts[0]
+    assert whole == (2 * 64 + 2 * 16) * 4 and seq > 0 and split > 0
+    assert [sum(held) for held in layouts] == list(measured)  # tags split the bytes, they add none
     one, sp, no_sp = (plan_report(config, 3, tp=t, sequence_parallel=s, **kw)
                       for t, s in ((1, True), (2, True), (2, False)))
     middle = 1  # layers only: no embedding, no head
     layers = one.plan.stages[middle].layers
     assert one.stages[middle].activation_bytes_per_microbatch == sum(measured[i] for i in layers) * 16
-    assert sp.stages[middle].activation_bytes_per_microbatch == sum(int(measured[i] / 2) for i in layers) * 16
-    assert no_sp.stages[middle].activation_bytes_per_microbatch == sum(
-        int(measured[i] * (24 / 34 / 2 + 10 / 34)) for i in layers) * 16
+    assert sp.stages[middle].activation_bytes_per_microbatch == len(layers) * int(whole + (seq + split) / 2) * 16
+    assert no_sp.stages[middle].activation_bytes_per_microbatch == len(layers) * int(whole + seq + split / 2) * 16
     assert sp.sequence_parallel and not no_sp.sequence_parallel and not one.sequence_parallel
     # under full recompute a layer keeps its input: a residual, split only over the sequence
     full = [plan_report(config, 3, tp=t, sequence_parallel=s, activation_checkpointing="full", **kw)
@@ -117,6 +124,17 @@ def test_activations_divide_by_tp_with_sequence_parallelism_and_24_of_34_parts_w
     positions = 8 * 16 + 64  # the int64 positions checkpointing keeps (whole on every tp rank), and scalars
     assert kept == [len(layers) * 16 * 64 * 4 + positions, len(layers) * 16 * 64 * 4 // 2 + positions,
                     len(layers) * 16 * 64 * 4 + positions]
+
+
+def test_a_lora_adapter_keeps_its_fp32_copy_of_the_gathered_input_whole_on_every_tp_rank():
+    # measured 0.86x of a tp2 LoRA run when the adapters' bytes were divided by tp like the rest
+    config = tiny_config("llama", num_hidden_layers=2)  # hidden 64, head_dim 16
+    copies, rotary = 5 * 64 * 4, 2 * 16 * 2  # q, k, v, gate, up each cast the block's gathered bf16 input
+    lora_b_inputs = 7 * 4  # every adapter's lora_A output (r 4); the frozen bases keep no input
+    assert layer_layouts(config, "bf16", (4, "all-linear"))[0][0] == copies + rotary + lora_b_inputs * 4
+    # FSDP2 (dp x cp > 1) runs the adapters in bf16: they save the gathered input itself, once per block
+    gathered = 2 * 64 * 2
+    assert layer_layouts(config, "bf16", (4, "all-linear"), fsdp=True)[0][0] == gathered + rotary + lora_b_inputs * 2
 
 
 @pytest.mark.parametrize("ac, recomputed", [("none", lambda n: 0), ("full", lambda n: n),
