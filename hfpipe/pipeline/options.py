@@ -108,7 +108,8 @@ class StageOptions:
     """How each rank's stages are built and run.
 
     Attributes:
-        dtype: ``fp32``, ``bf16-mixed`` (fp32 master weights, bf16 compute) or ``bf16``.
+        dtype: ``fp32``, ``bf16-mixed`` (fp32 master weights, bf16 compute) or ``bf16``; or ``fp64`` (Python API
+            only: an exactness check, where reordered sums agree to ~1e-15 and a real error stands out).
         activation_checkpointing: ``none``, ``full`` (every layer) or ``selective`` (every other layer).
         sequence_parallel: With tp > 1, also split the norms and the activations between layers by
             sequence (default on).
