@@ -213,8 +213,9 @@ def export(
         help="Training checkpoint folder (DCP files + hfpipe.json), e.g. out/checkpoints/step-00000100, "
              "or a run folder (its newest checkpoint).", show_default=False)],
     out: Annotated[Path, typer.Argument(help="Hugging Face folder to create.", show_default=False)],
-    dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32", "fp8"], typer.Option(
-        help="Tensor dtype; auto keeps the source checkpoint's (FP8 sources become bf16). With --merge "
+    dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32", "fp64", "fp8"], typer.Option(
+        help="Tensor dtype; auto keeps the source checkpoint's (FP8 sources become bf16; an fp64 run's "
+             "weights too: fp64 keeps them). With --merge "
              "of a LoRA run: auto, bf16, or fp8 (the linears requantized per block, as DeepSeek ships).")] = "auto",
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 5GB or 500MB.")] = "5GB",
     force: Annotated[bool, typer.Option(

@@ -30,7 +30,7 @@ _CHOICES = {
     "schedule": SCHEDULES,
     "plan_method": ("even", "weighted", "balanced"),
     "lr_schedule": ("cosine", "linear", "constant"),
-    "dtype": ("fp32", "bf16-mixed", "bf16"),
+    "dtype": ("fp32", "bf16-mixed", "bf16", "fp64"),
     "activation_checkpointing": ("none", "full", "selective"),
     "fp8_recipe": FP8_RECIPES,
 }
@@ -115,6 +115,8 @@ def _check_choices(c: "FinetuneConfig") -> None:
         value = getattr(c, name)
         if value not in choices:
             close = difflib.get_close_matches(value.lower(), choices, n=1)
+            if name == "dtype" and value.lower() in ("fp16", "float16", "half"):  # spelt nearer fp64; means bf16
+                close = ["bf16"]
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{_flag(name)} must be one of {', '.join(choices)}; got {value!r}{hint}")
 
@@ -175,7 +177,8 @@ def _check_layout(c: "FinetuneConfig") -> None:
     becomes the 2 a multi-stage schedule needs."""
     layout = check_layout(c.dims, c.schedule, vpp=c.vpp, microbatches=c.microbatches, batch_size=c.batch_size,
                           reshard_per_microbatch=c.reshard_per_microbatch, lora=c.lora_rank is not None,
-                          quantize_base=c.quantize_base, seq_len=c.seq_len, compile=c.compile)
+                          quantize_base=c.quantize_base, seq_len=c.seq_len, compile=c.compile,
+                          sequence_parallel=c.sequence_parallel)
     c.vpp = layout.vpp
 
 

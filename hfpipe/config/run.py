@@ -127,7 +127,8 @@ class FinetuneConfig:
     epochs: int = 1
     """Passes over the dataset, used when max_steps is null."""
     dtype: str = "fp32"
-    """fp32 | bf16-mixed (fp32 weights and optimizer, bf16 autocast) | bf16 (all bf16)."""
+    """fp32 | bf16-mixed (fp32 weights and optimizer, bf16 autocast) | bf16 (all bf16) | fp64 (all fp64, to
+    check numerics; exports keep the source's dtype unless export --dtype fp64)."""
     activation_checkpointing: str = "none"
     """none | full (recompute every decoder layer) | selective (recompute every other layer)."""
     compile: bool = False

@@ -47,8 +47,9 @@ __all__ = ["ExportError", "export_checkpoint", "read_checkpoint_meta"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+                  "float64": "fp64", "double": "fp64"}
 
 
 def export_checkpoint(
@@ -177,7 +178,7 @@ def _parse_dtype(dtype: str) -> torch.dtype | None:
     if name == "auto":
         return None
     if name not in _DTYPES:
-        raise ExportError(f"dtype {dtype!r} is not one of auto, bf16, fp16, fp32; fix --dtype")
+        raise ExportError(f"dtype {dtype!r} is not one of auto, bf16, fp16, fp32, fp64; fix --dtype")
     return _DTYPES[name]
 
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 
 from hfpipe.api import load_pipeline
 from hfpipe.errors import ConfigError
 from hfpipe.hf.loop import PipelineLoop
 from hfpipe.hf.options import check_optimizers, refuse_unsupported
-from hfpipe.loss.preference import REWARD_METRICS, Preference, PreferenceConfig, pair_batch
+from hfpipe.loss.preference import Preference, PreferenceConfig, pair_batch
 from hfpipe.pipeline.options import PipelineLayout
+from hfpipe.train.preference import reward_means, shared_pair_sums
 from hfpipe.train.reference import reference_logps
 
 try:
@@ -154,27 +154,10 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=pairs)
 
     def _log_pairs(self, mode: str, batch: dict, tokens: int) -> None:
-        """The batch's reward metrics (sums over its microbatches and dp replicas, over its pairs) and the input
-        tokens trained (``tokens`` of this replica, ``num_tokens``) for TRL's log, which averages them."""
-        n = len(REWARD_METRICS)
-        sums = torch.zeros(n + 2, dtype=torch.float64)  # the metrics' sums, the pairs, the tokens
-        if self.pipeline.pipe.has_loss:
-            sums[n + 1] = tokens
-            for record in self._preference.take(batch["input_ids"].shape[0]):
-                sums[n] += record["pairs"]
-                sums[:n] += torch.tensor([record.get(k, 0.0) for k in REWARD_METRICS], dtype=torch.float64)
-        sums = self._share(sums)
-        self._total_train_tokens += int(sums[n + 1])
+        """The batch's reward metrics (over its pairs on every dp replica) and the input tokens trained
+        (``tokens`` of this replica, summed: ``num_tokens``) for TRL's log, which averages them."""
+        sums = shared_pair_sums(self.pipeline, batch["input_ids"].shape[0], extra=(tokens,))
+        self._total_train_tokens += int(sums[-1])
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        if sums[n] > 0:
-            for key, value in zip(REWARD_METRICS, (sums[:n] / sums[n]).tolist()):
-                self._metrics[mode][key].append(value)
-
-    def _share(self, sums: torch.Tensor) -> torch.Tensor:
-        """Summed over the dp replicas on the loss rank, then sent along the pipeline (as ``share_loss``)."""
-        d = self.pipeline.dist
-        t = sums.to(d.device)
-        if d.batch_group is not None and self.pipeline.pipe.has_loss:
-            dist.all_reduce(t, group=d.batch_group)
-        dist.broadcast(t, src=d.pp_peer(self.pipeline.loss_rank), group=d.pp_group)
-        return t.cpu()
+        for key, value in reward_means(sums).items():
+            self._metrics[mode][key].append(value)

@@ -15,7 +15,8 @@ What differs under a pipeline is answered here, each where the Trainer asks:
   labels shifted before the split): the count is taken on those, so summed over dp x cp it is the plain
   Trainer's;
 - the model is never wrapped (no DDP) and the optimizer never handed to accelerate;
-- evaluation: the mean of each batch's token-mean loss weighted by its rows, as ``evaluation_loop`` does
+- evaluation: the mean of each batch's loss (token mean, plus a MoE router aux loss over the whole batch, as
+  transformers' model returns it) weighted by its rows, as ``evaluation_loop`` does
   (rows counted over dp: the cp ranks of a replica hold the same rows).
 """
 
@@ -46,16 +47,17 @@ class PipelineLoop:
     """
 
     def _start_pipeline(self, load_pipeline, model, args, options: PipelineLayout, peft_config,
-                        trust_remote_code: bool) -> PipelineStages:
+                        trust_remote_code: bool, fp8: str | None = None) -> PipelineStages:
         """Load this rank's stages of ``model`` (a folder or hub id) with ``load_pipeline`` (hfpipe.api's,
-        passed in by the face so that this layer stays below it); returns the module the Trainer holds."""
+        passed in by the face so that this layer stays below it); returns the module the Trainer holds.
+        ``fp8``: the face's float8 recipe keyword (:func:`hfpipe.hf.options.float8_recipe`)."""
         if not isinstance(model, (str, bytes)) and not hasattr(model, "__fspath__"):
             raise ConfigError(f"{type(self).__name__}(model=<{type(model).__name__}>): give the model's folder or "
                               "hub id; each rank then loads only its own stages")
         if options.microbatches:  # known before loading: refuse before any process group starts
             check_layout_args(args, options.microbatches, options.dp * options.cp)
         self.pipeline = load_pipeline(str(model), **load_kwargs(load_pipeline, options, args, peft_config,
-                                                                trust_remote_code))
+                                                                trust_remote_code, fp8))
         check_layout_args(args, self.pipeline.pipe.microbatches, options.dp * options.cp)  # the default: one per stage
         self._steps = self.pipeline.trainer(None, max_grad_norm=args.max_grad_norm)  # the Trainer steps its optimizer
         see_the_world(args)
@@ -224,8 +226,8 @@ class PipelineLoop:
     # ---- evaluation --------------------------------------------------------------------------------
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
-        """Each batch's token-mean loss (over its dp shards), averaged weighted by rows, as transformers'
-        ``evaluation_loop`` averages ``loss.repeat(batch_size)``."""
+        """Each batch's loss (over its dp shards: ``StepEngine.eval_loss``, the model's ``loss`` with a router aux
+        loss), averaged weighted by rows, as transformers' ``evaluation_loop`` averages ``loss.repeat(batch_size)``."""
         from transformers.trainer_utils import EvalLoopOutput
 
         self.model.eval()

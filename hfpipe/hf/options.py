@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from hfpipe.config.names import FP8_RECIPES
 from hfpipe.errors import ConfigError
 from hfpipe.pipeline.options import PipelineLayout, StageOptions
 
-__all__ = ["refuse_unsupported", "check_optimizers", "check_layout_args", "load_kwargs",
+__all__ = ["refuse_unsupported", "check_optimizers", "check_layout_args", "float8_recipe", "load_kwargs",
            "see_the_world"]
 
 
@@ -85,13 +86,37 @@ def check_layout_args(args, microbatches: int, shards: int = 1) -> None:
                               f"microbatches; use a multiple of {microbatches}, or pass microbatches= that divides it")
 
 
-def load_kwargs(load_pipeline, layout: PipelineLayout, args, peft_config, trust_remote_code: bool) -> dict:
-    """``load_pipeline``'s keywords: ``layout``'s fields and the :class:`StageOptions` of TrainingArguments."""
+def float8_recipe(args, fp8: str | None) -> str | None:
+    """The float8 training recipe of a Trainer run (``None``: off): ``fp8=``, or hfpipe's default when
+    accelerate's ``mixed_precision`` is ``"fp8"`` (``accelerate launch --mixed_precision fp8``, or
+    ``ACCELERATE_MIXED_PRECISION=fp8``, which TrainingArguments reads unless ``bf16``/``fp16`` is set).
+
+    accelerate would convert the model it prepares to torchao's float8 linears; the stages are never prepared
+    (:mod:`hfpipe.hf.loop`), so hfpipe converts them itself (:mod:`hfpipe.quant.float8`: the decoder layers'
+    linears, the head in bf16), computing in bf16 around the float8 matmuls as accelerate's fp8 autocasts.
+    """
+    accelerate_fp8 = getattr(args, "mixed_precision", "no") == "fp8"
+    recipe = fp8 or (FP8_RECIPES[0] if accelerate_fp8 else None)
+    if recipe is None:
+        return None
+    if recipe not in FP8_RECIPES:
+        raise ConfigError(f"PipelineTrainer(fp8={recipe!r}): choose one of {', '.join(map(repr, FP8_RECIPES))}")
+    if not (args.bf16 or accelerate_fp8):
+        raise ConfigError(f"PipelineTrainer(fp8={recipe!r}) multiplies bf16 activations in float8; set "
+                          "TrainingArguments(bf16=True)")
+    return recipe
+
+
+def load_kwargs(load_pipeline, layout: PipelineLayout, args, peft_config, trust_remote_code: bool,
+                fp8: str | None = None) -> dict:
+    """``load_pipeline``'s keywords: ``layout``'s fields and the :class:`StageOptions` of TrainingArguments
+    (``fp8``: the face's ``fp8=`` keyword, see :func:`float8_recipe`)."""
+    fp8 = float8_recipe(args, fp8)
     checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
     # torch_compile: each decoder layer compiled in place (hfpipe.models.compile), never the Trainer's whole
     # model, which accelerate would compile in prepare() (the stages are never prepared: hf/loop.py)
     compiled = bool(getattr(args, "torch_compile", False))
-    stages = StageOptions(dtype="bf16-mixed" if args.bf16 else "fp32", lora=peft_config, seed=args.seed,
+    stages = StageOptions(dtype="bf16-mixed" if args.bf16 or fp8 else "fp32", lora=peft_config, seed=args.seed, fp8=fp8,
                           activation_checkpointing="full" if checkpointing else "none", compile=compiled,
                           compile_backend=args.torch_compile_backend if compiled else None,
                           compile_mode=args.torch_compile_mode if compiled else None)

@@ -36,6 +36,9 @@ class PipelineTrainer(PipelineLoop, Trainer):
             (fields of :class:`hfpipe.pipeline.options.PipelineLayout`); the world is pp x dp x cp x tp processes.
             Under ``cp`` the collator must pad rows to a multiple of ``2 * cp`` (``pad_to_multiple_of``).
         peft_config: A ``peft.LoraConfig``: PEFT's LoRA adapters on the stages (base frozen).
+        fp8: Float8 training, ``"rowwise"`` or ``"tensorwise"`` (torchao's recipes, as ``--fp8-recipe``): the
+            decoder layers' linears multiply in float8; needs ``bf16=True``. accelerate's
+            ``mixed_precision="fp8"`` turns it on too (rowwise, in bf16).
         trust_remote_code: Allow a config that needs remote code.
         optimizers: ``(params -> optimizer, optimizer -> scheduler)`` callables, either may be ``None``.
         **kwargs: The rest of ``Trainer``'s arguments (``train_dataset``, ``eval_dataset``,
@@ -44,8 +47,9 @@ class PipelineTrainer(PipelineLoop, Trainer):
 
     def __init__(self, model, args=None, *, pp: int | None = None, dp: int = 1, ep: int = 1, tp: int = 1,
                  cp: int = 1, schedule: str = "1f1b", microbatches: int | None = None, layout: str | None = None,
-                 peft_config=None, trust_remote_code: bool = False, optimizers=(None, None), model_init=None,
-                 compute_loss_func=None, compute_metrics=None, preprocess_logits_for_metrics=None, **kwargs):
+                 peft_config=None, fp8: str | None = None, trust_remote_code: bool = False, optimizers=(None, None),
+                 model_init=None, compute_loss_func=None, compute_metrics=None, preprocess_logits_for_metrics=None,
+                 **kwargs):
         if args is None:
             from transformers import TrainingArguments
 
@@ -55,5 +59,5 @@ class PipelineTrainer(PipelineLoop, Trainer):
         check_optimizers(optimizers)
         options = PipelineLayout(pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, schedule=schedule, microbatches=microbatches,
                                  layout=layout)
-        stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust_remote_code)
+        stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust_remote_code, fp8)
         super().__init__(model=stages, args=args, optimizers=optimizers, **kwargs)

@@ -111,6 +111,8 @@ class StageLoss:
         denominator: What the objective's loss is divided by (:meth:`Objective.loss`).
         router_denominator: What each microbatch's router aux loss is divided by.
         head: The chunked head, or ``None`` when the last stage returns logits.
+        router_sums: Where set (evaluation), a list the stages' router sums of each microbatch are kept in, to be
+            finished over the whole batch by the caller; the loss returned is then the objective's alone.
     """
 
     def __init__(self, objective: Objective) -> None:
@@ -118,10 +120,14 @@ class StageLoss:
         self.denominator = 1.0
         self.router_denominator = 1.0
         self.head: Head | None = None
+        self.router_sums: list | None = None
 
     def __call__(self, out, targets: torch.Tensor) -> torch.Tensor:
         router = None
         if isinstance(out, tuple):  # (hidden or logits, coef * aux of the microbatch): hfpipe.models.router_loss
             out, router = out
         loss = self.objective.loss(out, targets, self.head, self.denominator)
+        if router is not None and self.router_sums is not None:
+            self.router_sums.append(router.detach())
+            return loss
         return loss if router is None else loss + router.to(loss.device) / self.router_denominator

@@ -51,14 +51,19 @@ class CompileSpec:
                              f"{', '.join(m for m in COMPILE_MODES if m)}")
 
 
-def apply_compile(modules: list, spec: CompileSpec | None) -> int:
+def apply_compile(modules: list, spec: CompileSpec | None, sub_meshes: bool = False) -> int:
     """Compile every decoder layer of ``modules`` in place (nothing when ``spec`` is ``None``); return how many.
 
+    ``sub_meshes``: DTensors on a part of the world's ranks (a tp or ep mesh) reach the layers; torch's
+    AOTAutograd cache is then turned off in this process (:func:`_no_cache_across_groups`).
     Nothing is traced here: each layer compiles on its first call, so the first step is slow.
     """
     if spec is None:
         return 0
     import torch._dynamo  # takes seconds to import: only when compiling
+
+    if sub_meshes:
+        _no_cache_across_groups()
 
     # One frame serves every layer of a stage, and torch runs a frame eagerly, for good, after 8 graphs: a
     # family with two kinds of layer (DeepSeek-V3's dense and MoE) times mask or none, one length or a symbolic
@@ -74,6 +79,25 @@ def apply_compile(modules: list, spec: CompileSpec | None) -> int:
             layer.compile(backend=spec.backend, mode=spec.mode, dynamic=None, fullgraph=False)
             count += 1
     return count
+
+
+def _no_cache_across_groups() -> None:
+    """Turn off torch's AOTAutograd cache (on disk, shared by every rank of a node and by later runs).
+
+    A compiled graph names the process groups it calls by their registered names ("11": ranks 0 and 1, "12":
+    ranks 2 and 3), but the cache keys a graph whose mesh comes only with a DTensor input by the mesh's
+    ``_stable_hash``: the world's ranks and the sub-mesh's shape, the same for every tp group. So the ranks
+    of one stage load the graph another stage's tp group compiled (a PrepareModuleOutput's gather, identical
+    on every stage) and fail on its group ("Could not resolve the process group registered under the name
+    12"; torch 2.13, tests/models/test_models_compile.py). Inductor's own FX graph cache stays on: its key is
+    the graph after AOTAutograd, group names included, so each group keeps its kernels cached.
+    """
+    import torch._functorch.config as functorch_config
+
+    if functorch_config.enable_autograd_cache:
+        functorch_config.enable_autograd_cache = False
+        log.info("torch.compile: AOTAutograd's cache is off in this process (its key does not tell apart "
+                 "the tp groups whose process groups a compiled graph calls); inductor's cache stays on")
 
 
 class _Recompiles:

@@ -25,8 +25,13 @@ router term is their mean over every microbatch of the step (all accumulation ba
 transformers' own loss on the whole batch; otherwise it equals transformers run microbatch by
 microbatch with that mean (the oracle of tests/pipeline/test_pipeline_router_loss.py). Exact over the whole batch
 would need every microbatch's counts before the first backward: a second forward pass per step.
-The language-model part stays exact over the whole batch as before. Evaluation losses are the
-language-model loss only (``eval_ppl`` = exp of it).
+The language-model part stays exact over the whole batch as before.
+
+Evaluation runs no backward, so there the aux loss is exact over whole batches: the last stage returns
+its microbatch's sums with the unpadded tokens they cover (:func:`sums_with_tokens`, ``(2 * E + 1,)``),
+the caller adds them over microbatches, batches and dp ranks and finishes once
+(:func:`finish_summed_router_loss`). An evaluation loss is then what transformers' model returns as
+``loss`` on those rows: the language-model loss plus ``coef * aux``.
 
 The hook sits on the router's output (the module transformers records as ``router_logits``), not
 in the experts, so expert parallelism, which moves the experts' tokens, leaves it unchanged.
@@ -40,7 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["RouterLossSpec", "router_loss_on", "router_loss_spec", "RouterSums", "finish_router_loss", "layer_sums"]
+__all__ = ["RouterLossSpec", "router_loss_on", "router_loss_spec", "RouterSums", "finish_router_loss",
+           "finish_summed_router_loss", "layer_sums", "sums_with_tokens"]
 
 
 @dataclass(frozen=True)
@@ -155,8 +161,29 @@ def finish_router_loss(sums: torch.Tensor, attention_mask, tokens: int, spec: Ro
     Args:
         tokens: Tokens of the microbatch (B * T), used when there is no mask.
     """
+    return _finish(sums, _valid(attention_mask, tokens, sums.device), spec)
+
+
+def sums_with_tokens(sums: torch.Tensor, attention_mask, tokens: int) -> torch.Tensor:
+    """``(2 * E + 1,)``: a microbatch's summed (counts, probs) and the unpadded tokens they cover, a form that
+    adds over microbatches, batches and ranks (evaluation's; :func:`finish_summed_router_loss` ends it)."""
+    return torch.cat([sums, _valid(attention_mask, tokens, sums.device).reshape(1).to(sums.dtype)])
+
+
+def finish_summed_router_loss(summed: torch.Tensor, spec: RouterLossSpec) -> torch.Tensor:
+    """``coef * aux`` of every row whose :func:`sums_with_tokens` were added into ``summed``: transformers'
+    aux loss of those rows run as one batch."""
+    return _finish(summed[:-1], summed[-1], spec)
+
+
+def _valid(attention_mask, tokens: int, device) -> torch.Tensor:
+    """The unpadded tokens of a microbatch: its mask's sum, or all ``tokens`` without a mask."""
     valid = attention_mask.sum().float() if attention_mask is not None else torch.tensor(float(tokens))
-    rows = valid.to(sums.device) * spec.layers  # transformers adds the mask's sum once per layer
+    return valid.to(device)
+
+
+def _finish(sums: torch.Tensor, valid: torch.Tensor, spec: RouterLossSpec) -> torch.Tensor:
+    rows = valid.to(sums.device, sums.dtype) * spec.layers  # transformers adds the mask's sum once per layer
     # A microbatch of padding only has zero sums: transformers' 0/0 would be NaN; here it adds 0.
     rows = rows.clamp(min=1.0)
     counts, probs = sums[:spec.num_experts] / rows, sums[spec.num_experts:] / rows

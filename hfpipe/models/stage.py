@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hfpipe.models.adapter import ConfigFactor
 from hfpipe.models.meta import build_meta_model, model_config
-from hfpipe.models.router_loss import RouterSums, finish_router_loss, router_loss_spec
+from hfpipe.models.router_loss import RouterSums, finish_router_loss, router_loss_spec, sums_with_tokens
 
 __all__ = ["PipelineStageModule", "apply_ac", "build_meta_model", "build_stage_modules", "rebuild_rotary",
            "rebuild_buffers"]
@@ -69,10 +69,13 @@ class PipelineStageModule(nn.Module):
             self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
         self._mask_kinds = sorted({self._layer_kind(i) for i in spec.layers})
         # MoE router aux loss (hfpipe.models.router_loss): per-expert sums ride beside the hidden
-        # states while the pipeline sets ``carry_router_sums`` (training steps).
+        # states while the pipeline sets ``carry_router_sums`` (training and evaluation losses); the last
+        # stage finishes each microbatch's aux loss (training) or returns its sums (``router_sums_out``:
+        # evaluation, finished over the whole batch by the caller).
         self.router_loss = router_loss_spec(full)
         self._router_sums = RouterSums(self.router_loss, self.model.layers) if self.router_loss else None
         self.carry_router_sums = False
+        self.router_sums_out = False
         # --cp: a hfpipe.parallel.context.ContextParallel; the stage then takes ``context_keys`` and builds
         # the context masks its attention (registered with transformers) reads.
         self.context = None
@@ -90,29 +93,34 @@ class PipelineStageModule(nn.Module):
         return self.adapter.hidden_shape(self.config, batch_size, seq_len)
 
     def forward(self, x: torch.Tensor, router_sums=None, attention_mask=None, position_ids=None, input_ids=None,
-                context_keys=None):
+                context_keys=None, router_mask=None):
         """Token ids (first stage) or hidden states in; hidden states or logits out.
 
         ``input_ids`` reaches every stage only for families whose layers take it (DeepSeek-V4).
         While ``carry_router_sums`` is set, a second tensor rides along: the router sums (received
         as ``router_sums``, sent on), and the last stage returns ``coef * aux`` of the microbatch
-        instead (hfpipe.models.router_loss). Under ``--cp`` the stage holds its tokens only and
-        ``context_keys`` describes the whole rows (hfpipe.parallel.context).
+        instead, or with ``router_sums_out`` the sums and their token count (hfpipe.models.router_loss).
+        ``router_mask`` (B, T), where given, says which tokens the router sums count in place of the
+        attention mask (rows hfpipe added to fill a batch count none). Under ``--cp`` the stage holds its
+        tokens only and ``context_keys`` describes the whole rows (hfpipe.parallel.context).
         """
         if context_keys is not None:
             attention_mask = context_keys  # the context masks are built from it (see _masks)
         if not (self.carry_router_sums and self._router_sums is not None):
             return self._forward(x, None, attention_mask, position_ids, input_ids)
+        counted = router_mask if router_mask is not None else attention_mask
         sums = self._router_sums.start(router_sums, x.device)
         try:
-            h, sums = self._forward(x, sums, attention_mask, position_ids, input_ids)
+            h, sums = self._forward(x, sums, attention_mask, position_ids, input_ids, counted)
         finally:
             self._router_sums.stop()
+        if self.is_last and self.router_sums_out:
+            return h, sums_with_tokens(sums, counted, x.shape[0] * x.shape[1])
         if self.is_last:
-            return h, finish_router_loss(sums, attention_mask, x.shape[0] * x.shape[1], self.router_loss)
+            return h, finish_router_loss(sums, counted, x.shape[0] * x.shape[1], self.router_loss)
         return h, sums
 
-    def _forward(self, x, sums, attention_mask, position_ids, input_ids):
+    def _forward(self, x, sums, attention_mask, position_ids, input_ids, counted=None):
         adapter = self.adapter
         h = adapter.embed_tokens(self.config, self.model.embed_tokens, x) if self.is_first else x  # (B, T, [hc,] H)
         flat = h[:, :, 0] if h.dim() == 4 else h  # (B, T, H): what masks and rope size themselves by
@@ -127,7 +135,7 @@ class PipelineStageModule(nn.Module):
             for n, ((idx, layer), kind) in enumerate(zip(self.model.layers.items(), types)):
                 h = self._run_layer(n, layer, h, masks[kind], ropes[adapter.rope_key(kind)], position_ids, extra)
                 if sums is not None:
-                    sums = self._router_sums.add(sums, attention_mask)
+                    sums = self._router_sums.add(sums, counted)
         if self.is_last and not self.head_in_loss:
             h = self.logits(h)  # (B, T, V)
         return h if sums is None else (h, sums)

@@ -16,9 +16,9 @@ import torch.distributed as dist
 __all__ = ["squared_norm"]
 
 
-def squared_norm(grads, pp_group, device: torch.device) -> torch.Tensor:
-    """Sum of squares (fp32; fp64 for fp64 gradients) of the whole gradient ``grads`` (this rank's part of
-    every stage's).
+def squared_norm(grads, pp_group, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sum of squares (in ``dtype``: fp32, or fp64 for an fp64 run, as ``clip_grad_norm_`` sums in the gradients'
+    own dtype) of the whole gradient ``grads`` (this rank's part of every stage's).
 
     Every rank of a pipeline replica returns the same value. Collective over the groups the gradients
     are sharded on (within one pipeline rank: its ranks hold the same stages, so the same buckets) and
@@ -28,9 +28,8 @@ def squared_norm(grads, pp_group, device: torch.device) -> torch.Tensor:
     for g in grads:
         groups, local = _shards_of(g)
         key = tuple(name for name, _ in groups)
-        wide = torch.promote_types(local.dtype, torch.float32)  # fp32, or fp64 for an fp64 run's gradients
-        buckets.setdefault(key, [groups, []])[1].append(torch.linalg.vector_norm(local, dtype=wide))
-    total = torch.zeros((), dtype=torch.float32, device=device)
+        buckets.setdefault(key, [groups, []])[1].append(torch.linalg.vector_norm(local, dtype=dtype))
+    total = torch.zeros((), dtype=dtype, device=device)
     for key in sorted(buckets):  # the same order on every rank of a group
         groups, norms = buckets[key]
         sq = torch.stack(norms).pow(2).sum().to(device)

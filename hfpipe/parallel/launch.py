@@ -285,7 +285,7 @@ class _Entry:
         control = Path(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
         _die_with_launcher()
         try:
-            with stop_at_once():  # until the run loop takes the signals over (StopRequest)
+            with stop_at_once(ending=True):  # until the run loop takes the signals over (StopRequest)
                 if control is not None:  # the pid first, then the stop file: no signal falls between
                     (control / f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
                     if read_stop(control / "stop"):

@@ -12,6 +12,7 @@ pipeline read.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from hfpipe.errors import ParallelError
@@ -85,14 +86,15 @@ class Layout:
 def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None = None,
                  microbatches: int | None = None, batch_size: int | None = None, model_config=None,
                  reshard_per_microbatch: bool = False, lora: bool = False, quantize_base: str | None = None,
-                 seq_len: int | None = None, compile: bool = False) -> Layout:
+                 seq_len: int | None = None, compile: bool = False, sequence_parallel: bool = True) -> Layout:
     """Raise :class:`~hfpipe.errors.ParallelError` unless the layout can run; return it resolved.
 
     ``vpp`` None (or 1 for a schedule that needs several stages per rank) becomes the schedule's
     default; ``microbatches`` None becomes the number of stages. ``model_config`` adds the model's rules,
     ``seq_len`` the split of each sequence over cp ranks. ``lora`` is whether adapters are trained; what
     LoRA needs under ``--tp`` depends on its resolved targets and is checked on them
-    (:func:`hfpipe.lora.tensor.check_tp_lora`). ``compile``: the decoder layers run compiled (``--compile``).
+    (:func:`hfpipe.lora.tensor.check_tp_lora`). ``compile``: the decoder layers run compiled (``--compile``);
+    ``sequence_parallel``: tp splits the activations between layers by sequence (``--sequence-parallel``).
     """
     if schedule not in SCHEDULES:
         raise ParallelError(f"--schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -117,12 +119,19 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError(f"--compile with --schedule {schedule}: the zero-bubble schedules split the backward "
                             "into input and weight passes, which torch cannot run on compiled layers "
                             "(pytorch#161904); use 1f1b, gpipe, interleaved-1f1b or looped-bfs, or drop --compile")
-    if compile and dims.tp > 1:
-        # Measured on torch 2.13 (CPU, pp2 x tp2): with each block's input a DTensor (one input-gradient sum per
-        # block, hfpipe.parallel.tensor_plan), a compiled layer's collective names a process group the rank
-        # cannot resolve ("Could not resolve the process group registered under the name 12"); open.
-        raise ParallelError(f"--compile with --tp {dims.tp}: torch 2.13 cannot yet run hfpipe's tensor-parallel "
-                            "layers compiled (a compiled collective loses its process group); drop --compile or --tp")
+    if compile and dims.tp > 1 and not sequence_parallel:
+        # Measured on torch 2.13 (CPU, Llama at pp2 x tp2): without SP each block takes a replicated DTensor, and
+        # once a second sequence length makes a layer's shapes symbolic, AOTAutograd's trace of its backward
+        # recurses without end (RecursionError in proxy_tensor's _compute_proxy, at a recursion limit of 10,000
+        # too). With SP (the default) the same layers compile and match transformers.
+        raise ParallelError(f"--compile with --tp {dims.tp} --no-sequence-parallel: torch 2.13 cannot trace these "
+                            "compiled layers' backward once sequence lengths vary; keep --sequence-parallel (the "
+                            "default) or drop --compile")
+    if compile and (dims.tp > 1 or dims.ep > 1) and os.environ.get("TORCHINDUCTOR_AUTOGRAD_CACHE") == "1":
+        # hfpipe turns that cache off under tp/ep (hfpipe.models.compile); this variable outranks code in torch
+        raise ParallelError("TORCHINDUCTOR_AUTOGRAD_CACHE=1 forces torch's AOTAutograd cache on, which hands one tp "
+                            "group's compiled layers to another's ranks (torch 2.13); unset it for --compile with "
+                            f"--{'tp' if dims.tp > 1 else 'ep'}")
     _check_tp_with(dims, schedule, quantize_base)
     _check_cp_with(dims, seq_len)
     if reshard_per_microbatch and dims.dp == 1:

@@ -94,18 +94,23 @@ class _RaiseOnce:
 
 
 @contextlib.contextmanager
-def stop_at_once():
-    """While inside, SIGTERM/SIGINT/SIGHUP raise :class:`StartupInterrupted` (main thread only)."""
+def stop_at_once(ending: bool = False):
+    """While inside, SIGTERM/SIGINT/SIGHUP raise :class:`StartupInterrupted` (main thread only).
+
+    ``ending``: the process ends once a signal stopped it (a worker), so later signals are ignored from then
+    on instead of meeting the old handlers: a terminal's Ctrl-C and the launcher's copy of it arrive apart,
+    and the copy would otherwise be a ``KeyboardInterrupt`` traceback printed while the worker exits.
+    """
     old = {}
+    handler = _RaiseOnce()
     if threading.current_thread() is threading.main_thread():
-        handler = _RaiseOnce()
         for sig in SIGNALS:
             old[sig] = signal.signal(sig, handler)
     try:
         yield
     finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        for sig, previous in old.items():
+            signal.signal(sig, signal.SIG_IGN if ending and handler.raised else previous)
 
 
 class StopRequest:
@@ -162,13 +167,22 @@ def read_stop(path: Path) -> int:
         return 0
 
 
+#: How long a worker still starting has, after the launcher passed it a signal, to end on its own before the
+#: launcher kills it: one blocked in C++ (joining the process group while a peer never arrives, a store wait)
+#: cannot run its Python handler until the call returns, which may be the whole --timeout away; nothing it
+#: holds then is half-written (workers write nothing before training).
+STARTUP_GRACE_S = 5.0
+
+
 class LauncherSignals:
     """In the launcher: the first signal asks the workers to stop (the ``stop`` file; workers still
-    starting get the signal itself); the second kills them and exits at once, in one line."""
+    starting get the signal itself, and are killed if they have not ended :data:`STARTUP_GRACE_S` later);
+    the second kills them and exits at once, in one line."""
 
-    def __init__(self, control: Path) -> None:
+    def __init__(self, control: Path, grace_s: float = STARTUP_GRACE_S) -> None:
         self.control = Path(control)
         self.signum = 0
+        self.grace_s = grace_s
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> "LauncherSignals":
@@ -202,7 +216,42 @@ class LauncherSignals:
         self.signum = signum
         with contextlib.suppress(OSError):  # written before the pids are read: no worker misses it
             (self.control / "stop").write_text(str(int(signum)))
-        for rank, pid in self._pids().items():
-            if not (self.control / f"training-rank{rank}").exists():  # still starting: stop it now
+        starting = self._starting()
+        for pid in starting:  # stop it now
+            with contextlib.suppress(OSError):
+                os.kill(pid, signum)
+        if starting:
+            timer = threading.Timer(self.grace_s, self._kill_starting, args=(set(starting),))
+            timer.daemon = True
+            timer.start()
+
+    def _starting(self) -> list[int]:
+        """The workers not training yet (no ``training-rank<r>`` file)."""
+        return [pid for rank, pid in self._pids().items() if not (self.control / f"training-rank{rank}").exists()]
+
+    def _kill_starting(self, signalled: set[int]) -> None:
+        """Kill what is left of the workers signalled in start-up: the launcher then tells of the signal."""
+        for pid in set(self._starting()) & signalled:
+            if _child_of_this_process(pid):  # never a process that took a dead worker's pid
                 with contextlib.suppress(OSError):
-                    os.kill(pid, signum)
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _child_of_this_process(pid: int) -> bool:
+    """Whether ``pid`` is a live child of this process (the launcher's workers are; Linux's /proc says so)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists() and _exists(pid)  # no /proc (not Linux): the pid is all we have
+    except OSError:
+        return False
+    state, parent = stat.rsplit(")", 1)[1].split()[:2]
+    return state not in ("Z", "X") and int(parent) == os.getpid()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

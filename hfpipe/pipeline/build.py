@@ -89,7 +89,7 @@ def build_pipeline(model: str, layout: PipelineLayout, stages: StageOptions, *, 
     checked = check_layout(dims, layout.schedule, vpp=layout.vpp, microbatches=layout.microbatches,
                            model_config=source.config, reshard_per_microbatch=stages.reshard_per_microbatch,
                            lora=stages.lora is not None, quantize_base=stages.quantize_base,
-                           compile=stages.compile)
+                           compile=stages.compile, sequence_parallel=stages.sequence_parallel)
     plan = plan_pipeline(source.config, dims.pp, vpp=checked.vpp, style=checked.style, method=layout.method,
                          layout=layout.layout)
     dist = _with_dims(dist, dims) if dist else init_distributed(dims)
@@ -102,7 +102,7 @@ def build_pipeline(model: str, layout: PipelineLayout, stages: StageOptions, *, 
     group = dist.tied_group(first, last) if tied and first != last else None
     pipe = Pipeline(modules, plan.owners, layout.schedule, checked.microbatches, dist.pp_group, dist.device,
                     loss_chunk_tokens=stages.loss_chunk_tokens, reduce_every_microbatch=stages.reshard_per_microbatch,
-                    context=modules[0].context if modules else None)
+                    context=modules[0].context if modules else None, vocab_split=dims.tp > 1)
     return (model_class or RankPipeline)(source, plan, dist, modules, pipe, group, lora, stages.quantize, layout.ep,
                                          stats)
 
@@ -144,7 +144,7 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
         apply_cp(modules, ContextParallel(dist.cp_group, dims.cp, dist.cp_rank))
     lora = apply_lora(modules, options.lora, seed=options.seed, dtype=options.param_dtype, tp_mesh=tp_mesh,
                       sequence_parallel=options.sequence_parallel, experts_whole=expert_mesh is not None)
-    apply_compile(modules, options.compile_spec)
+    apply_compile(modules, options.compile_spec, sub_meshes=tp_mesh is not None or expert_mesh is not None)
     if dims.dp > 1 and meta.quantize is not None:  # here, not in apply_fsdp: parallel/ sits below quant/
         check_shardable(modules, dims.dp)
     apply_fsdp(modules, dist, param_dtype=options.param_dtype, compute_dtype=options.compute_dtype,

@@ -9,7 +9,7 @@ import torch
 from hfpipe.errors import HfpipeError
 from hfpipe.loss.tokens import IGNORE_INDEX
 
-__all__ = ["BatchError", "check_batches"]
+__all__ = ["BatchError", "check_batches", "with_router_mask"]
 
 
 class BatchError(HfpipeError):
@@ -86,6 +86,17 @@ def pad_rows(batch: dict, microbatches: int) -> tuple[dict, int]:
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == rows:
             fill = torch.full_like(value[-1:], IGNORE_INDEX) if key in ("labels", "shift_labels") else value[-1:]
+            fill = torch.zeros_like(fill) if key == "router_mask" else fill  # nor any router statistic
             value = torch.cat([value, fill.expand(extra, *value.shape[1:])])
         out[key] = value
     return out, rows
+
+
+def with_router_mask(batch: dict) -> dict:
+    """``batch`` with a ``router_mask`` (B, T): the tokens a MoE router aux loss counts (transformers counts those of
+    the attention mask, or every token without one), less the rows a caller marked as filling a batch (its own
+    ``router_mask`` zero there), so that the rows :func:`pad_rows` adds count none either."""
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    counted = torch.ones_like(ids) if mask is None else mask.to(ids.dtype)
+    given = batch.get("router_mask")
+    return {**batch, "router_mask": counted if given is None else counted * given.to(ids.dtype)}

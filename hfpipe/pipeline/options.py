@@ -39,7 +39,7 @@ PRECISIONS = {
     "fp32": (torch.float32, torch.float32),
     "bf16-mixed": (torch.float32, torch.bfloat16),
     "bf16": (torch.bfloat16, torch.bfloat16),
-    "fp64": (torch.float64, torch.float64),  # the Python API's exactness check: reordered sums vanish (~1e-16)
+    "fp64": (torch.float64, torch.float64),  # for checking numerics: summation order's noise near 1e-16
 }
 #: ``activation_checkpointing``'s values.
 CHECKPOINTING = ("none", "full", "selective")
@@ -108,8 +108,7 @@ class StageOptions:
     """How each rank's stages are built and run.
 
     Attributes:
-        dtype: ``fp32``, ``bf16-mixed`` (fp32 master weights, bf16 compute) or ``bf16``; or ``fp64`` (Python API
-            only: an exactness check, where reordered sums agree to ~1e-15 and a real error stands out).
+        dtype: ``fp32``, ``bf16-mixed`` (fp32 master weights, bf16 compute), ``bf16`` or ``fp64``.
         activation_checkpointing: ``none``, ``full`` (every layer) or ``selective`` (every other layer).
         sequence_parallel: With tp > 1, also split the norms and the activations between layers by
             sequence (default on).

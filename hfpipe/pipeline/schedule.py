@@ -19,7 +19,7 @@ from hfpipe.loss.budget import chunk_tokens
 from hfpipe.loss.linear_head import LinearHead
 from hfpipe.loss.objective import Head, Objective, StageLoss, TokenMean
 from hfpipe.pipeline.accumulating_stage import AccumulatingStage
-from hfpipe.pipeline.inputs import pad_rows
+from hfpipe.pipeline.inputs import pad_rows, with_router_mask
 from hfpipe.pipeline.shapes import resize_schedule
 from hfpipe.pipeline.stage_sync import ReducingStage
 from hfpipe.parallel.rules import SINGLE_STAGE
@@ -43,6 +43,20 @@ def _vocab_split(last) -> bool:
     return "tp" in names and weight.placements[names.index("tp")].is_shard()
 
 
+def _agreed_vocab_split(stages, given: bool | None) -> bool:
+    """Whether the head is split over tp ranks, as every rank of the pipeline knows it (see ``vocab_split``)."""
+    last = next((m for m in stages if m.is_last), None)
+    split = _vocab_split(last) if last is not None else any(_on_tp_mesh(p) for m in stages for p in m.parameters())
+    if given is not None and last is not None and given != split:
+        raise PipelineError(f"Pipeline(vocab_split={given}): the last stage's head is {'' if split else 'not '}split "
+                            "over tp ranks; pass what the layout says (--tp > 1)")
+    return split if given is None else given
+
+
+def _on_tp_mesh(param) -> bool:
+    return "tp" in (getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ())
+
+
 class Pipeline:
     """This rank's stages driven by a torch schedule.
 
@@ -63,12 +77,15 @@ class Pipeline:
             takes whole rows and runs this rank's tokens of them (:meth:`local`).
         objective: What the last stage computes of each microbatch and what a step divides it by
             (:class:`hfpipe.loss.objective.Objective`; default SFT's :class:`~hfpipe.loss.objective.TokenMean`).
+        vocab_split: The head is split over tp ranks (``--tp`` > 1), on every rank of the pipeline alike;
+            ``None`` reads it from this rank's stages (a parameter on a ``tp`` mesh).
     """
 
     def __init__(self, stages, owners: list[int], schedule: str, microbatches: int, group, device,
                  loss_chunk_tokens: int | None = None, reduce_every_microbatch: bool = False,
-                 context=None, objective: Objective | None = None) -> None:
+                 context=None, objective: Objective | None = None, vocab_split: bool | None = None) -> None:
         self.modules = stages
+        self.vocab_split = _agreed_vocab_split(stages, vocab_split)
         # Stages whose set-up for a new batch shape keeps the gradients of earlier accumulation batches
         self.stage_class = ReducingStage if reduce_every_microbatch else AccumulatingStage
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -128,28 +145,37 @@ class Pipeline:
         self._schedules[key] = (shape, entry[1])
         return entry[1]
 
-    def _set_head(self, shape, mode: str) -> bool:
-        """Route the last stage's head through the chunked loss for this batch (or not).
+    def _head_chunk(self, shape, mode: str) -> int:
+        """Tokens per chunk of the head loss for this batch shape and ``mode``, 0 for the head in the forward.
 
-        Only training and evaluation losses chunk; logits asked for are whole.
+        Decided alike on every rank of the pipeline, from the shape and what every rank knows: the choice
+        keys the schedules, and a choice made on the loss rank alone would set the stages up for a new shape
+        on some ranks and not on others, whose next messages then mismatch. Only training and evaluation
+        losses chunk; logits asked for are whole.
         """
+        if mode == "logits" or not self.modules:
+            return 0
+        chunk = chunk_tokens(self.modules[0].config.vocab_size, self.loss_chunk_tokens)
+        tokens = shape[0] // self.microbatches * shape[1]
+        if 0 < chunk < tokens:
+            return chunk
+        # One chunk would hold the whole microbatch: nothing to save, unless the head is split over tp
+        # ranks, whose logits the stage would otherwise gather whole on every rank (measured by
+        # bench/tp.py) instead of taking the vocabulary-parallel loss on them.
+        return tokens if self.vocab_split else 0
+
+    def _set_head(self, shape, mode: str) -> bool:
+        """Route the last stage's head through the chunked loss for this batch (or not): :meth:`_head_chunk`."""
         last = next((m for m in self.modules if m.is_last), None)
-        chunk = 0
-        if last is not None and mode != "logits":
-            vocab = getattr(last.lm_head, "out_features", None) or last.config.vocab_size
-            chunk = chunk_tokens(vocab, self.loss_chunk_tokens)
-            tokens = shape[0] // self.microbatches * shape[1]
-            if not 0 < chunk < tokens:
-                # One chunk would hold the whole microbatch: nothing to save, unless the head is split
-                # over tp ranks, whose logits the stage would otherwise gather whole on every rank
-                # (measured by bench/tp.py) instead of taking the vocabulary-parallel loss on them.
-                chunk = tokens if _vocab_split(last) else 0
+        chunk = self._head_chunk(shape, mode)
+        head = None
         if last is not None:
             last.head_in_loss = chunk > 0
-        for m in self.modules:  # router sums ride along in training only (hfpipe.models.router_loss)
-            m.carry_router_sums = mode == "train"
-        parts = last.head_parts() if chunk else None
-        self.loss.head = Head(last.logits, chunk, LinearHead(*parts) if parts else None) if chunk else None
+            parts = last.head_parts() if chunk else None
+            head = Head(last.logits, chunk, LinearHead(*parts) if parts else None) if chunk else None
+        for m in self.modules:  # router sums ride along with a loss (hfpipe.models.router_loss)
+            m.carry_router_sums, m.router_sums_out = mode in ("train", "loss"), mode == "loss"
+        self.loss.head = head
         return chunk > 0
 
     def local(self, batch: dict) -> dict:
@@ -160,8 +186,8 @@ class Pipeline:
 
     def _inputs(self, batch: dict):
         ids = batch["input_ids"]
-        kwargs = {k: batch[k].to(self.device) for k in ("attention_mask", "position_ids", "context_keys")
-                  if batch.get(k) is not None}
+        keys = ("attention_mask", "position_ids", "context_keys") + (("router_mask",) if self.router_loss else ())
+        kwargs = {k: batch[k].to(self.device) for k in keys if batch.get(k) is not None}
         if "input_ids" in self.modules[0].adapter.layer_inputs:  # every stage's layers read the ids (DeepSeek-V4)
             kwargs["input_ids"] = ids.to(self.device)
         args = (ids.to(self.device),) if self.has_input else ()
@@ -206,12 +232,16 @@ class Pipeline:
             return logits
         return self.context.gather_sequence(logits)
 
-    def _local_logits(self, batch: dict) -> torch.Tensor | None:
+    def _local_logits(self, batch: dict, router: bool = False):
+        """This rank's logits of ``batch`` (on the loss rank), with ``router`` also its router sums
+        (``(logits, sums)``, :func:`hfpipe.models.router_loss.sums_with_tokens`); ``None`` elsewhere."""
         was_training = [m.training for m in self.modules]
         for m in self.modules:
             m.eval()
         try:
             self._set_head(batch["input_ids"].shape, "logits")
+            for m in self.modules:
+                m.carry_router_sums = m.router_sums_out = router
             if self._local_hops:
                 return self._forward_in_order(batch)
             batch, rows = self._whole_microbatches(batch)
@@ -222,23 +252,41 @@ class Pipeline:
             for m, mode in zip(self.modules, was_training):
                 m.train(mode)
 
+    @property
+    def router_loss(self):
+        """The stages' :class:`hfpipe.models.router_loss.RouterLossSpec` (a MoE aux loss), or ``None``."""
+        return next((m.router_loss for m in self.modules if getattr(m, "router_loss", None)), None)
+
     @torch.no_grad()
-    def eval_loss(self, batch: dict, denominator: float) -> torch.Tensor | None:
-        """The objective's loss / ``denominator`` of a batch without backward (on the loss rank)."""
+    def eval_loss(self, batch: dict, denominator: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The objective's loss / ``denominator`` of a batch without backward, and where the model has a router
+        aux loss the summed router sums of the batch's rows (``(2 * E + 1,)``, finished by the caller over every
+        batch and rank: :func:`hfpipe.models.router_loss.finish_summed_router_loss`); on the loss rank, else
+        ``(None, None)``."""
         batch = self.local(batch)
+        if self.router_loss:
+            batch = with_router_mask(batch)  # the rows pad_rows adds count no router statistic
         if self._local_hops:
-            logits = self._local_logits(batch)
-            if logits is None:
-                return None
-            return self.objective.eval_loss(logits, self.objective.targets(batch).to(self.device), float(denominator))
+            out = self._local_logits(batch, router=bool(self.router_loss))
+            if out is None:
+                return None, None
+            logits, sums = out if isinstance(out, tuple) else (out, None)
+            targets = self.objective.targets(batch).to(self.device)
+            return self.objective.eval_loss(logits, targets, float(denominator)), sums
         batch = self._whole_microbatches(batch)[0]
         shape, args, kwargs = self._inputs(batch)
         schedule = self._get_schedule(shape, kwargs, "loss")
         self.loss.denominator = float(denominator)
+        self.loss.router_sums = [] if self.router_loss else None
         losses: list = []
         target = self.objective.targets(batch).to(self.device) if self.has_loss else None
-        schedule.eval(*args, target=target, losses=losses, **kwargs)
-        return torch.stack([x.float() for x in losses]).sum() if self.has_loss else None
+        try:
+            schedule.eval(*args, target=target, losses=losses, **kwargs)
+        finally:
+            sums, self.loss.router_sums = self.loss.router_sums, None
+        if not self.has_loss:
+            return None, None
+        return torch.stack([x.float() for x in losses]).sum(), (torch.stack(sums).sum(0) if sums else None)
 
     def _whole_microbatches(self, batch: dict, train: bool = False) -> tuple[dict, int]:
         """A partial last batch padded with rows that carry no loss (:func:`pad_rows`); its real rows."""
@@ -266,20 +314,27 @@ class Pipeline:
         local = {m.spec.index: m for m in self.modules}
         owner = self.owners
         me = dist.get_rank(self.group)
-        h = args[0] if args else None
+        h = (args[0],) if args else ()
         for s in range(self.num_stages):
             if s in local:
                 if s > 0 and owner[s - 1] != me:
                     h = self._recv_hidden(batch, owner[s - 1])
-                h = local[s](h, **kwargs)
+                h = local[s](*h, **kwargs)
+                h = h if isinstance(h, tuple) else (h,)  # (hidden, router sums) while they ride along
                 if s + 1 < self.num_stages and owner[s + 1] != me:
-                    dist.send(h.contiguous(), dist.get_global_rank(self.group, owner[s + 1]), group=self.group)
-        return h if self.has_loss else None
+                    for t in h:
+                        dist.send(t.contiguous(), dist.get_global_rank(self.group, owner[s + 1]), group=self.group)
+        if not self.has_loss:
+            return None
+        return h if len(h) > 1 else h[0]
 
-    def _recv_hidden(self, batch: dict, src: int) -> torch.Tensor:
+    def _recv_hidden(self, batch: dict, src: int) -> tuple[torch.Tensor, ...]:
         # The stage says what it receives: an empty stage has no parameter to read a dtype from,
         # and some families pass hidden states of another shape (DeepSeek-V4's streams).
         m = self.modules[0]
-        h = torch.empty(m.hidden_shape(*batch["input_ids"].shape), dtype=m.hidden_dtype, device=self.device)
-        dist.recv(h, dist.get_global_rank(self.group, src), group=self.group)
-        return h
+        got = [torch.empty(m.hidden_shape(*batch["input_ids"].shape), dtype=m.hidden_dtype, device=self.device)]
+        if m.carry_router_sums and m.router_loss:
+            got.append(torch.empty(m.router_loss.size, dtype=torch.float32, device=self.device))
+        for t in got:
+            dist.recv(t, dist.get_global_rank(self.group, src), group=self.group)
+        return tuple(got)

@@ -32,7 +32,7 @@ __all__ = ["head_bytes_per_token", "layer_bytes_per_token"]
 log = logging.getLogger(__name__)
 
 _TOKENS = 64
-_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def layer_bytes_per_token(config, dtype: str, lora: tuple[int, str] | None = None) -> tuple[int, ...]:

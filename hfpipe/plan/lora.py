@@ -137,6 +137,8 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
         w, g, o = 4 + 2 * (dtype == "bf16-mixed"), 4, 8
     else:  # adapters: fp32 masters, grads and moments, sharded as param_bytes shards a full run's
         w, g, o = 4 / dp + fsdp_bytes(dtype)[1], 4 + 4 / dp, 8 / dp
+    if dtype == "fp64":  # an fp64 run's adapters are fp64: twice each
+        w, g, o = 2 * w, 2 * g, 2 * o
     return dataclasses.replace(rank_report, weight_bytes=int(base * base_w + w * n),
                                grad_bytes=int(g * n), optimizer_bytes=int(o * n)), n
 

@@ -9,12 +9,12 @@ loss chunk, which the report prices too, is the loss room's: :func:`hfpipe.loss.
 __all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "fsdp_bytes", "param_bytes"]
 
 #: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
-BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4), "fp64": (8, 8, 16)}
 #: dtype -> bytes per activation element (what runs the matmuls).
-ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
+ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2, "fp64": 8}
 
 #: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
-_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4)}
+_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4), "fp64": (8, 8, 8, 16)}
 
 
 def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:

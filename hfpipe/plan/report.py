@@ -177,7 +177,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         microbatches: Microbatches per step; default ``pp * vpp``.
         seq_len: Tokens per sequence.
         batch_size: Sequences per step; default one per microbatch.
-        dtype: ``fp32``, ``bf16-mixed`` or ``bf16``.
+        dtype: ``fp32``, ``bf16-mixed``, ``bf16`` or ``fp64``.
         activation_checkpointing: ``none``, ``selective`` or ``full``.
         name: What to call the model in the report; default the config's own name.
         dp: Data-parallel degree; above 1, weights, gradients and optimizer state are priced as

@@ -1,10 +1,15 @@
-"""Evaluation while training: the exact token-mean loss over the evaluation set.
+"""Evaluation while training: the exact loss transformers' model reports on the whole evaluation set.
 
 The loss is (sum of every token's loss) / (number of tokens) over *all* evaluation batches and
-dp ranks, not a mean of batch means, so it equals a single-process evaluation of the same rows.
+dp ranks, not a mean of batch means, so it equals a single-process evaluation of the same rows. A MoE
+model whose config asks for router logits adds ``router_aux_loss_coef * aux`` as its forward does, the aux
+loss taken over every row of the set at once (its sums are added over batches and ranks, then finished:
+hfpipe.models.router_loss): ``eval_loss`` is then transformers' ``loss`` of the set run as one batch, and
+``eval_ppl`` stays the exp of the language-model part.
 Every row is used once: rows are dealt in order, global batch after global batch, and the last
 global batch is filled with copies of a row whose labels are all ignored (they add no loss and
-no token; a real input rather than padding keeps attention free of fully masked rows).
+no token; a real input rather than padding keeps attention free of fully masked rows; their
+``router_mask`` of zeros keeps them out of a router aux loss).
 """
 
 from __future__ import annotations
@@ -53,9 +58,11 @@ def _fill(batch: dict, view, batch_size: int) -> dict[str, torch.Tensor]:
         return batch
     filler = {c: torch.from_numpy(view[[0] * (batch_size - have)][c]).long() for c in COLUMNS}
     filler["labels"].fill_(IGNORE_INDEX)
+    filler["router_mask"] = torch.zeros_like(filler["input_ids"])
     if have == 0:
         return filler
-    return {c: torch.cat([batch[c], filler[c]]) for c in COLUMNS}
+    batch = {**batch, "router_mask": torch.ones_like(batch["input_ids"])}
+    return {c: torch.cat([batch[c], filler[c]]) for c in filler}
 
 
 def eval_tokens(rows, *, batch_size: int, dp_size: int, limit: int | None) -> int:
@@ -101,25 +108,28 @@ class Evaluator:
 
         kw = dict(batch_size=self.cfg.batch_size, dp_size=self.dist.dp, limit=self.cfg.eval_batches)
         tokens = eval_tokens(self.rows, **kw)
-        total, chunk = 0.0, []
+        total, chunk = None, []
         batches = eval_batches(self.rows, dp_rank=self.dist.dp_rank, **kw)
         for batch in batches:
             chunk.append(model_inputs(batch, packed=self.cfg.packing))
             if len(chunk) == _CHUNK:
-                total += self._chunk_sum(chunk)
+                total = self._add(total, chunk)
                 chunk = []
         if chunk:
-            total += self._chunk_sum(chunk)
-        loss = total / max(tokens, 1)
+            total = self._add(total, chunk)
+        # whole rows counted here and summed over the cp ranks too would count each token cp times: the sums
+        # come from the step engine, over every dp and cp shard once
+        loss = 0.0 if total is None else total.value(self.trainer.pipe.router_loss, tokens)
+        lm_loss = 0.0 if total is None else total.loss / max(tokens, 1)
         self.last_step = step
         self.improved = self.best is None or loss < self.best
         self.best = loss if self.improved else self.best
-        return {"step": step, "eval_loss": loss, "eval_ppl": _ppl(loss), "eval_tokens": tokens}
+        return {"step": step, "eval_loss": loss, "eval_ppl": _ppl(lm_loss), "eval_tokens": tokens}
 
-    def _chunk_sum(self, chunk: list[dict]) -> float:
-        """The summed token loss of a chunk over every dp and cp shard, as the step engine counts it (whole rows
-        counted here and summed over the cp ranks too would count each token cp times)."""
-        return self.trainer.eval_sum(chunk)[0]
+    def _add(self, total, chunk: list[dict]):
+        """``total`` plus a chunk's :class:`hfpipe.train.step.EvalSum` over every dp and cp shard."""
+        part = self.trainer.eval_sum(chunk)
+        return part if total is None else total + part
 
 
 def _ppl(loss: float) -> float:

@@ -27,8 +27,8 @@ from hfpipe.errors import CheckpointError
 from hfpipe.loss.preference import REWARD_METRICS, Preference, PreferenceConfig, pair_batch
 from hfpipe.train.reference import reference_logps
 
-__all__ = ["pair_metrics", "preference_batches", "prepare_preference", "read_reference",
-           "store_reference", "trl_pad_id"]
+__all__ = ["pair_metrics", "preference_batches", "prepare_preference", "read_reference", "reward_means",
+           "shared_pair_sums", "store_reference", "trl_pad_id"]
 
 log = logging.getLogger(__name__)
 
@@ -164,19 +164,34 @@ def preference_batches(cfg, pm, pairs, pad_id: int):
 
 def pair_metrics(pm, batches: list[dict]) -> dict[str, float]:
     """TRL's reward metrics of a step's ``batches`` (each the mean over the step's pairs on every dp replica),
-    the same on every rank: the objective's records summed on the loss rank, over dp, sent along the pipeline."""
-    sums = torch.zeros(len(REWARD_METRICS) + 1, dtype=torch.float64)
+    the same on every rank."""
+    return reward_means(shared_pair_sums(pm, sum(b["input_ids"].shape[0] for b in batches)))
+
+
+def shared_pair_sums(pm, rows: int, extra: tuple[float, ...] = ()) -> torch.Tensor:
+    """The sums of :data:`REWARD_METRICS` over the objective's records of its last ``rows`` rows, then their
+    pairs, then ``extra`` (this replica's own values), all in float64: summed over dp on the loss rank and sent
+    along the pipeline, so every rank holds the same. The CLI's step and ``PipelineDPOTrainer``'s log share it.
+    cp ranks of a replica hold the same pairs, so the sum is over dp only (preference training refuses cp)."""
+    n = len(REWARD_METRICS)
+    sums = torch.zeros(n + 1 + len(extra), dtype=torch.float64)
     if pm.pipe.has_loss:
-        for record in pm.pipe.objective.take(sum(b["input_ids"].shape[0] for b in batches)):
-            sums[-1] += record["pairs"]
-            sums[:-1] += torch.tensor([record.get(k, 0.0) for k in REWARD_METRICS], dtype=torch.float64)
+        sums[n + 1:] = torch.tensor(extra, dtype=torch.float64)
+        for record in pm.pipe.objective.take(rows):
+            sums[n] += record["pairs"]
+            sums[:n] += torch.tensor([record.get(k, 0.0) for k in REWARD_METRICS], dtype=torch.float64)
     d, t = pm.dist, sums.to(pm.dist.device)
-    if d.dp > 1 and pm.pipe.has_loss:  # cp ranks of a replica hold the same pairs: summed over dp only
+    if d.dp > 1 and pm.pipe.has_loss:
         dist.all_reduce(t, group=d.mesh.get_group("dp"))
     if d.pp > 1:
         dist.broadcast(t, src=d.pp_peer(pm.loss_rank), group=d.pp_group)
-    t = t.cpu()
-    return {k: float(v) for k, v in zip(REWARD_METRICS, t[:-1] / t[-1])} if t[-1] > 0 else {}
+    return t.cpu()
+
+
+def reward_means(sums: torch.Tensor) -> dict[str, float]:
+    """The metrics' means over the pairs of :func:`shared_pair_sums`' ``sums`` (none when there were none)."""
+    n = len(REWARD_METRICS)
+    return {k: float(v) for k, v in zip(REWARD_METRICS, sums[:n] / sums[n])} if sums[n] > 0 else {}
 
 
 def trl_pad_id(tok) -> int:

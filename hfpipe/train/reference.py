@@ -76,27 +76,44 @@ def reference_logps(pm, batches: Iterable[dict], *, adapters_off: bool = False,
     d = pm.dist
     share = over_dp and d.dp > 1
     mine: dict[int, tuple] = {}
+    sizes: list[int] = []  # every batch's pairs, known to every replica
     was_training = [m.training for m in pm.modules]
     for m in pm.modules:
         m.eval()
     off = adapters_disabled(pm.modules) if adapters_off else contextlib.nullcontext()
     try:
         with _reference_mode(objective), off:
+            first = None
             for i, collated in enumerate(batches):
+                sizes.append(collated["input_ids"].shape[0] // 2)
+                first = collated if first is None else first
                 if not share or i % d.dp == d.dp_rank:
                     mine[i] = _batch_logps(pm, objective, collated)
+            if share:  # a replica with one batch fewer runs one more, unused: FSDP2 gathers over every replica
+                for _ in range(-(-len(sizes) // d.dp) - len(mine)):
+                    _batch_logps(pm, objective, first)
     finally:
         for m, mode in zip(pm.modules, was_training):
             m.train(mode)
-    if share:  # every replica's batches, by their index (a replica may hold one batch fewer)
-        parts = [None] * dist.get_world_size(d.batch_group)
-        dist.all_gather_object(parts, {i: (c.tolist(), r.tolist()) for i, (c, r) in mine.items()},
-                               group=d.batch_group)
-        mine = {i: (torch.tensor(c), torch.tensor(r)) for part in parts for i, (c, r) in part.items()}
+    if share:
+        mine = _shared_over_dp(d, mine, sizes)
     ordered = [mine[i] for i in sorted(mine)]
     empty = torch.zeros(0)
     return (torch.cat([c for c, _ in ordered]) if ordered else empty,
             torch.cat([r for _, r in ordered]) if ordered else empty)
+
+
+def _shared_over_dp(d, mine: dict[int, tuple], sizes: list[int]) -> dict[int, tuple]:
+    """Every replica's batches from each replica's own: each writes its rows into zeros, summed over dp (adding
+    zeros is exact), so no pickled objects cross the wire (``all_gather_object`` would pickle)."""
+    ends = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    both = torch.zeros(2, ends[-1], dtype=torch.float32)
+    for i, (chosen, rejected) in mine.items():
+        both[0, ends[i]:ends[i + 1]], both[1, ends[i]:ends[i + 1]] = chosen, rejected
+    both = both.to(d.device)
+    dist.all_reduce(both, group=d.mesh.get_group("dp"))  # cp ranks of a replica hold the same rows
+    both = both.cpu()
+    return {i: (both[0, ends[i]:ends[i + 1]], both[1, ends[i]:ends[i + 1]]) for i in range(len(sizes))}
 
 
 def _batch_logps(pm, objective: Preference, collated: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hfpipe.models.router_loss import finish_summed_router_loss
 from hfpipe.pipeline.schedule import Pipeline
 from hfpipe.pipeline.inputs import BatchError, check_batches
 from hfpipe.pipeline.params import by_mesh, unique_parameters
 from hfpipe.parallel.grads import squared_norm
 
-__all__ = ["BatchError", "StepResult", "StepEngine", "check_batches", "trainer_for"]
+__all__ = ["BatchError", "EvalSum", "StepResult", "StepEngine", "check_batches", "trainer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,34 @@ class StepResult:
     lr: float
     tokens: int  # the step's count (StepEngine.step_count): its loss tokens under SFT's TokenMean
     seen: int = 0  # the input positions the step read over its dp replicas (rows x length, padding included)
+
+
+@dataclass
+class EvalSum:
+    """An evaluation's sums over the batch group, which add up over calls (:meth:`StepEngine.eval_sum`).
+
+    Attributes:
+        loss: The objective's loss summed over the rows (its mean x ``count``).
+        count: What the objective divides it by (loss tokens for SFT).
+        router: A MoE model's router sums of those rows (:func:`hfpipe.models.router_loss.sums_with_tokens`,
+            float64 on the host), or ``None``.
+    """
+
+    loss: float
+    count: int
+    router: torch.Tensor | None = None
+
+    def __add__(self, other: EvalSum) -> EvalSum:
+        router = self.router if other.router is None else other.router if self.router is None else (
+            self.router + other.router)
+        return EvalSum(self.loss + other.loss, self.count + other.count, router)
+
+    def value(self, spec, count: int | None = None) -> float:
+        """The objective's loss / ``count`` (default: the counted one) plus ``coef * aux`` of the rows."""
+        loss = self.loss / max(count or self.count, 1)
+        if self.router is not None and spec is not None:
+            loss += float(finish_summed_router_loss(self.router, spec))
+        return loss
 
 
 def _as_list(batches: list[dict] | dict) -> list[dict]:
@@ -76,6 +105,9 @@ class StepEngine:
         self._tied = [p for n, p in named if n in ("model.embed_tokens.weight", "lm_head.weight")]
         # The head copy of a tied embedding is counted in the norm on the embedding's rank only.
         self._norm_params = [p for n, p in named if not (tied_group is not None and n == "lm_head.weight")]
+        # Every rank sums the norm in one dtype (a rank of empty stages has no gradient to read it from).
+        fp64 = any(m.hidden_dtype == torch.float64 for m in pipe.modules)
+        self._norm_dtype = torch.float64 if fp64 else torch.float32
 
     @property
     def objective(self):
@@ -155,24 +187,27 @@ class StepEngine:
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict] | dict) -> float:
-        """The objective's loss over ``batches`` without gradients (same value on every rank)."""
-        return self._eval(batches)[0]
+        """What transformers' model returns as ``loss`` on the rows of ``batches`` run as one batch, without
+        gradients (same value on every rank): the objective's loss, plus a MoE model's router aux loss."""
+        return self.eval_sum(batches).value(self.pipe.router_loss)
 
-    def eval_sum(self, batches: list[dict] | dict) -> tuple[float, int]:
-        """``(loss x count, count)`` over ``batches``: the summed loss and what it is divided by, both over the
-        batch group (every dp and cp shard), for a caller that adds several calls up (an evaluation set)."""
-        loss, count = self._eval(batches)
-        return loss * count, count
-
-    def _eval(self, batches) -> tuple[float, int]:
+    @torch.no_grad()
+    def eval_sum(self, batches: list[dict] | dict) -> EvalSum:
+        """The parts of :meth:`eval_loss` over the batch group (every dp and cp shard), summed, for a caller that
+        adds several calls up (an evaluation set: ``sum(parts).value(spec)``)."""
         batches = self.local_batches(_as_list(batches), "trainer.eval_loss")
         count = self.step_count(batches)
-        loss = torch.zeros((), dtype=torch.float64, device=self.dist.device)
+        spec = self.pipe.router_loss
+        # [the objective's loss, then the router sums (counts, probabilities, tokens)]: one reduction for both
+        t = torch.zeros(1 + (spec.size + 1 if spec else 0), dtype=torch.float64, device=self.dist.device)
         for batch in batches:
-            part = self.pipe.eval_loss(batch, count)
+            part, sums = self.pipe.eval_loss(batch, count)
             if part is not None:
-                loss += part.double().to(self.dist.device)
-        return self.share_loss(loss), count
+                t[0] += part.double().to(self.dist.device)
+            if sums is not None:
+                t[1:] += sums.double().to(self.dist.device)
+        t = self.shared_loss(t).cpu()
+        return EvalSum(float(t[0]) * count, count, t[1:] if spec else None)
 
     def _sync_tied_grads(self) -> None:
         if self.tied_group is None:
@@ -189,7 +224,7 @@ class StepEngine:
         """
         grads = [p.grad for p in self._norm_params if p.grad is not None]
         pp_group = self.dist.pp_group if self.dist.dims.pp > 1 else None
-        norm = squared_norm(grads, pp_group, self.dist.device).sqrt()
+        norm = squared_norm(grads, pp_group, self.dist.device, self._norm_dtype).sqrt()
         if self.max_grad_norm:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             grads = [p.grad for p in self._params if p.grad is not None]

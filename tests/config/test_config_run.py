@@ -204,7 +204,7 @@ MESSAGES = [
     (dict(schedule="pipedream"), "--schedule must be one of " + ", ".join(SCHEDULES) + "; got 'pipedream'"),
     (dict(plan_method="greedy"), "--plan-method must be one of even, weighted, balanced; got 'greedy'"),
     (dict(lr_schedule="cosin"), "--lr-schedule must be one of cosine, linear, constant; got 'cosin' (did you mean cosine?)"),
-    (dict(dtype="fp16"), "--dtype must be one of fp32, bf16-mixed, bf16; got 'fp16' (did you mean bf16?)"),
+    (dict(dtype="fp16"), "--dtype must be one of fp32, bf16-mixed, bf16, fp64; got 'fp16' (did you mean bf16?)"),
     (dict(activation_checkpointing="all"), "--activation-checkpointing must be one of none, full, selective; got 'all'"),
     (dict(schedule="zbv", vpp=3), "--vpp must be 2 for --schedule zbv (a V of two stages), got 3"),
     (dict(schedule="dualpipev", vpp=4), "--vpp must be 2 for --schedule dualpipev (a V of two stages), got 4"),

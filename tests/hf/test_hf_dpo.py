@@ -139,13 +139,10 @@ def test_every_loss_type_at_pp2_equals_trl_after_one_step(tmp_path, loss_type, e
 
 @pytest.mark.slow
 def test_dp2_x_pp2_with_accumulation_equals_trl(tmp_path):
-    """Each dp replica takes 2 of the 4 pairs, 2 accumulation batches: TRL's per-batch means, averaged.
-
-    Every batch is padded to one length (pad_to_multiple_of=48): under dp > 1 a batch of another length in the
-    middle of an accumulated step loses part of the step's gradient in hfpipe's pipeline today, for SFT too
-    (the schedule's stages resized between two accumulation batches under FSDP2; reported, not this trainer's).
-    """
-    got, want = dpo_pair(tmp_path, nprocs=4, plain=dict(batch=4), dp=2, batch=2, ga=2, microbatches=2, pad_to=48)
+    """Each dp replica takes 2 of the 4 pairs, 2 accumulation batches: TRL's per-batch means, averaged. The
+    reference pass shares its 15 batches over the replicas (8 and 7: the second runs one more, unused, since
+    FSDP2 gathers over both), each batch padded to its own length."""
+    got, want = dpo_pair(tmp_path, nprocs=4, plain=dict(batch=4), dp=2, batch=2, ga=2, microbatches=2, pairs=30)
     assert_same_dpo(got, want)
 
 

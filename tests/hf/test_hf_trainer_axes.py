@@ -161,7 +161,24 @@ def test_dp2_x_ep2_x_tp2_on_qwen3_moe_equals_the_plain_trainer(tmp_path):
 def test_a_router_aux_loss_is_summed_over_accumulation_batches_as_the_plain_trainer_does(tmp_path):
     """Qwen3-MoE with output_router_logits: transformers adds coef * aux of each forward's batch to its loss and
     the Trainer sums the 2 accumulation batches' losses; one microbatch per batch makes it exact (pp=1, the
-    PipelineTrainer in one process). evaluate() is left out: its loss is the language-model loss only."""
-    model = str(tiny_checkpoint("qwen3_moe", num_hidden_layers=2, output_router_logits=True, router_aux_loss_coef=0.5))
-    got, want = run_pair(tmp_path, dict(model=model, ga=2), dict(model=model, pp=1, ga=2), nprocs=1)
+    PipelineTrainer in one process). evaluate() adds each eval batch's aux loss as the plain model's loss does."""
+    model = _router_moe()
+    got, want = run_pair(tmp_path, dict(model=model, ga=2, eval=True), dict(model=model, pp=1, ga=2, eval=True),
+                         nprocs=1)
     assert_same_run(got, want)
+
+
+def _router_moe() -> str:
+    return str(tiny_checkpoint("qwen3_moe", num_hidden_layers=2, output_router_logits=True, router_aux_loss_coef=0.5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, dp=2, eval_batch=2)])
+def test_the_eval_loss_of_a_moe_with_a_router_aux_loss_is_the_plain_trainers_at_pp2(tmp_path, layout):
+    """evaluate() of the loaded model: each eval batch of 4 rows runs as 2 microbatches (and over 2 dp replicas),
+    its aux loss taken over the whole batch as the plain model's forward takes it, not per microbatch."""
+    model = _router_moe()
+    got, want = run_pair(tmp_path, dict(model=model, eval=True, train=False),
+                         dict(model=model, eval=True, train=False, **layout), nprocs=2 * layout.get("dp", 1))
+    g, w = losses(got, "eval_loss"), losses(want, "eval_loss")
+    assert len(g) == len(w) > 0 and all(abs(a[1] - b[1]) <= 1e-5 for a, b in zip(g, w)), (g, w)

@@ -4,7 +4,8 @@ a rendezvous nobody answers, a full disk under an asynchronous save.
 Each run is ``hfpipe finetune`` as its own process, through a wrapper that can hold the launcher in
 its checks or the workers in their loading (each touches a marker file first), so a signal lands
 exactly there. The spec: one line, exit 143 / 130 / 129, nothing written, no worker left behind.
-Only the export's Ctrl-C and SIGTERM (in-process) are in the default run; the rest are ``slow``.
+Only the export's Ctrl-C and SIGTERM (in-process) and the launcher's kill of a starting worker that cannot
+take a signal are in the default run; the rest are ``slow``.
 """
 
 from __future__ import annotations
@@ -24,17 +25,19 @@ from test_train_faults import wait_for
 REPO = Path(__file__).resolve().parents[2]
 
 HOLD = '''
-"""`hfpipe` that can stop in the launcher's checks or in the workers' loading (HFPIPE_TEST_HOLD),
-touching a marker file there first; or pause after each step (HFPIPE_TEST_SLEEP)."""
-import os, time
+"""`hfpipe` that can stop in the launcher's checks, in the workers' joining of the process group or in their
+loading (HFPIPE_TEST_HOLD), touching a marker file there first; or pause after each step (HFPIPE_TEST_SLEEP)."""
+import os, signal, time
 from pathlib import Path
 
 import hfpipe.train.runner
 from hfpipe.train.step import StepEngine
 
 _hold, _marks = os.environ.get("HFPIPE_TEST_HOLD", ""), Path(os.environ.get("HFPIPE_TEST_MARKS", "."))
-# patched where the runner looks them up: its preflight (the launcher's) and build_pipeline (each worker's)
+# patched where the runner looks them up: its preflight (the launcher's), init_distributed and build_pipeline
+# (each worker's)
 _preflight, _load, _step = hfpipe.train.runner.preflight, hfpipe.train.runner.build_pipeline, StepEngine.step
+_init = hfpipe.train.runner.init_distributed
 
 
 def preflight(*args, **kwargs):
@@ -42,6 +45,17 @@ def preflight(*args, **kwargs):
         (_marks / "preflight").touch()
         time.sleep(3600)
     return _preflight(*args, **kwargs)
+
+
+def init_distributed(*args, **kwargs):
+    if _hold == "init":  # rank 1 never comes (stuck where no signal reaches Python); rank 0 waits for it
+        rank = os.environ.get("RANK")
+        if rank == "1":
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+        (_marks / f"init-{rank}").touch()
+        if rank == "1":
+            time.sleep(3600)
+    return _init(*args, **kwargs)
 
 
 def build_pipeline(*args, **kwargs):
@@ -58,6 +72,7 @@ def step(self, *args, **kwargs):
 
 
 hfpipe.train.runner.preflight, hfpipe.train.runner.build_pipeline, StepEngine.step = preflight, build_pipeline, step
+hfpipe.train.runner.init_distributed = init_distributed
 
 if __name__ == "__main__":
     from hfpipe.cli.main import app
@@ -71,12 +86,12 @@ def model() -> Path:
     return tiny_checkpoint("llama", num_hidden_layers=2)
 
 
-def start(model: Path, tmp: Path, **env) -> tuple[subprocess.Popen, Path]:
+def start(model: Path, tmp: Path, *flags: str, **env) -> tuple[subprocess.Popen, Path]:
     script = tmp / "hold_hfpipe.py"
     script.write_text(HOLD)
     out = tmp / "out"
     args = [str(model), "--pp", "2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "50",
-            "--threads-per-rank", "1", "--output-dir", str(out)]
+            "--threads-per-rank", "1", "--output-dir", str(out), *flags]
     environ = {**os.environ, "HFPIPE_TEST_MARKS": str(tmp), **env}
     proc = subprocess.Popen([sys.executable, str(script), "finetune", *args], cwd=REPO, env=environ, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -128,6 +143,42 @@ def test_a_signal_while_the_workers_load_stops_at_once_in_one_line(model, tmp_pa
     assert not (out / "checkpoints").exists()
     time.sleep(1)
     assert not [p for p in workers if alive(p)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_rank_waits_for_one_that_never_joins_stops_every_worker_in_one_line(model, tmp_path):
+    """Rank 0 waits inside the process group's start for rank 1, which never comes and cannot take the signal
+    (stuck in C++); nor can rank 0 until the group's --timeout. The launcher kills both after a short grace."""
+    proc, out = start(model, tmp_path, "--timeout", "3000", HFPIPE_TEST_HOLD="init")
+    wait_for(proc, lambda: len(list(tmp_path.glob("init-*"))) == 2)
+    time.sleep(1)  # rank 0 is in init_process_group by now
+    workers = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=240)  # not the --timeout: within the grace, and the launcher's exit
+    assert proc.returncode == 130, stderr[-3000:]
+    assert one_line(stderr, "interrupted: ") == "interrupted: SIGINT before the first step; nothing was written"
+    assert not (out / "checkpoints").exists()
+    time.sleep(1)
+    assert not [p for p in workers if alive(p)]
+
+
+def test_the_launcher_kills_a_starting_worker_that_cannot_take_the_signal(tmp_path):
+    """A worker in start-up gets the launcher's copy of the signal; one blocked in C++ (where Python's handler
+    cannot run) is killed once the grace is over, instead of keeping the run until its --timeout."""
+    from hfpipe.parallel.signals import LauncherSignals
+
+    deaf = "import signal, sys, time; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT]); print(); " \
+           "sys.stdout.flush(); time.sleep(600)"
+    worker = subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE, text=True)
+    try:
+        worker.stdout.readline()  # its signal mask is set
+        (tmp_path / "pid-0").write_text(str(worker.pid))
+        LauncherSignals(tmp_path, grace_s=0.2)._handle(signal.SIGINT, None)
+        assert (tmp_path / "stop").read_text() == str(int(signal.SIGINT))  # the workers' stop file
+        assert worker.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 @pytest.mark.slow

@@ -118,6 +118,34 @@ def test_chunks_follow_a_logits_budget_and_can_be_turned_off(monkeypatch):
     assert chunk_tokens(128256) == 5 and chunk_tokens(128256, 0) == 0
 
 
+@pytest.mark.parametrize("chunk", [None, 0, 28])
+@pytest.mark.parametrize("split", [False, True])
+def test_every_rank_of_a_pipeline_makes_the_same_head_choice(chunk, split, monkeypatch):
+    """The head's choice (chunked loss or whole logits) keys the kept schedules, so every rank of the pipeline
+    makes it alike, for any batch shape, from what every rank knows: a choice made on the loss rank alone sets
+    the stages up for a new length on some ranks and not on others (gloo: "Received data size doesn't match
+    expected size"; tests/train/test_train_equivalence.py trains through such lengths)."""
+    from hfpipe.pipeline.build import load_rank_stages
+    from hfpipe.pipeline.schedule import Pipeline
+    from hfpipe.plan.split import plan_pipeline
+    from hfpipe.source.folder import ModelSource
+
+    monkeypatch.delenv("HFPIPE_LOSS_CHUNK_TOKENS", raising=False)  # None: the budget, which a tiny vocab never fills
+    src = ModelSource.open(tiny_checkpoint("llama"))
+    plan = plan_pipeline(src.config, 3)
+    ranks = [load_rank_stages(src, plan, rank, torch.device("cpu"))[0] for rank in range(3)]
+    pipes = [Pipeline(modules, plan.owners, "1f1b", 2, None, torch.device("cpu"), loss_chunk_tokens=chunk,
+                      vocab_split=split if rank < 2 else None) for rank, modules in enumerate(ranks)]
+    pipes[-1].vocab_split = split  # as if its head were split over tp ranks
+    choices = {(rows, seq, mode): [p._set_head((rows, seq), mode) for p in pipes]
+               for rows in (2, 4) for seq in (10, 14, 16, 28, 64) for mode in ("train", "loss", "logits")}
+    assert all(len(set(c)) == 1 for c in choices.values()), choices
+    seen = {c[0] for (_, _, mode), c in choices.items() if mode != "logits"}
+    assert seen == ({True} if split else {True, False} if chunk else {False})
+    last = ranks[-1][-1]  # and the loss rank does what it chose
+    assert pipes[-1]._set_head((4, 64), "loss") == last.head_in_loss == (pipes[-1].loss.head is not None)
+
+
 def chunked_worker(*args) -> dict:
     """:func:`pipeline_worker`, failing unless the loss really ran in chunks."""
     import hfpipe.loss.objective as objective

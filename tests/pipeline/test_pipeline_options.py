@@ -48,7 +48,7 @@ def test_an_unknown_keyword_is_refused_in_one_line_naming_the_closest_field():
     (dict(activation_checkpointing="some"), "load_pipeline(activation_checkpointing='some'): choose one of none, "
                                             "full, selective"),
     (dict(dtype="fp16"), "load_pipeline(model='any/model'): dtype 'fp16' is unknown; choose one of fp32, "
-                         "bf16-mixed, bf16"),
+                         "bf16-mixed, bf16, fp64"),
     (dict(quantize_base="nf4"), "load_pipeline(model='any/model'): quantize_base trains LoRA adapters on a frozen "
                                 "base; add lora=LoraConfig(r=R) (e.g. 16)"),
     (dict(quantize_block_size=64), "load_pipeline(model='any/model'): quantize_block_size applies with "

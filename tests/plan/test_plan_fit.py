@@ -59,8 +59,8 @@ def test_the_plan_of_a_config_uses_finetunes_defaults():
 def test_dp_shards_masters_grads_and_adamw_but_not_the_step_buffers(dtype):
     """FSDP2 under pipelining: the compute-dtype weights and reduce-dtype gradients are whole
     for the whole step (no reshard after forward, no gradient sync before the last backward)."""
-    compute, reduce = {"fp32": (4, 4), "bf16-mixed": (2, 4), "bf16": (2, 2)}[dtype]
-    master, grad = (2, 2) if dtype == "bf16" else (4, 4)
+    compute, reduce = {"fp32": (4, 4), "bf16-mixed": (2, 4), "bf16": (2, 2), "fp64": (8, 8)}[dtype]
+    master, grad = {"bf16": (2, 2), "fp64": (8, 8)}.get(dtype, (4, 4))
     adamw = 2 * master
     assert param_bytes(dtype, 1) == BYTES_PER_PARAM[dtype]
     for dp in (2, 4, 8):

@@ -59,7 +59,7 @@ def test_a_tied_head_is_a_second_copy_unless_the_rank_holds_both():
 
 @pytest.mark.parametrize("dtype", sorted(BYTES_PER_PARAM))
 def test_weights_grads_and_optimizer_bytes_follow_the_dtype(dtype):
-    w, g, o = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4)}[dtype]
+    w, g, o = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4), "fp64": (8, 8, 16)}[dtype]
     for rank in plan_report(llama(), 2, seq_len=16, dtype=dtype).ranks:
         assert (rank.weight_bytes, rank.grad_bytes, rank.optimizer_bytes) == (
             w * rank.params, g * rank.params, o * rank.params)

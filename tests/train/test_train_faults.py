@@ -177,10 +177,12 @@ def test_ctrl_c_saves_says_how_to_resume_and_resume_auto_is_bitwise_exact(model,
 
 
 @pytest.mark.slow
-def test_a_diverging_step_stops_the_run_naming_it_and_keeps_the_last_good_checkpoint(model, tmp_path):
+@pytest.mark.parametrize("layout", [{}, {"pp": 1, "tp": 2}, {"pp": 1, "cp": 2}], ids=["pp2", "tp2", "cp2"])
+def test_a_diverging_step_stops_the_run_naming_it_and_keeps_the_last_good_checkpoint(model, tmp_path, layout):
+    """On every rank alike (tests/train/test_train_divergence.py: a fault on one rank alone under tp and cp)."""
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["finetune", *flags(model, out, lr=1e30, max_steps=3, save_every=1,
-                                                          max_grad_norm=1e30)])
+                                                          max_grad_norm=1e30, **layout)])
     assert result.exit_code == 2, result.stderr
     line = result.stderr.splitlines()[-1]  # after the run's own log lines
     assert [x for x in result.stderr.splitlines() if x.startswith("error:")] == [line]

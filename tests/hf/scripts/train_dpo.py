@@ -39,7 +39,7 @@ def main(spec: dict) -> None:
                      eval_strategy="steps" if spec.get("eval") else "no", eval_steps=2, report_to=[],
                      disable_tqdm=True, seed=7, dataloader_drop_last=True, bf16=False, save_strategy="no",
                      pad_to_multiple_of=spec.get("pad_to"))
-    data = {"train_dataset": preference_dataset(32, 0)}
+    data = {"train_dataset": preference_dataset(spec.get("pairs", 32), 0)}
     if spec.get("eval"):
         data["eval_dataset"] = preference_dataset(8, 1)
     peft = lora_config() if spec.get("lora") else None

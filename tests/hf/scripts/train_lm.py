@@ -6,12 +6,16 @@ hfpipe's PipelineTrainer; ``tests/hf/test_hf_trainer.py`` compares the two.
 
 SPEC keys: model, out, trainer, pp, dp, tp, ep, cp, microbatches, batch, eval_batch, ga, max_steps, clip, lora,
 eval, save_steps, save_total_limit, resume, stop_at, checkpointing (with the input tokens counted), bf16,
-logging_steps, count_syncs (what the steps after the first convert to Python and which collectives they call:
+logging_steps, fp8 (PipelineTrainer's keyword), accelerate_fp8 (ACCELERATE_MIXED_PRECISION=fp8, as
+``accelerate launch --mixed_precision fp8`` sets it), count_syncs (what the steps after the first convert to Python
+and which collectives they call:
 ``out/syncs.json``, see :class:`CountSyncs`).
 It writes ``out/log_history.json`` (world rank 0) and ``save_model()`` into ``out/final``.
+With ``train`` false it only evaluates the model as loaded (``eval`` set) and saves nothing.
 """
 
 import json
+import os
 import sys
 
 import hfpipe.hf  # noqa: F401 - first, as a user's script has it in place of the Trainer's import (a quiet start)
@@ -34,6 +38,8 @@ def lora_config():
 
 def main(spec: dict) -> None:
     tok = AutoTokenizer.from_pretrained(spec["model"])
+    if spec.get("accelerate_fp8"):
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "fp8"  # read by TrainingArguments
     args = TrainingArguments(
         output_dir=spec["out"], max_steps=spec.get("max_steps", 3), logging_steps=spec.get("logging_steps", 1),
         per_device_train_batch_size=spec.get("batch", 4), per_device_eval_batch_size=spec.get("eval_batch", 4),
@@ -43,7 +49,7 @@ def main(spec: dict) -> None:
         save_total_limit=spec.get("save_total_limit"),
         activation_checkpointing=spec.get("checkpointing", False),
         include_num_input_tokens_seen="all" if spec.get("checkpointing") else "no",
-        bf16=spec.get("bf16", False), use_cpu=spec.get("bf16", False),  # bf16 on CPU needs use_cpu
+        bf16=spec.get("bf16", False), use_cpu=spec.get("bf16") or spec.get("accelerate_fp8", False),  # bf16 on CPU
         torch_compile_backend=spec.get("compile_backend"),  # set: torch_compile=True
         report_to=[], disable_tqdm=True, dataloader_drop_last=True, seed=7)
     collator = DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=spec.get("pad_to", 8))
@@ -60,7 +66,7 @@ def main(spec: dict) -> None:
 
         axes = {k: spec[k] for k in ("dp", "tp", "ep", "cp") if k in spec}
         trainer = PipelineTrainer(spec["model"], args=args, pp=spec.get("pp"), microbatches=spec.get("microbatches"),
-                                  peft_config=peft, **axes, **data)
+                                  peft_config=peft, fp8=spec.get("fp8"), **axes, **data)
     if spec.get("stop_at"):
         from transformers import TrainerCallback
 
@@ -76,12 +82,15 @@ def main(spec: dict) -> None:
 
 def train_and_record(trainer, spec: dict, more: dict | None = None) -> None:
     """Train (resuming from ``spec["resume"]``), evaluate at the end under ``spec["eval"]``, ``save_model()``
-    into ``out/final``; world rank 0 writes ``out/log_history.json`` and ``out/<name>.json`` of ``more``."""
-    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    into ``out/final``; world rank 0 writes ``out/log_history.json`` and ``out/<name>.json`` of ``more``.
+    ``spec["train"]`` false: ``evaluate()`` the model as loaded, and nothing else."""
+    if spec.get("train", True):
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
     history = trainer.state.log_history
     if spec.get("eval"):
         history = history + [trainer.evaluate()]
-    trainer.save_model(f"{spec['out']}/final")
+    if spec.get("train", True):
+        trainer.save_model(f"{spec['out']}/final")
     if trainer.is_world_process_zero():
         for name, value in {"log_history": history, **(more or {})}.items():
             with open(f"{spec['out']}/{name}.json", "w") as f:

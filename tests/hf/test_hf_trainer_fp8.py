@@ -1,0 +1,87 @@
+"""Float8 training in a Trainer script: ``PipelineTrainer(fp8="rowwise" | "tensorwise")``, or accelerate's
+``mixed_precision="fp8"`` (``accelerate launch --mixed_precision fp8``), as ``--fp8`` does for the CLI.
+
+The oracle is ``tests/quant/test_quant_fp8_training.py``'s: the same script in bf16-mixed, whose losses the float8
+run's must stay within 2% of while differing from them (the matmuls really ran in float8); the folder
+``save_model()`` writes holds the bf16-mixed run's keys and dtypes (fp32 masters, no float8 anywhere).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import folder_tensors
+from test_hf_trainer import finish, losses, start_script
+
+pytest.importorskip("torchao", reason="fp8 needs torchao (pip install 'hfpipe[qlora]')")
+
+#: One process at pp 1, 3 steps logged each (the script's tiny Llama: every decoder-layer dim a multiple of 16).
+SPEC = {"pp": 1, "bf16": True, "max_steps": 3}
+
+
+def _runs(tmp_path, **runs: dict) -> dict:
+    """Each named run of the script (PipelineTrainer, one process each, side by side): name -> output folder."""
+    started = {name: start_script(tmp_path, name, 1, trainer="pipeline", **{**SPEC, **spec})
+               for name, spec in runs.items()}
+    return {name: finish(run) for name, run in started.items()}
+
+
+def _dtypes(out) -> dict:
+    return {k: v.dtype for k, v in folder_tensors(out / "final").items()}
+
+
+def test_fp8_trains_within_2_percent_of_bf16_mixed_and_saves_an_ordinary_folder(tmp_path):
+    out = _runs(tmp_path, bf16={}, fp8={"fp8": "rowwise"})
+    want, got = ([v for _, v in losses(out[name])] for name in ("bf16", "fp8"))
+    assert len(got) == len(want) == SPEC["max_steps"]
+    assert got != want, "the decoder layers' matmuls ran in float8, not bf16"
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0.02, atol=0)
+    assert _dtypes(out["fp8"]) == _dtypes(out["bf16"]), "the same keys and dtypes as a bf16-mixed run's"
+
+
+@pytest.mark.slow
+def test_accelerates_mixed_precision_fp8_is_the_rowwise_recipe_and_tensorwise_trains_too(tmp_path):
+    """ACCELERATE_MIXED_PRECISION=fp8 (bf16 left off) trains as fp8="rowwise" does, step for step."""
+    out = _runs(tmp_path, bf16={}, rowwise={"fp8": "rowwise"}, accelerate={"bf16": False, "accelerate_fp8": True},
+                tensorwise={"fp8": "tensorwise"})
+    runs = {name: [v for _, v in losses(folder)] for name, folder in out.items()}
+    assert runs["accelerate"] == runs["rowwise"]
+    torch.testing.assert_close(torch.tensor(runs["tensorwise"]), torch.tensor(runs["bf16"]), rtol=0.02, atol=0)
+    assert runs["tensorwise"] != runs["bf16"] and runs["tensorwise"] != runs["rowwise"]
+
+
+def test_accelerates_mixed_precision_fp8_reaches_load_pipeline_as_rowwise_in_bf16(tmp_path, monkeypatch):
+    from transformers import TrainingArguments
+
+    from hfpipe.api import load_pipeline
+    from hfpipe.hf.options import load_kwargs
+    from hfpipe.pipeline.options import PipelineLayout
+
+    def keywords(fp8=None, **given):
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **given)
+        kw = load_kwargs(load_pipeline, PipelineLayout(pp=2), args, None, False, fp8)
+        return kw["fp8"], kw["dtype"]
+
+    assert keywords() == (None, "fp32")
+    assert keywords("tensorwise", bf16=True) == ("tensorwise", "bf16-mixed")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")  # what accelerate launch --mixed_precision fp8 sets
+    assert keywords() == ("rowwise", "bf16-mixed")
+    assert keywords("tensorwise") == ("tensorwise", "bf16-mixed")
+
+
+@pytest.mark.parametrize("given, words", [
+    ({"fp8": "rowwise"}, r"^PipelineTrainer\(fp8='rowwise'\) multiplies bf16 activations in float8; set "
+                         r"TrainingArguments\(bf16=True\)$"),
+    ({"fp8": "mxfp8", "bf16": True}, r"^PipelineTrainer\(fp8='mxfp8'\): choose one of 'rowwise', 'tensorwise'$"),
+])
+def test_an_fp8_the_pipeline_cannot_run_is_refused_in_one_line_before_loading(tmp_path, given, words):
+    from transformers import TrainingArguments
+
+    from hfpipe.errors import ConfigError
+    from hfpipe.hf import PipelineTrainer
+
+    fp8 = given.pop("fp8")
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **given)
+    with pytest.raises(ConfigError, match=words):
+        PipelineTrainer("unused", args=args, pp=2, fp8=fp8)  # refused before the folder is read
