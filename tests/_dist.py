@@ -55,7 +55,13 @@ FP32_ULP = 2.0 ** -23
 
 
 def grad_noise(grad: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
-    """Per element, how far ``grad`` may move when the same sums run in another order.
+    """Per element, how far ``grad`` may move when the same sums run in another order:
+    :data:`GRAD_ULPS` fp32 ulps of its :func:`grad_scale`."""
+    return GRAD_ULPS * FP32_ULP * grad_scale(grad, vocab)
+
+
+def grad_scale(grad: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """Per element, the size a reordered sum's rounding in ``grad`` is relative to.
 
     A matrix gradient sums ``dy_i * x_j`` over tokens, and both factors carry rounding relative
     to their own vectors (``dy`` to the largest ``dy_i``, ``x`` to the largest ``x_j``). So the
@@ -71,7 +77,7 @@ def grad_noise(grad: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
         scale = row if grad.shape[-2] == vocab else torch.maximum(row, size.amax(dim=-2, keepdim=True))
     else:
         scale = size.amax() if grad.numel() else size
-    return GRAD_ULPS * FP32_ULP * scale
+    return scale
 
 
 class AdamDrift:

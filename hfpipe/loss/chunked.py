@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from hfpipe.loss.linear_head import LinearHead, linear_head_weight, linear_loss_sum
 from hfpipe.loss.tokens import IGNORE_INDEX
-from hfpipe.loss.vocab_parallel import vocab_parallel_loss_sum, vocab_parallel_token_losses
+from hfpipe.loss.vocab_parallel import loss_dtype, vocab_parallel_loss_sum, vocab_parallel_token_losses
 
 __all__ = ["chunked_loss_sum", "chunked_token_losses", "head_path"]
 
@@ -88,8 +88,8 @@ def _chunk_loss(logits_fn, hidden, targets, ignore_index, weights=None) -> torch
     logits = logits_fn(hidden)  # (B, t, V), the only logits alive at a time
     if weights is not None or getattr(logits, "device_mesh", None) is not None:  # --tp: split over the vocabulary
         return vocab_parallel_loss_sum(logits, targets, ignore_index, weights)
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
-                           reduction="sum")
+    return F.cross_entropy(logits.to(loss_dtype(logits.dtype)).flatten(0, -2), targets.flatten(),
+                           ignore_index=ignore_index, reduction="sum")
 
 
 def _parameters_used(logits_fn, hidden: torch.Tensor) -> list[torch.Tensor]:
@@ -126,7 +126,7 @@ class _ChunkedLoss(torch.autograd.Function):
         wanted = [p for p, need in zip(params, need_p) if need]
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_p: list = [None] * len(wanted)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
         for s in range(0, hidden.shape[1], step):
             h = hidden[:, s:s + step].detach().requires_grad_(need_h)
             with torch.enable_grad():

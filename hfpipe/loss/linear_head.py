@@ -90,7 +90,8 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, weights: t
     1/denominator on tokens with a target, 0 elsewhere), made in place in the log-softmax and cast into
     the logits' own buffer (only the chunk's logits and their fp32 log-softmax are ever alive).
     """
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # (n, V) fp32, upcast as it reads
+    # (n, V) fp32, upcast as it reads; an fp64 run's stay fp64 (hfpipe.loss.vocab_parallel.loss_dtype)
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     valid = targets != ignore_index
     index = torch.where(valid, targets, 0).unsqueeze(1)  # (n, 1)
     loss = -torch.where(valid, logp.gather(1, index).squeeze(1), 0.0).sum()
@@ -107,7 +108,7 @@ def _fused_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, weights: t
                          ignore_index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_chunk_loss_and_grad` in functional form, for ``torch.compile`` to fuse into a few passes
     (the eager form makes five over the chunk's logits)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     valid = targets != ignore_index
     index = torch.where(valid, targets, 0).unsqueeze(1)
     loss = -torch.where(valid, logp.gather(1, index).squeeze(1), 0.0).sum()
@@ -142,13 +143,13 @@ def _chunks(x, weight, bias, targets, scale, chunk, denominator, ignore_index, n
     train = any(need)
     grad_x = torch.empty_like(x2) if need_x else None
     grad_w = grad_b = None
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    total = torch.zeros((), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)  # fp64 stays fp64
     for s in range(0, x2.shape[0], chunk):
         xc, tc = x2[s:s + chunk], t[s:s + chunk]
         logits = xc @ weight.t() if bias is None else torch.addmm(bias, xc, weight.t())  # (n, V)
         if scale is not None:
             logits = scale(logits)
-        weights = (tc != ignore_index).to(torch.float32) / denominator if train else None
+        weights = (tc != ignore_index).to(total.dtype) / denominator if train else None
         loss, grad = _loss_and_grad_for(logits.device)(logits, tc, weights, ignore_index)
         total += loss / denominator
         if not train:

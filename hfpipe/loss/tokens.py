@@ -39,6 +39,8 @@ def batch_tokens(batch: dict) -> int:
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy (fp32) over ``targets`` != ``IGNORE_INDEX``; ``targets`` already shifted."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten().to(logits.device),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    """Sum of next-token cross-entropy (fp32; fp64 for fp64 logits) over ``targets`` != ``IGNORE_INDEX``; ``targets``
+    already shifted."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(wide.flatten(0, -2), targets.flatten().to(logits.device), ignore_index=IGNORE_INDEX,
+                           reduction="sum")

@@ -11,7 +11,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["vocab_parallel_loss_sum", "vocab_parallel_token_losses"]
+__all__ = ["loss_dtype", "vocab_parallel_loss_sum", "vocab_parallel_token_losses"]
+
+
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loss is taken in from logits of ``dtype``: fp32 (bf16 logits upcast, as transformers' loss
+    does), or the logits' own where wider: an fp64 run stays fp64 end to end, so that it can tell reordered
+    sums (which vanish there) from a real error (which does not)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
@@ -19,8 +26,8 @@ def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_
     """``cross_entropy(logits, targets, reduction="sum")`` on vocabulary-split logits, never gathered;
     with ``weights`` (shaped as ``targets``) each token's loss is multiplied by its weight first."""
     if weights is None and not isinstance(logits, DTensor):  # the token loss's own form, summed by torch in one go
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten().to(logits.device),
-                               ignore_index=ignore_index, reduction="sum")
+        return F.cross_entropy(logits.to(loss_dtype(logits.dtype)).flatten(0, -2),
+                               targets.flatten().to(logits.device), ignore_index=ignore_index, reduction="sum")
     tokens = vocab_parallel_token_losses(logits, targets, ignore_index)
     return tokens.sum() if weights is None else (tokens * weights.flatten().to(tokens)).sum()
 
@@ -36,17 +43,19 @@ def vocab_parallel_token_losses(logits: torch.Tensor, targets: torch.Tensor, ign
             that this module imports nothing of hfpipe: it sits on the house's floor).
 
     Returns:
-        float32 (N,), the same on every tp rank (a per-sequence objective sums them by row). Each rank's gradient
-        goes to its own slice of the logits.
+        float32 (N,) (fp64 for fp64 logits: :func:`loss_dtype`), the same on every tp rank (a per-sequence
+        objective sums them by row). Each rank's gradient goes to its own slice of the logits.
     """
     targets = targets.flatten().to(logits.device)
     if not isinstance(logits, DTensor):
-        return F.cross_entropy(logits.float().flatten(0, -2), targets, ignore_index=ignore_index, reduction="none")
+        return F.cross_entropy(logits.to(loss_dtype(logits.dtype)).flatten(0, -2), targets, ignore_index=ignore_index,
+                               reduction="none")
     (placement,) = logits.placements
     if not isinstance(placement, Shard) or placement.dim % logits.ndim != logits.ndim - 1:
         raise ValueError(f"vocab-parallel loss needs logits split on the vocabulary, got {placement}")
     mesh = logits.device_mesh
-    local = logits.to_local().float().flatten(0, -2)  # (N, V/tp)
+    local = logits.to_local()
+    local = local.to(loss_dtype(local.dtype)).flatten(0, -2)  # (N, V/tp)
     _, start = Shard.local_shard_size_and_offset(logits.shape[-1], mesh.size(), mesh.get_local_rank())
     return _VocabParallelCrossEntropy.apply(local, targets, int(start), ignore_index, mesh.get_group())
 

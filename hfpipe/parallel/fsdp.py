@@ -3,7 +3,7 @@
 Each decoder layer is a unit, then the stage; with sharded experts a MoE layer's experts, attention
 and MoE block are units of their own first (:func:`hfpipe.parallel.expert.shard_moe_layer`). FSDP2
 also carries bf16-mixed: fp32 sharded masters (and so fp32 optimizer state), bf16 compute, fp32
-gradient reduction.
+gradient reduction (fp64 for an fp64 run).
 """
 
 from __future__ import annotations
@@ -28,11 +28,14 @@ def apply_fsdp(modules: list, dist, *, param_dtype: torch.dtype, compute_dtype: 
     if dims.grad_divide_factor == 1 and compute_dtype == param_dtype:
         return
     mesh, again = dist.fsdp_mesh, reshard_per_microbatch
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # Gradients reduce in fp32 (bf16-mixed's and bf16's), or in fp64 for an fp64 run: an fp32 reduction
+    # there would round every cp/dp-summed gradient to fp32 (1e-7 off where fp64 is exact to 1e-15).
+    reduce = torch.promote_types(param_dtype, torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce)
     # A stage's float inputs are hidden states, already in the compute dtype, and the fp32 router
     # sums of MoE aux losses (hfpipe.models.router_loss), which must stay fp32: bf16 counts
     # tokens exactly only up to 256.
-    stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    stage_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce, cast_forward_inputs=False)
     for m in modules:
         for layer in m.model.layers.values():
             if dims.ep > 1 and experts_of(layer):

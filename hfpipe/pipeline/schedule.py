@@ -221,7 +221,7 @@ class Pipeline:
         schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not self.has_loss:
             return None
-        return torch.stack([x.detach().float() for x in losses]).sum()
+        return torch.stack([x.detach().double() for x in losses]).sum()  # (an fp64 run's loss kept whole)
 
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor | None:

@@ -72,11 +72,12 @@ def test_an_fp64_run_saves_resumes_bitwise_and_exports_in_the_dtype_asked(tmp_pa
 @pytest.mark.slow
 def test_an_fp64_pipeline_equals_transformers_in_fp64_to_fp64_rounding():
     """pp2 x 1F1B against transformers in float64 in one process: gradients, grad norms and weights after 5 steps
-    within 1e-12 (measured: 2e-17, 4e-16, 1.4e-15); the loss within fp32's rounding, where both take it."""
+    within 1e-12 (measured: 2e-17, 4e-16, 1.4e-15), both taking the loss in fp64."""
     from transformers import AutoModelForCausalLM
 
     path = str(tiny_checkpoint("llama", num_hidden_layers=8))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model.loss_function = _fp64_causal_lm_loss  # transformers' own rounds the logits to fp32 (.float())
     ref = train_reference(model, (s[0] for s in make_batches(model.config.vocab_size)),
                           *_optimizer(list(model.named_parameters())))
     ranks = run_ranks(pipeline_worker, 2, path, 2, 1, ("1f1b",), 1, {"dtype": "fp64"})
@@ -89,3 +90,14 @@ def test_an_fp64_pipeline_equals_transformers_in_fp64_to_fp64_rounding():
             torch.testing.assert_close(grad, ref["grads"][name], atol=1e-12, rtol=0)
         for name, weight in run["weights"].items():
             torch.testing.assert_close(weight, ref["weights"][name], atol=1e-12, rtol=0)
+
+
+def _fp64_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **_):
+    """transformers' ``ForCausalLMLoss`` without its ``.float()``: an fp64 pipeline takes its loss in fp64."""
+    import torch.nn.functional as F
+
+    targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1).to(logits.device)
+    summed = num_items_in_batch is not None
+    loss = F.cross_entropy(logits.reshape(-1, vocab_size), targets, ignore_index=ignore_index,
+                           reduction="sum" if summed else "mean")
+    return loss / num_items_in_batch if summed else loss
