@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hfpipe.models.adapter import ConfigFactor
-from hfpipe.models.meta import build_meta_model, model_config
+from hfpipe.models.meta import build_meta_model
 from hfpipe.models.router_loss import RouterSums, finish_router_loss, router_loss_spec, sums_with_tokens
 
 __all__ = ["PipelineStageModule", "apply_ac", "build_meta_model", "build_stage_modules", "rebuild_rotary",

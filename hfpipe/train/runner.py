@@ -25,7 +25,6 @@ from hfpipe.checkpoint.pipeline_state import pipeline_view, save_pipeline_checkp
 from hfpipe.config.run import FinetuneConfig
 from hfpipe.data.batches import batches_per_epoch
 from hfpipe.export.hf_folder import export_checkpoint
-from hfpipe.lora.adapters import from_finetune_config
 from hfpipe.models.router_loss import router_loss_on
 from hfpipe.parallel.launch import check_launch, launch, say_phase
 from hfpipe.parallel.lock import run_lock
