@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.utils.checkpoint as ckpt
 
+from hfpipe.plan.transient import LiveBytes
+
 #: Shapes of real models, as transformers' LlamaConfig fields (``num_hidden_layers`` from ``--layers``).
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -104,12 +106,13 @@ class Held:
     optimizer: int = 0
     activations: int = 0  # the peak of what autograd saves for backward
     together: int = 0  # the peak of those and the gradients at once
+    live: int = 0  # the peak of every storage the step makes (activations, gradients, working sets)
     peak: int = 0  # torch.cuda.max_memory_allocated on CUDA (0 on CPU)
     top: list = dataclasses.field(default_factory=list)  # (bytes, shape, dtype, module) at the peak
 
     @property
     def total(self) -> int:
-        return self.weights + self.optimizer + max(self.together, self.grads)
+        return self.weights + self.optimizer + max(self.together, self.grads, self.live)
 
 
 class SavedTensors:
@@ -120,7 +123,8 @@ class SavedTensors:
     Parameters (and views of them: ``weight.t()``) are excluded: they are weights.
     """
 
-    def __init__(self, modules):
+    def __init__(self, modules, live=None):
+        self.live = live  # a hfpipe.plan.transient.LiveBytes running beside
         self.own = _storage_bytes([*(t for m in modules for t in [*m.parameters(), *m.buffers()])])
         self.refs: Counter = Counter()  # storage address -> live holders
         self.info: dict[int, tuple] = {}  # storage address -> (bytes, shape, dtype, module)
@@ -137,7 +141,10 @@ class SavedTensors:
     def _enter(self, module, args):
         self.module.append(module._plan_memory_name)
         # under FSDP2 (bf16-mixed) a module's parameters are now the gathered compute copies: weights too
-        self.own.update(_storage_bytes(module.parameters(recurse=False)))
+        gathered = _storage_bytes(module.parameters(recurse=False))
+        self.own.update(gathered)
+        if self.live is not None:  # counted as weights, not among what the step makes
+            self.live.forget(gathered)
         for p in module.parameters(recurse=False):
             if p.requires_grad and id(p) not in self.params:
                 self.params[id(p)] = p
@@ -304,7 +311,13 @@ def measure(path: str, case: Case, steps: int = 2, top: int = 12) -> Held:
         if cuda and i == steps - 1:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with SavedTensors(pm.modules) as saved:
+        # every storage the step makes, until it is freed: the saved tensors and what lives only inside a
+        # backward or a loss chunk, which saved-tensor hooks cannot see (what cuda's max_memory_allocated sees)
+        live = LiveBytes(_storage_bytes([*(t for m in pm.modules for t in [*m.parameters(), *m.buffers()]),
+                                         *(p.grad for m in pm.modules for p in m.parameters() if p.grad is not None),
+                                         *(t for s in opt.state.values() for t in s.values()
+                                           if isinstance(t, torch.Tensor))]))
+        with SavedTensors(pm.modules, live) as saved, live:
             trainer.step({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
     held.peak = torch.cuda.max_memory_allocated() - base if cuda else 0
     # the parameters and buffers, and (FSDP2) the compute copies gathered for the forward: saved.own
@@ -312,15 +325,18 @@ def measure(path: str, case: Case, steps: int = 2, top: int = 12) -> Held:
     held.optimizer = _storages(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
                                and t.dim() > 0)
     held.activations, held.together, held.top = saved.peak, saved.together, saved.at_peak[:top]
+    held.live = live.peak
     return held
 
 
 def planned(config, case: Case):
-    """The plan's rank 0 for ``case``: (total, weights + grads + optimizer, activations) bytes."""
+    """The plan's rank 0 for ``case``: (total, weights + grads + optimizer, activations saved for backward, what
+    lives only inside a backward or a loss chunk) bytes."""
     from hfpipe.plan.report import plan_report
 
     r = plan_report(config, **case.plan_options()).ranks[0]
-    return r.total_bytes, r.weight_bytes + r.grad_bytes + r.optimizer_bytes + r.transient_bytes, r.activation_bytes
+    return (r.total_bytes, r.weight_bytes + r.grad_bytes + r.optimizer_bytes + r.transient_bytes,
+            r.activation_bytes - r.backward_bytes, r.backward_bytes)
 
 
 def make_model(out: Path, shape: str, layers: int) -> Path:
@@ -350,10 +366,10 @@ def compare(path: str, case: Case, steps: int = 2, top: int = 12) -> dict:
         here = str(Path(__file__).resolve().parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         mine = launch(measure, case.world, path, case, steps, top, threads_per_rank=1)[0]
-    total, state, act = planned(_config(path), case)
-    return dict(case=case, plan=total, plan_state=state, plan_act=act, run=mine.total,
+    total, state, act, passing = planned(_config(path), case)
+    return dict(case=case, plan=total, plan_state=state, plan_act=act, plan_passing=passing, run=mine.total,
                 run_state=mine.weights + mine.grads + mine.optimizer, run_act=mine.activations, peak=mine.peak,
-                top=mine.top)
+                top=mine.top, run_saved=mine.weights + mine.optimizer + max(mine.together, mine.grads))
 
 
 def _config(path: str):
@@ -368,7 +384,8 @@ def _row(r: dict) -> str:
     out = (f"{c.mode:<5} ac={c.ac:<9} {c.dtype:<10}{mesh:<6}  plan {r['plan'] / gib:7.2f} GiB  "
            f"held {r['run'] / gib:7.2f}  plan/held {r['plan'] / r['run']:.4f}  "
            f"state {r['plan_state'] / max(1, r['run_state']):.4f}  activations {r['plan_act'] / max(1, r['run_act']):.4f} "
-           f"({r['plan_act'] / gib:.2f}/{r['run_act'] / gib:.2f})")
+           f"({r['plan_act'] / gib:.2f}/{r['run_act'] / gib:.2f})  backward and loss working set "
+           f"{r['plan_passing'] / gib:.3f} GiB; without it plan/saved {(r['plan'] - r['plan_passing']) / r['run_saved']:.4f}")
     if r["peak"]:
         out += f"  cuda max_allocated {r['peak'] / gib:7.2f}  plan/cuda {r['plan'] / r['peak']:.3f}"
     return out

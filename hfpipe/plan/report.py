@@ -22,9 +22,7 @@ gradients unsharded in the reduce dtype (fp32; bf16 with ``bf16``) until the ste
 (``set_requires_gradient_sync(False)`` for every microbatch before it), then reduce-scatters them one
 unit at a time, each unit's whole gradients freed as its shard is made. So per parameter:
 weights ``master / dp + compute``, grads ``reduce``, optimizer ``adamw / dp`` (see
-:func:`param_bytes`): more dp shrinks a rank down to the 6 bytes (bf16-mixed) it cannot shard. (Not
-priced: the reduce-scatter's fp32 buffers of the unit being reduced, after the last backward, when
-the activations are gone.)
+:func:`param_bytes`): more dp shrinks a rank down to the 6 bytes (bf16-mixed) it cannot shard.
 
 Activations, bytes per token per decoder layer: measured on transformers' own layer, one of each
 kind (dense, MoE, ...), by :mod:`hfpipe.plan.activations` (Korthikanti et al.'s ``34 * h`` for a
@@ -33,12 +31,12 @@ keep no T x T scores, so the bytes grow linearly with tokens. With ``full`` acti
 checkpointing a layer keeps only its input (the hidden states crossing a stage boundary: ``h``,
 or ``hc * h`` for DeepSeek-V4's streams), plus the largest layer recomputed for one microbatch at
 a time; ``selective`` checkpoints every other layer of a stage (the first, third, ...), as
-:class:`hfpipe.models.stage.PipelineStageModule` does. The stage with the
-head also keeps, per token, the logits in the compute dtype and cross-entropy's fp32
-log-probabilities: ``vocab * (2 + 4)`` bytes (``4 + 4`` in fp32), unless the microbatch is larger
-than one chunk of :mod:`hfpipe.loss.chunked`: then it keeps the gradient of its hidden states
-(``h`` per token) and of the head (``vocab * h`` per microbatch). MTP layers cost nothing: the
-loader skips them (transformers has no module to run them); a layout places them only by name.
+:class:`hfpipe.models.stage.PipelineStageModule` does. The stage with the head also keeps, per token, the
+logits in the compute dtype and cross-entropy's fp32 log-probabilities: ``vocab * (2 + 4)`` bytes
+(``4 + 4`` in fp32), unless the microbatch is larger than one chunk of :mod:`hfpipe.loss.chunked`: then it keeps the gradient of its hidden states
+(``h`` per token) and of the head (``vocab * h`` per microbatch). On top, once per rank, the largest
+working set that lives only inside one layer's backward or one loss chunk (:mod:`hfpipe.plan.transient`).
+MTP layers cost nothing: the loader skips them; a layout places them only by name.
 
 Microbatches in flight come from torch's own schedule (the action list each rank runs, as
 ``torch.distributed.pipelining`` builds it): a forward adds a microbatch to its stage, a full
@@ -77,6 +75,7 @@ from hfpipe.plan.peak import rank_peak
 from hfpipe.plan.quant import check_quant, describe_quant, price_ranks as price_base
 from hfpipe.plan import context, tensor
 from hfpipe.plan.text import format_report, size as _size
+from hfpipe.plan.transient import rank_transient
 
 __all__ = ["BYTES_PER_PARAM", "PlanReport", "param_bytes", "RankReport", "StageReport", "format_report",
            "load_model_config", "plan_report"]
@@ -109,6 +108,7 @@ class RankReport:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int  # the peak over the rank's schedule, not the sum of stage peaks
+    backward_bytes: int = 0  # of activation_bytes, what lives only inside a backward or a loss chunk
     transient_bytes: int = 0  # a quantized base's dequantized weights (hfpipe.plan.quant)
     all_to_all_bytes: int = 0  # expert-parallel traffic one GPU sends per step (not memory)
     tp_bytes: int = 0  # tensor-parallel traffic one GPU moves per step (not memory)
@@ -253,8 +253,10 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         counts[s.index] * per_mb[s.index] + (extra + kv if s.layers else 0)) for s in plan.stages)
     recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens)) + kv
                   if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
+    passing = [rank_transient(plan.stages_of_rank(r), config, dtype, lora_key, shards > 1, tokens, tp,
+                              head.unchunked(config, tokens), head.trains, extra) for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
-                               peaks[r] + recomputes[r]) for r in range(pp))
+                               peaks[r] + recomputes[r] + passing[r], passing[r]) for r in range(pp))
     # tp first: under ep the routed experts stay whole over tp, and price_ep then prices each rank's 1 / ep of
     # them as FSDP2 shards over the dp / ep x tp ranks that hold them (hfpipe.plan.experts)
     ranks = price_ep(tensor.price_ranks(ranks, plan, costs, tp, ep), plan, costs, dtype, shards, ep, reshard, tp)
@@ -272,7 +274,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, shards, ep, tp, sp, reshard, m, tokens,
                                     activation_checkpointing, adapters)
     ranks = tuple(_apart(r, actions[r.rank], {s.index: parts[s.index] for s in plan.stages_of_rank(r.rank)},
-                         recomputes[r.rank]) for r in ranks)
+                         recomputes[r.rank] + r.backward_bytes) for r in ranks)
     cp_bytes = context.cp_traffic(plan, config, cp, tp, m, batch // m, seq_len, dtype, activation_checkpointing)
     ranks = tuple(dataclasses.replace(r, cp_bytes=c) for r, c in zip(ranks, cp_bytes))
     notes += lines + context.describe(cp, dp, cp_bytes, [r.fsdp_bytes for r in ranks], _size)
@@ -395,7 +397,7 @@ def _apart(rank: RankReport, steps, parts: dict[int, list[tuple[int, int]]], rec
     return dataclasses.replace(rank, apart_bytes=max(0, int(rank.activation_bytes + rank.grad_bytes - peak)))
 
 
-def _rank_report(rank: int, plan, stages, costs, config, per_param, activations: int) -> RankReport:
+def _rank_report(rank: int, plan, stages, costs, config, per_param, activations: int, passing=0) -> RankReport:
     mine = [s for s in stages if s.rank == rank]
     specs = plan.stages_of_rank(rank)
     params = sum(s.params for s in mine)
@@ -404,7 +406,7 @@ def _rank_report(rank: int, plan, stages, costs, config, per_param, activations:
         params -= costs.embed_params  # one shared embedding/head matrix on this rank
     w, g, o = per_param
     return RankReport(rank, tuple(s.index for s in mine), params, int(params * w), int(params * g),
-                      int(params * o), activations)
+                      int(params * o), activations, passing)
 
 
 def _holds(stage) -> str:
