@@ -214,11 +214,12 @@ def _head_peak(config, dtype: str, lora, tokens: int) -> int:
     from hfpipe.models.spec import StageSpec
 
     stage, adapter = _stage(config, StageSpec(0, (), embed=False, head=True), dtype, lora)
-    x = torch.zeros(adapter.hidden_shape(config, 1, tokens), dtype=_DTYPES[dtype], requires_grad=True)
     targets = torch.zeros(tokens, dtype=torch.long)
     live = LiveBytes(p.untyped_storage().data_ptr() for p in stage.parameters())
     with live, _SkipMatmuls():
         before = live.restart()
+        # made under the tracker: the caller subtracts what the head saves, which in fp32 is this input itself
+        x = torch.zeros(adapter.hidden_shape(config, 1, tokens), dtype=_DTYPES[dtype], requires_grad=True)
         logits = stage.logits(x)
         # the logits stay alive through the backward: a chunk's in its loop, a whole microbatch's as the
         # stage's output, which the schedule keeps for the stage's backward

@@ -75,9 +75,13 @@ def test_a_layers_backward_is_priced_on_top_of_what_it_saved(llama, case, monkey
                                   Case("full", "full", "bf16"), Case("lora", "none", "fp32")], ids=str)
 def test_every_backward_is_priced_with_the_loss_chunked(llama, case, monkeypatch):
     # full fine-tuning: the chunked loss keeps the head's gradient it made in forward while its backward
-    # hands on a scaled copy (hfpipe.loss.chunked); full checkpointing: the recomputed layer's backward
+    # hands on a scaled copy (hfpipe.loss.chunked); full checkpointing: the recomputed layer's backward.
+    # The kept gradients are priced among the activations but are no saved tensors (full with full AC:
+    # 1.32x of the saved ones), so activations are held to "never under" only; the total to both bounds.
     monkeypatch.setenv("HFPIPE_LOSS_CHUNK_TOKENS", str(CHUNKED))
-    assert_priced(compare(llama, case))
+    r = compare(llama, case)
+    assert r["run"] <= r["plan"] <= OVER * r["run"], f"planned {r['plan']:,}, held {r['run']:,}"
+    assert r["run_act"] <= r["plan_act"], f"activations planned {r['plan_act']:,}, saved {r['run_act']:,}"
 
 
 MATRIX = [Case(mode, ac, dtype) for mode in ("full", "lora") for ac in ("none", "selective", "full")
