@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hfpipe.errors import HfpipeError
-from hfpipe.plan.activations import _DTYPES, _TOKENS, _SkipMatmuls, _add_lora, _materialise, _signature
+from hfpipe.plan.layer_run import _DTYPES, _TOKENS, _SkipMatmuls, _add_lora, _materialise, _signature
 
 __all__ = ["LiveBytes", "backward_bytes_per_token", "loss_chunk_bytes_per_token", "rank_transient"]
 
@@ -100,11 +100,11 @@ def rank_transient(stages, config, dtype: str, lora: tuple[int, str] | None, fsd
     states', and the head's where it trains) while its backward hands on scaled copies of them
     (:mod:`hfpipe.loss.chunked`): on the last stage those stay beside every layer's backward."""
     from hfpipe.loss.budget import chunk_tokens
-    from hfpipe.models.support import get_adapter
+    from hfpipe.models.registry import adapter_for
     from hfpipe.plan.memory import ACT_BYTES
 
     act = ACT_BYTES[dtype]
-    hidden = math.prod(get_adapter(config).hidden_shape(config, 1, 1)[2:]) * act
+    hidden = math.prod(adapter_for(config).hidden_shape(config, 1, 1)[2:]) * act
     chunk = chunk_tokens(config.vocab_size)
     chunked = 0 < chunk < tokens
     most = 0

@@ -50,10 +50,11 @@ def test_the_issues_8b_at_128k_fits_one_node_of_80gb_at_cp8_where_dp8_does_not(l
     assert "on 8 GPUs (pp 1 x dp 1 x cp 8)" in result.stdout and "cp comm/step" in result.stdout
     after = plan_report(llama8b, 1, cp=8, **LONG_8B)
     # the issue's "before" was 118 GiB a rank; 87 since the plan counts gradients and activations as they
-    # coexist (hfpipe.plan.peak) and the head as what it keeps (tests/plan/test_plan_memory_measured.py)
+    # coexist (hfpipe.plan.peak) and the head as what it keeps (tests/plan/test_plan_memory_measured.py); 98.7
+    # with the recomputed layer's backward working set (hfpipe.plan.transient: its MLP's gradients at 128k tokens)
     before = plan_report(llama8b, 1, dp=8, **LONG_8B)
     assert after.gpus == before.gpus == 8
-    assert 84 * GIB < peak(before) < 90 * GIB and 50 * GIB < peak(after) < 0.9 * LIMIT
+    assert 95 * GIB < peak(before) < 102 * GIB and 50 * GIB < peak(after) < 0.9 * LIMIT
     # the same FSDP2 shards over 8 ranks; only the activations differ
     assert [after.ranks[0].weight_bytes, after.ranks[0].grad_bytes] == [before.ranks[0].weight_bytes,
                                                                        before.ranks[0].grad_bytes]

