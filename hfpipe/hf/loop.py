@@ -66,12 +66,12 @@ class PipelineLoop:
     # ---- data: one order per pipeline, disjoint shards over dp -------------------------------------
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
                         dataloader_key=None):
-        import datasets
         from torch.utils.data import DataLoader, IterableDataset
         from transformers.trainer_utils import seed_worker
+        from transformers.utils import is_datasets_available
 
         collator = self.data_collator
-        if isinstance(dataset, datasets.Dataset):
+        if is_datasets_available() and _is_hf_dataset(dataset):  # as the Trainer asks: datasets is optional there
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             collator = self._get_collator_with_removed_columns(collator, description=description)
@@ -272,3 +272,9 @@ def _counted_parameters(pipeline) -> int:
             warnings.simplefilter("ignore", FutureWarning)
             meta = get_peft_model(meta, copy.deepcopy(pipeline.lora))
     return meta.num_parameters(exclude_embeddings=True)
+
+
+def _is_hf_dataset(dataset) -> bool:
+    import datasets
+
+    return isinstance(dataset, datasets.Dataset)
