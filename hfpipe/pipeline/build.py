@@ -137,7 +137,7 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
     dims = dist.dims
     tp_mesh = dist.mesh["tp"] if dims.tp > 1 else None
     expert_mesh = dist.expert_mesh() if dims.ep > 1 else None
-    meta = _Meta(options.param_dtype, options.compute_dtype, options.param_dtype, options.quantize,
+    meta = _Meta(options.base_dtype, options.compute_dtype, options.base_dtype, options.quantize,
                  options.activation_checkpointing, options.sequence_parallel, options.fp8)
     modules, stats = _loaded_stages(source, plan, dist.pp_rank, dist.device, meta, tp_mesh, expert_mesh)
     if dims.cp > 1:
