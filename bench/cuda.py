@@ -39,6 +39,7 @@ Each case's result is one JSON line in ``--results`` as soon as it ends (a run c
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -161,7 +162,7 @@ def _trainer(path: str, a, pipelined: bool) -> dict:
     from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
     if pipelined:
-        import hfpipe.hf  # noqa: F401 - first, as a user's script has it
+        importlib.import_module("hfpipe.hf")  # first, as a user's script has it (it quiets the process start)
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     data = [{"input_ids": row, "labels": row} for row in torch.cat(_batches(vocab, a))]  # a map-style dataset
     steps = a.warmup + a.steps
