@@ -21,6 +21,8 @@ the first case of the same shape, measured in the same run on the same device:
  ``lora-hfpipe`` (``-compile``)  ``load_pipeline(dtype="bf16", lora=LoraConfig(...))`` (and ``compile=True``)
  ``lora-hfpipe-compile-fp8``    and ``fp8="rowwise"``: the frozen base multiplies in float8
  ``lora-hfpipe-ac``             ``activation_checkpointing="full"`` (the plan's other LoRA row)
+ ``lora-hfpipe-mixed`` (``-compile-fp8``)  ``dtype="bf16-mixed"``: the base in bf16, the fp32 adapters computed in
+                                bf16 (as PEFT under autocast computes them)
 ============================  ===========================================================================
 
 Beside each ``hfpipe`` case: what ``hfpipe plan`` promises for it (``plan_report``'s rank 0 total) and the plan's
@@ -61,14 +63,17 @@ SHAPES = {  # Llama-3-8B's dims; the slice keeps 8 of its 32 layers
 SHAPES["llama3-8b-slice"] = {**SHAPES["llama3-8b"], "num_hidden_layers": 8}
 CASES = ("plain", "plain-compile", "hfpipe", "hfpipe-full-logits", "hfpipe-compile", "hfpipe-fp8",
          "hfpipe-compile-fp8", "trainer", "pipeline-trainer", "lora-plain", "lora-hfpipe", "lora-hfpipe-compile",
-         "hfpipe-compile-fp8-tensorwise", "lora-hfpipe-compile-fp8", "lora-hfpipe-ac")
+         "hfpipe-compile-fp8-tensorwise", "lora-hfpipe-compile-fp8", "lora-hfpipe-ac", "lora-hfpipe-mixed",
+         "lora-hfpipe-mixed-compile-fp8")
 PROFILE: dict = {}  # {"to": path} when --profile-dir is given
 HFPIPE = {"hfpipe": {}, "hfpipe-full-logits": {"loss_chunk_tokens": 0}, "hfpipe-compile": {"compile": True},
           "hfpipe-fp8": {"fp8": "rowwise"}, "hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
           "hfpipe-compile-fp8-tensorwise": {"compile": True, "fp8": "tensorwise"},
           "lora-hfpipe": {}, "lora-hfpipe-compile": {"compile": True},
           "lora-hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
-          "lora-hfpipe-ac": {"activation_checkpointing": "full"}}
+          "lora-hfpipe-ac": {"activation_checkpointing": "full"},
+          "lora-hfpipe-mixed": {"dtype": "bf16-mixed"},
+          "lora-hfpipe-mixed-compile-fp8": {"dtype": "bf16-mixed", "compile": True, "fp8": "rowwise"}}
 
 
 def _device() -> torch.device:
@@ -148,7 +153,7 @@ def _hfpipe(path: str, a, options: dict, lora: bool) -> dict:
     from hfpipe.train.optim import build_optimizer
 
     extra = {"dtype": "bf16", "lora": _lora_config()} if lora else {"dtype": "bf16-mixed"}
-    pm = load_pipeline(path, pp=1, schedule="1f1b", microbatches=1, **extra, **options)
+    pm = load_pipeline(path, pp=1, schedule="1f1b", microbatches=1, **{**extra, **options})
     trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4, weight_decay=0.0), max_grad_norm=1.0)
 
     def step(ids):
@@ -240,7 +245,7 @@ def planned_bytes(folder: Path, case: str, a) -> int | None:
     lora = case.startswith("lora-")
     options = HFPIPE[case]
     return plan_report(load_config(folder), pp=1, schedule="1f1b", microbatches=1, seq_len=a.seq,
-                       batch_size=a.batch, dtype="bf16" if lora else "bf16-mixed",
+                       batch_size=a.batch, dtype=options.get("dtype", "bf16" if lora else "bf16-mixed"),
                        activation_checkpointing=options.get("activation_checkpointing", "none"),
                        lora_rank=16 if lora else None, lora_targets="all-linear").ranks[0].total_bytes
 

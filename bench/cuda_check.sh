@@ -22,5 +22,5 @@ run() {  # PART BUDGET CASES PROFILED
 run slice "${SLICE_BUDGET:-275}" \
   plain,hfpipe-compile,hfpipe-compile-fp8,trainer,pipeline-trainer,hfpipe-compile-fp8-tensorwise,plain-compile,hfpipe \
   hfpipe-compile,hfpipe-compile-fp8
-run lora "${LORA_BUDGET:-235}" lora-hfpipe-compile-fp8,lora-hfpipe,lora-hfpipe-ac,lora-plain,lora-hfpipe-compile \
-  lora-hfpipe-compile-fp8
+run lora "${LORA_BUDGET:-235}" lora-hfpipe-mixed-compile-fp8,lora-hfpipe-mixed,lora-plain,lora-hfpipe-compile-fp8,lora-hfpipe,lora-hfpipe-ac \
+  lora-hfpipe-mixed-compile-fp8
