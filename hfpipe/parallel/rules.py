@@ -127,14 +127,6 @@ def check_layout(dims: ParallelDims, schedule: str = "1f1b", *, vpp: int | None 
         raise ParallelError(f"--compile with --tp {dims.tp} --no-sequence-parallel: torch 2.13 cannot trace these "
                             "compiled layers' backward once sequence lengths vary; keep --sequence-parallel (the "
                             "default) or drop --compile")
-    if compile and dims.tp > 1 and lora:
-        # Measured on torch 2.13 (CPU, Llama at pp1 and pp2 x tp2): a row-split layer's lora_B runs under torch's
-        # SequenceParallel (hfpipe.lora.tensor), and a compiled SequenceParallel linear fails at the second sequence
-        # length, in torch alone (tests/models/test_models_compile_tp.py): AOTAutograd's symbolic sizes of its
-        # backward refer to each other (s = 2*s // 2) and _compute_proxy recurses without end.
-        raise ParallelError(f"--compile with --tp {dims.tp} and LoRA: torch 2.13 cannot trace the compiled backward "
-                            "of a sequence-parallel adapter once sequence lengths vary; drop --compile, or use "
-                            "--tp 1 with LoRA")
     if compile and (dims.tp > 1 or dims.ep > 1) and os.environ.get("TORCHINDUCTOR_AUTOGRAD_CACHE") == "1":
         # hfpipe turns that cache off under tp/ep (hfpipe.models.compile); this variable outranks code in torch
         raise ParallelError("TORCHINDUCTOR_AUTOGRAD_CACHE=1 forces torch's AOTAutograd cache on, which hands one tp "

@@ -86,20 +86,16 @@ def test_the_zero_bubble_schedules_are_refused_with_compile_in_one_line(schedule
 
 
 @pytest.mark.parametrize("command", ["plan", "finetune"])
-@pytest.mark.parametrize("flags, says", [
-    (["--schedule", "zbv"], "--compile with --schedule zbv: the zero-bubble schedules"),
-    (["--tp", "2", "--lora-rank", "8"], "--compile with --tp 2 and LoRA: torch 2.13 cannot trace"),
-])
-def test_plan_and_finetune_refuse_what_cannot_run_compiled_exit_2(command, flags, says, tmp_path):
+def test_plan_and_finetune_refuse_what_cannot_run_compiled_exit_2(command, tmp_path):
     from hfpipe.cli.main import app
 
-    args = [command, "meta-llama/Llama-3.1-8B", "--pp", "2", "--compile", *flags]
+    args = [command, "meta-llama/Llama-3.1-8B", "--pp", "2", "--schedule", "zbv", "--compile"]
     if command == "finetune":
         args += ["--dataset", str(tmp_path / "d.jsonl"), "--output-dir", str(tmp_path / "out")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     lines = error_lines(result.output)
-    assert len(lines) == 1 and says in lines[0], lines
+    assert len(lines) == 1 and "--compile with --schedule zbv: the zero-bubble schedules" in lines[0], lines
     assert not (tmp_path / "out").exists()
 
 

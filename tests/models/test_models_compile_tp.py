@@ -2,9 +2,10 @@
 
 Compiled float8 layers split over tp ranks (sequence parallel) train as the eager ones do, and within the float8
 tolerance of bf16-mixed (``tests/quant/test_quant_fp8_training.py``'s: 2%, while differing from it), at a second
-sequence length too, where the layers run a symbolic graph. LoRA's adapters on tp-split layers cannot be traced by
-torch 2.13 at that second length: the combination is refused in one line, and torch's side is shown alone.
-The default suite runs the refusal and one aot_eager float8 case; inductor and both recipes are ``slow``.
+sequence length too, where the layers run a symbolic graph. LoRA's adapters split over tp ranks, compiled, train as
+PEFT's in one process; a row-split layer's ``lora_B`` multiplies row by row for it (``hfpipe.lora.tensor``), since
+torch 2.13 cannot trace its ``F.linear`` at that second length (shown here in torch alone). The default suite runs
+one aot_eager float8 case; inductor, both recipes, LoRA and torch's side are ``slow``.
 """
 
 from __future__ import annotations
@@ -15,35 +16,36 @@ import torch
 from _dist import run_ranks, tiny_checkpoint
 
 
-def test_compile_with_tp_and_lora_is_refused_in_one_line_by_the_api_before_loading():
-    """Measured with the refusal lifted (pp1 and pp2 x tp2 Llama, all-linear LoRA, PEFT's oracle): the row-split
-    layers' (o_proj, down_proj) adapters fail at the second sequence length; the column-split ones' ran. The torch
-    side is ``test_a_compiled_sequence_parallel_linear_fails_at_a_second_length_in_torch``."""
-    from peft import LoraConfig
+@pytest.mark.slow
+def test_compiled_lora_at_pp2_x_tp2_matches_peft():
+    """All-linear adapters split as their tp-split bases are (hfpipe.lora.tensor), inside compiled layers, sequence
+    parallel, the length changing between steps: PEFT in one process (fp32, 1e-5)."""
+    from test_lora_equivalence import run_and_check
 
-    from hfpipe.api import load_pipeline
-    from hfpipe.errors import HfpipeError
-
-    path = str(tiny_checkpoint("llama", num_hidden_layers=2))
-    with pytest.raises(HfpipeError, match=r"\): compile with tp 2 and LoRA: torch 2.13 cannot trace") as e:
-        load_pipeline(path, pp=1, tp=2, compile=True, lora=LoraConfig(r=4, target_modules="all-linear"))
-    assert "\n" not in str(e.value)
+    run_and_check("llama", 2, ("1f1b",), options={"tp": 2, "compile": True})
 
 
-def sequence_parallel_linear(rows: int) -> list[str]:
-    """torch alone, on 2 ranks: a linear under torch's ``SequenceParallel`` (a row-split layer's ``lora_B``),
-    compiled, on a sequence-sharded input of 16 then 12 tokens; what each call said."""
+def sequence_parallel_linear(rows: int, batched: bool) -> list[str]:
+    """On 2 ranks: a linear under torch's ``SequenceParallel`` (a row-split layer's ``lora_B``), compiled, on a
+    sequence-sharded input of 16 then 12 tokens, as torch runs it or (``batched``) by hfpipe's
+    ``_rows_times_weight``; what each call said."""
+    from functools import partial
+
     import torch._functorch.config as functorch_config
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
+    from hfpipe.lora.tensor import _rows_times_weight
+
     functorch_config.enable_autograd_cache = False  # each process compiles its own graphs
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
     linear = torch.nn.Linear(4, 16, bias=False)
     parallelize_module(linear, mesh, SequenceParallel(sequence_dim=1, use_local_output=False))
+    if batched:
+        linear.forward = partial(_rows_times_weight, linear)
     linear.compile(backend="aot_eager")  # the same trace as inductor's, without C++ builds
     said = []
     for seq in (16, 12):
@@ -58,15 +60,15 @@ def sequence_parallel_linear(rows: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 2])
-def test_a_compiled_sequence_parallel_linear_fails_at_a_second_length_in_torch(rows):
-    """Why --compile with --tp and LoRA is refused (torch 2.13): the first length traces with static sizes and
-    runs; the second, symbolic, recurses without end. When this starts to pass, lift the refusal in
-    hfpipe.parallel.rules and test compile x tp x LoRA against PEFT (test_lora_equivalence.run_and_check)."""
-    said = run_ranks(sequence_parallel_linear, 2, rows)
+def test_a_compiled_sequence_parallel_linear_fails_at_a_second_length_and_rows_times_weight_runs(rows):
+    """Why a row-split layer's ``lora_B`` multiplies by ``bmm`` (torch 2.13): torch's own ``F.linear`` on a
+    sequence-sharded DTensor traces the first length (static sizes) and recurses without end at the second
+    (symbolic); one matmul per row runs both. When the first assertion fails, torch has fixed it: drop
+    ``_rows_times_weight``."""
+    plain, batched = (run_ranks(sequence_parallel_linear, 2, rows, b) for b in (False, True))
     for rank in (0, 1):
-        assert said[rank][0] == "ran", said
-        assert "maximum recursion depth exceeded" in said[rank][1], said
-
+        assert plain[rank][0] == "ran" and "maximum recursion depth exceeded" in plain[rank][1], plain
+        assert batched[rank] == ["ran", "ran"], batched
 
 
 def float8_worker(path: str, tp: int, recipe: str, backend: str, lengths: tuple, bf16: bool) -> dict:
