@@ -70,13 +70,14 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
     :class:`hfpipe.hf.trainer.PipelineTrainer` (``pp``, ``dp``, ``tp``, ``ep``, ``schedule``, ``microbatches``,
     ...). ``per_device_train_batch_size`` counts pairs, as in TRL: a multiple of the microbatches (each
     microbatch holds whole pairs). ``peft_config`` gives PEFT's LoRA on the stages; its reference is the base
-    with the adapters off.
+    with the adapters off. ``fp8``: float8 training, as :class:`~hfpipe.hf.trainer.PipelineTrainer` takes it
+    (needs ``bf16=True``); the reference pass runs the same float8 linears.
     """
 
     def __init__(self, model, ref_model=None, args=None, *, pp: int | None = None, dp: int = 1, ep: int = 1,
                  tp: int = 1, cp: int = 1, schedule: str = "1f1b", microbatches: int | None = None,
-                 layout: str | None = None, peft_config=None, optimizers=(None, None), compute_metrics=None,
-                 quantization_config=None, processing_class=None, **kwargs):
+                 layout: str | None = None, peft_config=None, fp8: str | None = None, optimizers=(None, None),
+                 compute_metrics=None, quantization_config=None, processing_class=None, **kwargs):
         if args is None:
             args = DPOConfig(f"{str(model).rstrip('/').split('/')[-1]}-DPO")
         refuse_unsupported(args, compute_metrics=compute_metrics)
@@ -86,7 +87,7 @@ class PipelineDPOTrainer(PipelineLoop, DPOTrainer):
         options = PipelineLayout(pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, schedule=schedule, microbatches=microbatches,
                                  layout=layout)
         trust = bool(getattr(args, "trust_remote_code", False))
-        stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust)
+        stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust, fp8)
         self.pipeline.pipe.use_objective(self._preference)
         if processing_class is None:  # as TRL loads it, from the model's folder
             from transformers import AutoTokenizer

@@ -50,14 +50,14 @@ class PipelineLoop:
                         trust_remote_code: bool, fp8: str | None = None) -> PipelineStages:
         """Load this rank's stages of ``model`` (a folder or hub id) with ``load_pipeline`` (hfpipe.api's,
         passed in by the face so that this layer stays below it); returns the module the Trainer holds.
-        ``fp8``: the face's float8 recipe keyword (:func:`hfpipe.hf.options.float8_recipe`)."""
+        ``fp8``: the face's float8 recipe keyword, the same for every face (:func:`hfpipe.hf.options.float8_recipe`)."""
         if not isinstance(model, (str, bytes)) and not hasattr(model, "__fspath__"):
             raise ConfigError(f"{type(self).__name__}(model=<{type(model).__name__}>): give the model's folder or "
                               "hub id; each rank then loads only its own stages")
         if options.microbatches:  # known before loading: refuse before any process group starts
             check_layout_args(args, options.microbatches, options.dp * options.cp)
         self.pipeline = load_pipeline(str(model), **load_kwargs(load_pipeline, options, args, peft_config,
-                                                                trust_remote_code, fp8))
+                                                                trust_remote_code, fp8, type(self).__name__))
         check_layout_args(args, self.pipeline.pipe.microbatches, options.dp * options.cp)  # the default: one per stage
         self._steps = self.pipeline.trainer(None, max_grad_norm=args.max_grad_norm)  # the Trainer steps its optimizer
         see_the_world(args)

@@ -86,8 +86,8 @@ def check_layout_args(args, microbatches: int, shards: int = 1) -> None:
                               f"microbatches; use a multiple of {microbatches}, or pass microbatches= that divides it")
 
 
-def float8_recipe(args, fp8: str | None) -> str | None:
-    """The float8 training recipe of a Trainer run (``None``: off): ``fp8=``, or hfpipe's default when
+def float8_recipe(args, fp8: str | None, face: str = "PipelineTrainer") -> str | None:
+    """The float8 training recipe of a Trainer run (``None``: off): the ``face``'s ``fp8=``, or hfpipe's default when
     accelerate's ``mixed_precision`` is ``"fp8"`` (``accelerate launch --mixed_precision fp8``, or
     ``ACCELERATE_MIXED_PRECISION=fp8``, which TrainingArguments reads unless ``bf16``/``fp16`` is set).
 
@@ -100,18 +100,18 @@ def float8_recipe(args, fp8: str | None) -> str | None:
     if recipe is None:
         return None
     if recipe not in FP8_RECIPES:
-        raise ConfigError(f"PipelineTrainer(fp8={recipe!r}): choose one of {', '.join(map(repr, FP8_RECIPES))}")
+        raise ConfigError(f"{face}(fp8={recipe!r}): choose one of {', '.join(map(repr, FP8_RECIPES))}")
     if not (args.bf16 or accelerate_fp8):
-        raise ConfigError(f"PipelineTrainer(fp8={recipe!r}) multiplies bf16 activations in float8; set "
-                          "TrainingArguments(bf16=True)")
+        raise ConfigError(f"{face}(fp8={recipe!r}) multiplies bf16 activations in float8; set "
+                          f"{type(args).__name__}(bf16=True)")
     return recipe
 
 
 def load_kwargs(load_pipeline, layout: PipelineLayout, args, peft_config, trust_remote_code: bool,
-                fp8: str | None = None) -> dict:
+                fp8: str | None = None, face: str = "PipelineTrainer") -> dict:
     """``load_pipeline``'s keywords: ``layout``'s fields and the :class:`StageOptions` of TrainingArguments
-    (``fp8``: the face's ``fp8=`` keyword, see :func:`float8_recipe`)."""
-    fp8 = float8_recipe(args, fp8)
+    (``fp8``: the keyword of the ``face`` class, see :func:`float8_recipe`)."""
+    fp8 = float8_recipe(args, fp8, face)
     checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
     # torch_compile: each decoder layer compiled in place (hfpipe.models.compile), never the Trainer's whole
     # model, which accelerate would compile in prepare() (the stages are never prepared: hf/loop.py)

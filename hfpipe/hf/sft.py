@@ -49,14 +49,15 @@ class PipelineSFTTrainer(PipelineLoop, SFTTrainer):
     Takes ``SFTTrainer``'s arguments, with ``model`` a folder or hub id and the pipeline's keywords of
     :class:`hfpipe.hf.trainer.PipelineTrainer` (``pp``, ``dp``, ``tp``, ``ep``, ``cp``, ``schedule``, ...);
     under ``cp`` set ``SFTConfig(pad_to_multiple_of=2 * cp)``.
-    ``peft_config`` gives PEFT's LoRA on the stages (through ``load_pipeline``, not ``get_peft_model``).
+    ``peft_config`` gives PEFT's LoRA on the stages (through ``load_pipeline``, not ``get_peft_model``);
+    ``fp8`` float8 training, as :class:`~hfpipe.hf.trainer.PipelineTrainer` takes it (needs ``bf16=True``).
     """
 
     def __init__(self, model, args=None, *, pp: int | None = None, dp: int = 1, ep: int = 1, tp: int = 1,
                  cp: int = 1, schedule: str = "1f1b", microbatches: int | None = None, layout: str | None = None,
-                 peft_config=None, optimizers=(None, None), compute_loss_func=None, compute_metrics=None,
-                 preprocess_logits_for_metrics=None, quantization_config=None, formatting_func=None,
-                 processing_class=None, **kwargs):
+                 peft_config=None, fp8: str | None = None, optimizers=(None, None), compute_loss_func=None,
+                 compute_metrics=None, preprocess_logits_for_metrics=None, quantization_config=None,
+                 formatting_func=None, processing_class=None, **kwargs):
         if args is None:
             args = SFTConfig(f"{str(model).rstrip('/').split('/')[-1]}-SFT")
         refuse_unsupported(args, compute_loss_func=compute_loss_func, compute_metrics=compute_metrics,
@@ -66,7 +67,7 @@ class PipelineSFTTrainer(PipelineLoop, SFTTrainer):
         options = PipelineLayout(pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, schedule=schedule, microbatches=microbatches,
                                  layout=layout)
         trust = bool(getattr(args, "trust_remote_code", False))
-        stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust)
+        stages = self._start_pipeline(load_pipeline, model, args, options, peft_config, trust, fp8)
         if processing_class is None:  # as TRL loads it, from the model's folder
             from transformers import AutoTokenizer
 

@@ -13,7 +13,8 @@ are split the way Megatron splits LoRA, with torch's own styles, which do every 
   back that whole gradient, which autograd adds to the base's partial ones before the block's one sum.
 - rowwise base (``x[:, rows]`` in, summed out): ``lora_A`` rowwise (its (B, T, r) output summed over
   the ranks, or reduce-scattered by sequence under SP, as the base's output is), ``lora_B`` whole
-  (under SP a replicated DTensor, so its gradient from this rank's tokens is summed).
+  (under SP a replicated DTensor, so its gradient from this rank's tokens is summed; it multiplies row
+  by row, :func:`_rows_times_weight`, which ``--compile`` can trace at every sequence length).
 - a base the plan leaves whole (MLA's ``q_a_proj``): whole adapters on a whole, replicated input.
 - an FP8 base (``--quantize-base fp8``) split by :mod:`hfpipe.quant.tensor`: the same as a plain
   colwise or rowwise base (it returns the same part of the output), so its adapters split alike.
@@ -28,6 +29,9 @@ and keeps its part, so the start is the same at any tp.
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
@@ -88,6 +92,22 @@ def split_adapters(modules: list[nn.Module], plans: list[dict], tp_mesh) -> None
             _split(layer, plan.get(name), tp_mesh, name)
 
 
+def _rows_times_weight(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` for a sequence-sharded DTensor ``x`` of (B, T, r) and a replicated weight, as one matmul per row.
+
+    ``F.linear`` flattens (B, T) into one dim, and DTensor's sharding rule for that view of a sequence-sharded
+    tensor cannot be traced by torch 2.13 once T is symbolic (``--compile`` at a second length: its proxies
+    refer to each other without end, tests/models/test_models_compile_tp.py). ``bmm`` keeps T a dim of its own:
+    the same products, summed in the kernel's own order (within fp32 rounding of ``F.linear``'s, 1e-7 measured),
+    and the weight's gradient is the same partial sum over this rank's tokens.
+    """
+    if x.dim() != 3:
+        return nn.functional.linear(x, linear.weight, linear.bias)
+    weight = linear.weight.t()  # (r, out)
+    out = torch.bmm(x, weight.unsqueeze(0).expand(x.shape[0], *weight.shape))  # (B, T, out)
+    return out if linear.bias is None else out + linear.bias
+
+
 def _split(layer: nn.Module, style, mesh, name: str) -> None:
     a, b = layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]
     if style is None:
@@ -109,6 +129,7 @@ def _split(layer: nn.Module, style, mesh, name: str) -> None:
         if isinstance(to, Shard):  # SP: this rank's tokens of r-wide rows; B's gradient summed over ranks
             parallelize_module(b, mesh, SequenceParallel(sequence_dim=to.dim, use_local_output=False),
                                src_data_rank=None)
+            b.forward = partial(_rows_times_weight, b)
         elif not isinstance(to, Replicate):
             raise LoraError(f"--tp with LoRA: {name}'s output layout {to} has no adapter split")
     else:

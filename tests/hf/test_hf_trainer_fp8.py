@@ -1,5 +1,6 @@
 """Float8 training in a Trainer script: ``PipelineTrainer(fp8="rowwise" | "tensorwise")``, or accelerate's
-``mixed_precision="fp8"`` (``accelerate launch --mixed_precision fp8``), as ``--fp8`` does for the CLI.
+``mixed_precision="fp8"`` (``accelerate launch --mixed_precision fp8``), as ``--fp8`` does for the CLI; TRL's faces
+(``PipelineSFTTrainer``, ``PipelineDPOTrainer``) take the same keyword through the same code path.
 
 The oracle is ``tests/quant/test_quant_fp8_training.py``'s: the same script in bf16-mixed, whose losses the float8
 run's must stay within 2% of while differing from them (the matmuls really ran in float8); the folder
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import folder_tensors
+from _dist import folder_tensors, tiny_checkpoint
 from test_hf_trainer import finish, losses, start_script
 
 pytest.importorskip("torchao", reason="fp8 needs torchao (pip install 'hfpipe[qlora]')")
@@ -85,3 +86,71 @@ def test_an_fp8_the_pipeline_cannot_run_is_refused_in_one_line_before_loading(tm
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **given)
     with pytest.raises(ConfigError, match=words):
         PipelineTrainer("unused", args=args, pp=2, fp8=fp8)  # refused before the folder is read
+
+
+# ---- TRL's faces: the same keyword, the same path (hfpipe.hf.loop._start_pipeline) ------------------------
+def _sft(path, args):
+    from datasets import Dataset
+
+    from hfpipe.hf import PipelineSFTTrainer
+
+    rows = [{"text": f"Question {i}: what is {i} plus {i % 3}? It is {i + i % 3}."} for i in range(4)]
+    return PipelineSFTTrainer(path, args=args, pp=1, fp8="rowwise", train_dataset=Dataset.from_list(rows))
+
+
+def _dpo(path, args):
+    from datasets import Dataset
+
+    from hfpipe.hf import PipelineDPOTrainer
+
+    rows = [{"prompt": f"Question {i}: what is {i} plus 1?", "chosen": f" It is {i + 1}.",
+             "rejected": f" Maybe {i * 3 % 7}."} for i in range(4)]
+    return PipelineDPOTrainer(path, args=args, pp=1, fp8="rowwise", train_dataset=Dataset.from_list(rows))
+
+
+#: face -> (its class, its TRL config class, how it is built on a folder)
+FACES = {"sft": ("PipelineSFTTrainer", "SFTConfig", _sft), "dpo": ("PipelineDPOTrainer", "DPOConfig", _dpo)}
+
+
+def _config(face: str, tmp_path, **given):
+    import trl
+
+    return getattr(trl, FACES[face][1])(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1,
+                                        per_device_train_batch_size=2, max_length=32, save_strategy="no",
+                                        disable_tqdm=True, **given)
+
+
+@pytest.mark.parametrize("face", list(FACES))
+def test_trls_faces_take_fp8_convert_the_decoder_linears_and_train_a_finite_step(face, tmp_path):
+    pytest.importorskip("trl")
+    import math
+
+    from torchao.float8.float8_linear import Float8Linear
+
+    trainer = FACES[face][2](str(tiny_checkpoint("llama", num_hidden_layers=2)), _config(face, tmp_path, bf16=True))
+    linears = {n for stage in trainer.pipeline.modules for n, m in stage.named_modules() if isinstance(m, Float8Linear)}
+    assert len(linears) == 2 * 7 and not any(n.startswith("lm_head") for n in linears), sorted(linears)
+    loss = trainer.train().training_loss
+    assert math.isfinite(loss) and loss > 0, loss
+
+
+@pytest.mark.parametrize("face", list(FACES))
+def test_trls_faces_refuse_fp8_without_bf16_in_one_line_before_loading(face, tmp_path):
+    pytest.importorskip("trl")
+    from hfpipe.errors import ConfigError
+
+    cls, config, build = FACES[face]
+    with pytest.raises(ConfigError, match=rf"^{cls}\(fp8='rowwise'\) multiplies bf16 activations in float8; "
+                                          rf"set {config}\(bf16=True\)$"):
+        build("unused", _config(face, tmp_path, bf16=False))  # refused before the folder is read
+
+
+def test_every_face_takes_fp8_as_a_keyword_off_by_default():
+    pytest.importorskip("trl")
+    import inspect
+
+    from hfpipe.hf import PipelineDPOTrainer, PipelineSFTTrainer, PipelineTrainer
+
+    for face in (PipelineTrainer, PipelineSFTTrainer, PipelineDPOTrainer):
+        fp8 = inspect.signature(face.__init__).parameters["fp8"]
+        assert (fp8.kind, fp8.default) == (inspect.Parameter.KEYWORD_ONLY, None), face

@@ -311,3 +311,38 @@ def test_compiled_experts_with_ep2_and_the_router_aux_loss():
     from test_pipeline_router_loss import check
 
     check("qwen3_moe", 2, "1f1b", 4, dp=2, options={"ep": 2, **COMPILE})
+
+
+
+def _finetune(tmp_path, name: str, *flags) -> tuple[list[dict], dict, str]:
+    """``hfpipe finetune`` at pp 2 with LoRA on the builtin chat data, in subprocesses: its metrics, adapters and
+    log."""
+    import json
+
+    from _dist import folder_tensors
+    from test_cli_e2e import hfpipe
+
+    model = tiny_checkpoint("llama", num_hidden_layers=4)
+    run = hfpipe("finetune", model, "--pp", 2, "--lora-rank", 4, "--max-steps", 4, "--seq-len", 64, "--batch-size",
+                 4, "--microbatches", 2, "--lr", 3e-3, "--output-dir", name, "--save-hf-at-end", *flags,
+                 cwd=tmp_path, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return rows, folder_tensors(tmp_path / name / "hf"), run.stderr
+
+
+@pytest.mark.slow
+def test_finetune_compile_with_full_and_selective_checkpointing_and_lora_at_pp2_trains_as_eager(tmp_path):
+    """The CLI's run, eager against compiled with each checkpointing mode: the same losses and grad norms per step
+    (fp32, 1e-5), the same adapters at the end (the builtin data's varying lengths: a symbolic graph too)."""
+    eager, eager_adapters, _ = _finetune(tmp_path, "eager")
+    for ac in ("full", "selective"):
+        rows, adapters, log = _finetune(tmp_path, ac, "--compile", "--activation-checkpointing", ac)
+        assert "hfpipe.models.compile: torch.compile: compiling frame 0 again" in log, "compiled, then symbolic"
+        assert [r["step"] for r in rows] == [r["step"] for r in eager] == [1, 2, 3, 4]
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor([r[key] for r in rows]), torch.tensor([r[key] for r in eager]),
+                                       rtol=0, atol=1e-5, msg=lambda m: f"{ac} {key}: {m}")
+        assert sorted(adapters) == sorted(eager_adapters) and all(".lora_" in k for k in adapters)
+        for key, want in eager_adapters.items():
+            torch.testing.assert_close(adapters[key], want, rtol=0, atol=1e-5, msg=lambda m: f"{ac} {key}: {m}")
