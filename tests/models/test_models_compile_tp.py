@@ -114,7 +114,6 @@ def _run_float8(recipe: str, backend: str, lengths: tuple, bf16: bool) -> dict:
     return results
 
 
-@pytest.mark.slow  # ~35 s: the default suite keeps compile x tp's bf16 case (tests/models/test_models_compile.py)
 def test_compiled_fp8_at_tp2_trains_as_eager_fp8_does():
     """torchao's float8 linears split by tp's styles inside compiled layers, a second length included; aot_eager
     traces what inductor gets (the slow test below runs inductor against bf16-mixed too)."""
