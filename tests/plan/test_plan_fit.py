@@ -59,8 +59,9 @@ def test_the_plan_of_a_config_uses_finetunes_defaults():
 def test_dp_shards_masters_grads_and_adamw_but_not_the_step_buffers(dtype):
     """FSDP2 under pipelining: the compute-dtype weights and reduce-dtype gradients are whole
     for the whole step (no reshard after forward, no gradient sync before the last backward); their
-    shards replace them one unit at a time after it, so the two are never held whole together."""
-    compute, reduce = {"fp32": (4, 4), "bf16-mixed": (2, 4), "bf16": (2, 2), "fp64": (8, 8)}[dtype]
+    shards replace them one unit at a time after it, so the two are never held whole together. The reduce dtype is
+    fp32 under bf16 too (hfpipe.parallel.fsdp), and FSDP2 accumulates the whole gradients in it."""
+    compute, reduce = {"fp32": (4, 4), "bf16-mixed": (2, 4), "bf16": (2, 4), "fp64": (8, 8)}[dtype]
     master = {"bf16": 2, "fp64": 8}.get(dtype, 4)
     adamw = 2 * master
     assert param_bytes(dtype, 1) == BYTES_PER_PARAM[dtype]
