@@ -15,10 +15,19 @@ the first case of the same shape, measured in the same run on the same device:
  ``hfpipe-compile``             ``compile=True``
  ``hfpipe-fp8``                 ``fp8="rowwise"`` (torchao float8 training)
  ``hfpipe-compile-fp8``         both
+ ``hfpipe-compile-fp8-tensorwise``  the same with ``fp8="tensorwise"`` (one scale per tensor)
  ``trainer`` / ``pipeline-trainer``  transformers' ``Trainer(bf16=True)`` and ``PipelineTrainer(pp=1)``, same data
  ``lora-plain``                 PEFT ``get_peft_model`` r16 all-linear on a bf16 base (``--lora-shape``), autocast
  ``lora-hfpipe`` (``-compile``)  ``load_pipeline(dtype="bf16", lora=LoraConfig(...))`` (and ``compile=True``)
+ ``lora-hfpipe-compile-fp8``    and ``fp8="rowwise"``: the frozen base multiplies in float8
+ ``lora-hfpipe-ac``             ``activation_checkpointing="full"`` (the plan's other LoRA row)
+ ``lora-hfpipe-mixed`` (``-compile-fp8``)  ``dtype="bf16-mixed"``: the base in bf16, the fp32 adapters computed in
+                                bf16 (as PEFT under autocast computes them)
 ============================  ===========================================================================
+
+Beside each ``hfpipe`` case: what ``hfpipe plan`` promises for it (``plan_report``'s rank 0 total) and the plan's
+ratio to the peak measured (``torch.cuda.max_memory_allocated``): the plan must never be under it. The plan
+prices eager layers (compiled ones hold less, so it stays over).
 
 MFU = tokens/s x FLOPs per token / peak, with FLOPs per token = 6 N + 12 L h s for full fine-tuning and
 4 N + 12 L h s for LoRA (no weight gradients of the frozen base), N the parameters other than the input
@@ -32,6 +41,7 @@ Each case's result is one JSON line in ``--results`` as soon as it ends (a run c
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -52,11 +62,18 @@ SHAPES = {  # Llama-3-8B's dims; the slice keeps 8 of its 32 layers
 }
 SHAPES["llama3-8b-slice"] = {**SHAPES["llama3-8b"], "num_hidden_layers": 8}
 CASES = ("plain", "plain-compile", "hfpipe", "hfpipe-full-logits", "hfpipe-compile", "hfpipe-fp8",
-         "hfpipe-compile-fp8", "trainer", "pipeline-trainer", "lora-plain", "lora-hfpipe", "lora-hfpipe-compile")
+         "hfpipe-compile-fp8", "trainer", "pipeline-trainer", "lora-plain", "lora-hfpipe", "lora-hfpipe-compile",
+         "hfpipe-compile-fp8-tensorwise", "lora-hfpipe-compile-fp8", "lora-hfpipe-ac", "lora-hfpipe-mixed",
+         "lora-hfpipe-mixed-compile-fp8")
 PROFILE: dict = {}  # {"to": path} when --profile-dir is given
 HFPIPE = {"hfpipe": {}, "hfpipe-full-logits": {"loss_chunk_tokens": 0}, "hfpipe-compile": {"compile": True},
           "hfpipe-fp8": {"fp8": "rowwise"}, "hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
-          "lora-hfpipe": {}, "lora-hfpipe-compile": {"compile": True}}
+          "hfpipe-compile-fp8-tensorwise": {"compile": True, "fp8": "tensorwise"},
+          "lora-hfpipe": {}, "lora-hfpipe-compile": {"compile": True},
+          "lora-hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
+          "lora-hfpipe-ac": {"activation_checkpointing": "full"},
+          "lora-hfpipe-mixed": {"dtype": "bf16-mixed"},
+          "lora-hfpipe-mixed-compile-fp8": {"dtype": "bf16-mixed", "compile": True, "fp8": "rowwise"}}
 
 
 def _device() -> torch.device:
@@ -97,7 +114,7 @@ def _timed(step, batches, warmup: int) -> dict:
         with torch.profiler.profile() as prof:
             step(batches[-1])
             _sync()
-        by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         Path(PROFILE["to"]).write_text(prof.key_averages().table(sort_by=by, row_limit=40))
     return {"wall": statistics.median(walls), "loss": losses, "peak": peak}
 
@@ -136,7 +153,7 @@ def _hfpipe(path: str, a, options: dict, lora: bool) -> dict:
     from hfpipe.train.optim import build_optimizer
 
     extra = {"dtype": "bf16", "lora": _lora_config()} if lora else {"dtype": "bf16-mixed"}
-    pm = load_pipeline(path, pp=1, schedule="1f1b", microbatches=1, **extra, **options)
+    pm = load_pipeline(path, pp=1, schedule="1f1b", microbatches=1, **{**extra, **options})
     trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4, weight_decay=0.0), max_grad_norm=1.0)
 
     def step(ids):
@@ -150,7 +167,7 @@ def _trainer(path: str, a, pipelined: bool) -> dict:
     from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
     if pipelined:
-        import hfpipe.hf  # noqa: F401 - first, as a user's script has it
+        importlib.import_module("hfpipe.hf")  # first, as a user's script has it (it quiets the process start)
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     data = [{"input_ids": row, "labels": row} for row in torch.cat(_batches(vocab, a))]  # a map-style dataset
     steps = a.warmup + a.steps
@@ -218,20 +235,60 @@ def _build(folder: Path, shape: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def planned_bytes(folder: Path, case: str, a) -> int | None:
+    """What ``hfpipe plan`` promises rank 0 of an ``hfpipe`` case (``None`` for the others)."""
+    if case not in HFPIPE:
+        return None
+    from hfpipe.plan.report import plan_report
+    from hfpipe.source.config import load_config
+
+    lora = case.startswith("lora-")
+    options = HFPIPE[case]
+    return plan_report(load_config(folder), pp=1, schedule="1f1b", microbatches=1, seq_len=a.seq,
+                       batch_size=a.batch, dtype=options.get("dtype", "bf16" if lora else "bf16-mixed"),
+                       activation_checkpointing=options.get("activation_checkpointing", "none"),
+                       lora_rank=16 if lora else None, lora_targets="all-linear").ranks[0].total_bytes
+
+
 def _report(rows: list[dict], a) -> None:
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"\n{name}, torch {torch.__version__}, seq {a.seq} x batch {a.batch}, {a.steps} timed steps after "
           f"{a.warmup}; MFU of {a.peak_tflops:.0f} TFLOP/s")
-    print(f"{'case':22} {'shape':16} {'tok/s':>9} {'ratio':>6} {'MFU':>6} {'peak GiB':>9}  losses (first, last)")
+    print(f"{'case':30} {'shape':16} {'tok/s':>9} {'ratio':>6} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9} "
+          f"{'plan/peak':>9}  losses (first, last)")
     base: dict[str, float] = {}
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:22} {r['shape']:16} failed: {r['error']}")
+            print(f"{r['case']:30} {r['shape']:16} failed: {r['error']}")
             continue
-        base.setdefault(r["shape"] + ("-lora" if r["case"].startswith("lora") else ""), r["tok_s"])
-        ref = base[r["shape"] + ("-lora" if r["case"].startswith("lora") else "")]
-        print(f"{r['case']:22} {r['shape']:16} {r['tok_s']:9.0f} {r['tok_s'] / ref:6.3f} {r['mfu']:6.1%} "
-              f"{r['peak'] / 2**30:9.1f}  {r['loss'][0]:.4f}, {r['loss'][-1]:.4f}")
+        key = r["shape"] + ("-lora" if r["case"].startswith("lora") else "")
+        ref = base.setdefault(key, r["tok_s"])
+        plan = (f"{r['plan'] / 2**30:9.1f} {r['plan'] / r['peak']:9.3f}" if r.get("plan") and r["peak"]
+                else f"{'':9} {'':9}")
+        print(f"{r['case']:30} {r['shape']:16} {r['tok_s']:9.0f} {r['tok_s'] / ref:6.3f} {r['mfu']:6.1%} "
+              f"{r['peak'] / 2**30:9.1f} {plan}  {r['loss'][0]:.4f}, {r['loss'][-1]:.4f}")
+
+
+def _run_child(case: str, folder: Path, a, timeout: float) -> dict:
+    """One case in a process of its own; its result row (``error`` where it failed)."""
+    profile = a.profile_dir and (a.profile_cases is None or case in a.profile_cases.split(","))
+    cmd = [sys.executable, __file__, "--run-case", case, "--model", str(folder)] + [
+        f"--{k}={getattr(a, k)}" for k in ("seq", "batch", "steps", "warmup")] + (
+        [f"--profile-dir={a.profile_dir}"] if profile else [])
+    row: dict = {}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ran past {timeout:.0f} s"}
+    found = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not found:
+        sys.stderr.write(done.stderr[-4000:])
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][-300:]}
+    row.update(json.loads(found[-1][7:]))
+    row["tok_s"] = a.batch * a.seq / row["wall"]
+    shape = SHAPES[a.lora_shape if case.startswith("lora-") else a.shape]
+    row["mfu"] = row["tok_s"] * flops_per_token(shape, a.seq, case.startswith("lora-")) / (a.peak_tflops * 1e12)
+    return row
 
 
 def main() -> None:
@@ -245,7 +302,10 @@ def main() -> None:
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "hfpipe-bench-cuda"))
     p.add_argument("--results", default="cuda_results.jsonl")
     p.add_argument("--case-timeout", type=float, default=300.0)
+    p.add_argument("--budget", type=float, default=float("inf"),
+                   help="seconds for the whole run: a case gets what is left, and none starts with under 30 s")
     p.add_argument("--profile-dir", help="write each case's profile (one extra step, by op) to DIR/CASE.txt")
+    p.add_argument("--profile-cases", help="profile only these cases (comma-separated; default: all)")
     p.add_argument("--run-case", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -254,28 +314,21 @@ def main() -> None:
             PROFILE["to"] = os.path.join(a.profile_dir, f"{a.run_case}.txt")
         print("RESULT " + json.dumps(run_case(a.run_case, a.model, a)), flush=True)
         return
-    rows = []
+    if a.profile_dir:
+        os.makedirs(a.profile_dir, exist_ok=True)
+    start, rows = time.monotonic(), []
     for case in a.cases.split(","):
         shape = a.lora_shape if case.startswith("lora-") else a.shape
-        folder = Path(a.work) / shape
-        _build(folder, SHAPES[shape])
+        left = a.budget - (time.monotonic() - start)
         row = {"case": case, "shape": shape}
-        cmd = [sys.executable, __file__, "--run-case", case, "--model", str(folder)] + [
-            f"--{k}={getattr(a, k)}" for k in ("seq", "batch", "steps", "warmup")] + (
-            [f"--profile-dir={a.profile_dir}"] if a.profile_dir else [])
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.case_timeout)
-            found = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-            if found:
-                row.update(json.loads(found[-1][7:]))
-                row["tok_s"] = a.batch * a.seq / row["wall"]
-                row["mfu"] = row["tok_s"] * flops_per_token(SHAPES[shape], a.seq, case.startswith("lora-")) / (
-                    a.peak_tflops * 1e12)
-            else:
-                row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1][-300:]
-                sys.stderr.write(done.stderr[-4000:])
-        except subprocess.TimeoutExpired:
-            row["error"] = f"ran past {a.case_timeout:.0f} s"
+        if left < 30:
+            row["error"] = "not run: the --budget is spent"
+        else:
+            folder = Path(a.work) / shape
+            _build(folder, SHAPES[shape])
+            row.update(_run_child(case, folder, a, min(a.case_timeout, left)))
+            if "error" not in row:
+                row["plan"] = planned_bytes(folder, case, a)
         rows.append(row)
         with open(a.results, "a") as f:
             f.write(json.dumps(row) + "\n")

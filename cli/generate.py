@@ -46,15 +46,10 @@ def generate(
 ) -> None:
     """Answer one prompt with a model folder or a training checkpoint (greedy by default), in one
     process with transformers' generate; the answer streams to stdout."""
-    _check_model(model)
-    with Ticker("loading torch and transformers"):
-        from hfpipe.generate import check_options, load_generator
-
-    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    gen = load_generator(model, dtype=dtype, source=source, trust_remote_code=trust_remote_code)
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    gen = _load(model, sampling, dtype=dtype, source=source, trust_remote_code=trust_remote_code)
     ids = gen.encode(prompt, chat_template=chat_template)
-    gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                 stream=_write)
+    gen.generate(ids, **sampling, stream=_write)
     typer.echo("")
 
 
@@ -73,17 +68,23 @@ def chat(
 ) -> None:
     """Talk with a model folder or a training checkpoint through its chat template: type a turn,
     the answer streams back. /reset forgets the conversation; /exit or Ctrl-D ends it."""
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    gen = _load(model, sampling, dtype=dtype, source=source, trust_remote_code=trust_remote_code)
+    gen.check_can_chat()  # the refusal alone, without a banner above it
+    _take_back_stdin((ctx.obj or {}).get("stdin"))
+    typer.echo("chatting with " + str(model) + " (/reset forgets, /exit or Ctrl-D ends)", err=True)
+    gen.chat(_read, _write, system=system, **sampling)
+
+
+def _load(model: str, sampling: dict, **load):
+    """The generator of ``model``, once its path and the ``sampling`` options are checked (each before the
+    slower step: the path before torch loads, the options before the weights)."""
     _check_model(model)
     with Ticker("loading torch and transformers"):
         from hfpipe.generate import check_options, load_generator
 
-    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    gen = load_generator(model, dtype=dtype, source=source, trust_remote_code=trust_remote_code)
-    gen.check_can_chat()  # the refusal alone, without a banner above it
-    _take_back_stdin((ctx.obj or {}).get("stdin"))
-    typer.echo("chatting with " + str(model) + " (/reset forgets, /exit or Ctrl-D ends)", err=True)
-    gen.chat(_read, _write, system=system, max_new_tokens=max_new_tokens, temperature=temperature,
-             top_p=top_p, seed=seed)
+    check_options(**sampling)
+    return load_generator(model, **load)
 
 
 def _check_model(model: str) -> None:

@@ -215,8 +215,9 @@ def export(
     out: Annotated[Path, typer.Argument(help="Hugging Face folder to create.", show_default=False)],
     dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32", "fp64", "fp8"], typer.Option(
         help="Tensor dtype; auto keeps the source checkpoint's (FP8 sources become bf16; an fp64 run's "
-             "weights too: fp64 keeps them). With --merge "
-             "of a LoRA run: auto, bf16, or fp8 (the linears requantized per block, as DeepSeek ships).")] = "auto",
+             "weights too: fp64 keeps them). With --merge of a LoRA run: auto (the base's dtypes; bf16 for a "
+             "quantized base), fp8 (the linears requantized per block, as DeepSeek ships), or a float dtype, "
+             "merged in it where wider than the base (fp64: PEFT's merge_and_unload in fp64).")] = "auto",
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 5GB or 500MB.")] = "5GB",
     force: Annotated[bool, typer.Option(
         help="Replace an earlier export at OUT (a folder holding hfpipe_export.json; anything else is "

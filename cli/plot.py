@@ -12,6 +12,7 @@ with one line saying so, before any planning work.
 from __future__ import annotations
 
 import colorsys
+import importlib
 import os
 from pathlib import Path
 
@@ -33,7 +34,7 @@ _GIB = 1024**3
 def require_matplotlib() -> None:
     """Raise PlanError, saying what to install, unless matplotlib imports."""
     try:
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")
     except ImportError:
         raise PlanError("--png needs matplotlib; install it with: pip install 'hfpipe[plot]'") from None
 

@@ -7,15 +7,12 @@ internals.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
 
-import torch
-
 from hfpipe.errors import ExportError
-from hfpipe.files import INDEX, SINGLE, SideFileError, read_side_json
+from hfpipe.files import SideFileError, read_side_json
 
 __all__ = ["EXPORT_RECORD", "check_record_objects", "copy_side_files", "side_files", "read_checkpoint_meta", "read_record",
            "resolve_source"]

@@ -74,7 +74,7 @@ def export_checkpoint(
         ckpt: Checkpoint folder (DCP files + ``hfpipe.json``), from a run at any pp size.
         out: Folder to create; refused if it exists unless ``force``.
         dtype: ``auto`` (each tensor in the source checkpoint's dtype; FP8 sources as bf16) or
-            ``bf16``/``fp16``/``fp32``.
+            ``bf16``/``fp16``/``fp32``/``fp64``; with ``merge`` also ``fp8`` (:mod:`hfpipe.quant.merged`).
         max_shard_size: Largest shard, bytes or a string like ``"5GB"``/``"300MB"``.
         force: Replace an existing ``out`` (only once the new folder is complete).
         source: The HF folder the run started from, if it moved since training.
@@ -121,6 +121,7 @@ def _export_lora(ckpt: Path, out: Path, meta: dict, *, merge: bool, force: bool,
 
     if not is_lora_checkpoint(meta):
         raise ExportError(f"checkpoint {ckpt} is not a LoRA run's; export it without --merge")
+    dtype = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())  # "float64" is "fp64", as for a full export
     if dtype != "auto" and not merge:
         raise ExportError(f"--dtype {dtype} does not apply to a LoRA adapter export: the adapter stays fp32; "
                           "drop --dtype, or add --merge")

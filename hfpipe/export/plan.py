@@ -55,7 +55,6 @@ def plan_groups(model: torch.nn.Module, reader: _DcpReader, ckpt: Path, source_k
     3-D experts, as some hub models ship) is exported as it is, so the export keeps the source's layout.
     """
     source_keys = set(source_keys or ())
-    from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     full = model.state_dict()

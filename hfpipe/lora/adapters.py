@@ -198,7 +198,7 @@ def _name_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def add_adapters(modules: list[nn.Module], config, *, seed: int = 0) -> None:
+def add_adapters(modules: list[nn.Module], config, *, seed: int = 0, master_dtype: torch.dtype | None = None) -> None:
     """Inject PEFT LoRA adapters into this rank's stage modules and freeze everything else.
 
     Args:
@@ -206,6 +206,9 @@ def add_adapters(modules: list[nn.Module], config, *, seed: int = 0) -> None:
         config: A ``LoraConfig`` from :func:`resolve_config`.
         seed: Seeds each adapter's PEFT initialisation together with its module name, so the
             initial adapters are the same at any pipeline size.
+        master_dtype: The run's parameter dtype. fp32 (bf16-mixed) over a base held in bf16: the adapters
+            are initialised in fp32, as over an fp32 base (PEFT initialises in the base's dtype), so where
+            the base is held does not move the start.
     """
     from peft.tuners.lora import LoraModel
     from peft.tuners.tuners_utils import BaseTunerLayer, cast_adapter_dtype
@@ -217,6 +220,8 @@ def add_adapters(modules: list[nn.Module], config, *, seed: int = 0) -> None:
             continue  # e.g. a stage holding only the head: nothing to adapt here
         with torch.random.fork_rng(devices=[]):  # injection draws random numbers; keep the run's RNG
             LoraModel(module, copy.deepcopy(config), ADAPTER)
+            if master_dtype == torch.float32:
+                cast_adapter_dtype(module, ADAPTER, autocast_adapter_dtype=True)
             for name, layer in module.named_modules():
                 if isinstance(layer, BaseTunerLayer) and ADAPTER in layer.lora_A:
                     _whole_size(layer)

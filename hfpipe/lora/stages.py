@@ -27,7 +27,8 @@ def apply_lora(modules: list[nn.Module], lora, *, seed: int, dtype: torch.dtype,
         modules: This rank's loaded stage modules.
         lora: A ``peft.LoraConfig``, or ``None`` (nothing to do).
         seed: Seeds each adapter's initialisation.
-        dtype: The stages' parameter dtype (quantized expert stacks are adapted as parameters of it).
+        dtype: The run's parameter dtype (the adapters' masters; quantized expert stacks are adapted as
+            parameters of it).
         tp_mesh: The tp mesh the bases are split over, or ``None``.
         sequence_parallel, experts_whole: As the bases were split (:func:`hfpipe.parallel.tensor.apply_tp`).
     """
@@ -36,7 +37,7 @@ def apply_lora(modules: list[nn.Module], lora, *, seed: int, dtype: torch.dtype,
     lora = resolve_config(lora, modules[0]._hf_model)
     plans = _tp_plans(modules, tp_mesh, lora, sequence_parallel, experts_whole)  # by the names PEFT is about to wrap
     with stacks_as_parameters(modules, dtype):  # quantized expert stacks: PEFT adapts parameters
-        add_adapters(modules, lora, seed=seed)
+        add_adapters(modules, lora, seed=seed, master_dtype=dtype)
     attach_expert_adapters(modules)  # quantized or ep-split experts: hfpipe's experts forward adapts them
     if tp_mesh is not None:
         split_adapters(modules, plans, tp_mesh)

@@ -10,6 +10,11 @@ truncated and written: opened through a planted link it would clobber whatever t
 So it is opened relative to its folder's descriptor with ``O_NOFOLLOW`` (a symlink is refused),
 must be a regular file with one link (a hard link to another file is refused), and is only written
 once locked. :func:`write_new` is the same rule for the files hfpipe creates in its own folders.
+
+The lock creates its folder (and any missing parent) when taken; on release it removes again those it
+created that are empty then, so a run stopped before it wrote anything (Ctrl-C in start-up) leaves no
+folder behind. ``rmdir`` removes only an empty folder, so one with contents stays, and a folder that
+was there before the lock is never touched.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class FolderLock:
         self.file, self.folder, self.option = Path(lock_file), Path(folder), option
         self._fd: int | None = None
         self._dir: int | None = None
+        self._made: list[Path] = []  # the folders acquire() created, outermost first
 
     def check(self) -> None:
         """Raise :class:`FolderBusyError` if another process holds the lock; create nothing."""
@@ -86,16 +92,18 @@ class FolderLock:
         """Create the lock file and hold it; raise :class:`FolderBusyError` if it is held."""
         if self._fd is not None:
             return self
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        dir_fd = os.open(self.file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        made, dir_fd = _make_dirs(self.file.parent), None
         try:
+            dir_fd = os.open(self.file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             fd = self._lock_current(dir_fd)
         except BaseException:
-            os.close(dir_fd)
+            if dir_fd is not None:
+                os.close(dir_fd)
+            _remove_empty(made)
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {' '.join(sys.argv)[:500]}\n".encode(), 0)
-        self._fd, self._dir = fd, dir_fd
+        self._fd, self._dir, self._made = fd, dir_fd, made
         return self
 
     def _lock_current(self, dir_fd: int) -> int:
@@ -157,6 +165,8 @@ class FolderLock:
             os.close(self._fd)
             os.close(self._dir)
             self._fd = self._dir = None
+            _remove_empty(self._made)  # what a run that wrote nothing leaves: none of our folders
+            self._made = []
 
     def __enter__(self) -> "FolderLock":
         return self.acquire()
@@ -173,6 +183,38 @@ class FolderLock:
             raise FolderBusyError(
                 f"{self.option} {self.folder} is in use by process {pid} ({cmd or 'hfpipe'}); wait for it "
                 f"to finish or stop it, or choose another {self.option}") from None
+
+
+def _make_dirs(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; return those this call created, outermost first.
+
+    One ``mkdir`` per level rather than ``mkdir(parents=True)``: a folder another process made meanwhile
+    is not counted as ours, so it is never removed by :func:`_remove_empty`.
+    """
+    folder = Path(os.path.abspath(folder))  # removed by the same path even if the working folder changes
+    made: list[Path] = []
+    try:
+        for path in [p for p in (folder, *folder.parents) if not p.is_dir()][::-1]:
+            try:
+                path.mkdir()
+            except FileExistsError:
+                if not path.is_dir():
+                    raise
+                continue
+            made.append(path)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    return made
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove the folders in ``made`` (outermost first) that are empty, innermost first; stop at one that is not."""
+    for path in reversed(made):
+        try:
+            path.rmdir()  # refuses a folder with contents: what the run wrote stays
+        except OSError:
+            return
 
 
 def _same_file(fd: int, dir_fd: int, name: str) -> bool:

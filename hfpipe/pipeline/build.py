@@ -61,7 +61,7 @@ from hfpipe.pipeline.model import RankPipeline
 from hfpipe.pipeline.options import PipelineLayout, StageOptions
 from hfpipe.pipeline.schedule import Pipeline, PipelineError
 from hfpipe.plan.split import plan_pipeline
-from hfpipe.quant.float8 import apply_fp8
+from hfpipe.quant.float8 import apply_fp8, warn_if_uncompiled
 from hfpipe.quant.linear import apply_quant, check_shardable
 from hfpipe.quant.tensor import fp8_tp_plan
 from hfpipe.source.folder import ModelSource
@@ -137,7 +137,7 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
     dims = dist.dims
     tp_mesh = dist.mesh["tp"] if dims.tp > 1 else None
     expert_mesh = dist.expert_mesh() if dims.ep > 1 else None
-    meta = _Meta(options.param_dtype, options.compute_dtype, options.param_dtype, options.quantize,
+    meta = _Meta(options.base_dtype, options.compute_dtype, options.base_dtype, options.quantize,
                  options.activation_checkpointing, options.sequence_parallel, options.fp8)
     modules, stats = _loaded_stages(source, plan, dist.pp_rank, dist.device, meta, tp_mesh, expert_mesh)
     if dims.cp > 1:
@@ -145,6 +145,7 @@ def build_rank_stages(source, plan, dist, options: StageOptions) -> tuple[list, 
     lora = apply_lora(modules, options.lora, seed=options.seed, dtype=options.param_dtype, tp_mesh=tp_mesh,
                       sequence_parallel=options.sequence_parallel, experts_whole=expert_mesh is not None)
     apply_compile(modules, options.compile_spec, sub_meshes=tp_mesh is not None or expert_mesh is not None)
+    warn_if_uncompiled(options.fp8, options.compile_spec is not None, dist.device)
     if dims.dp > 1 and meta.quantize is not None:  # here, not in apply_fsdp: parallel/ sits below quant/
         check_shardable(modules, dims.dp)
     apply_fsdp(modules, dist, param_dtype=options.param_dtype, compute_dtype=options.compute_dtype,

@@ -198,6 +198,16 @@ class StageOptions:
         return PRECISIONS[self.dtype][0]
 
     @property
+    def base_dtype(self) -> torch.dtype:
+        """The dtype the stage modules are built and loaded in: :attr:`param_dtype`, except a LoRA run's
+        unquantized base under bf16-mixed, which nothing trains: held in the compute dtype, it is the compute
+        copy FSDP2 would cast it to (the same values), without an fp32 master beside it (an 8B base: 16 GB,
+        not 32 + 16). Its adapters stay fp32 masters (PEFT's ``autocast_adapter_dtype``), cast for compute."""
+        if self.lora is not None and self.quantize_base is None:
+            return self.compute_dtype
+        return self.param_dtype
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the forward runs in (FSDP2 casts to it under bf16-mixed)."""
         return PRECISIONS[self.dtype][1]

@@ -126,6 +126,7 @@ class Pipeline:
             raise PipelineError(f"a batch of {shape[0]} sequences does not divide into {self.microbatches} "
                                 "microbatches; pass a multiple of the microbatch count")
         key = (tuple(sorted(kwargs)), mode, self._set_head(shape, mode))
+        self._set_router_sums(mode)
         shape = tuple(shape)
         entry = self._schedules.pop(key, None)
         if entry is not None and entry[0] != shape:
@@ -173,10 +174,15 @@ class Pipeline:
             last.head_in_loss = chunk > 0
             parts = last.head_parts() if chunk else None
             head = Head(last.logits, chunk, LinearHead(*parts) if parts else None) if chunk else None
-        for m in self.modules:  # router sums ride along with a loss (hfpipe.models.router_loss)
-            m.carry_router_sums, m.router_sums_out = mode in ("train", "loss"), mode == "loss"
         self.loss.head = head
         return chunk > 0
+
+    def _set_router_sums(self, mode: str) -> None:
+        """Whether the stages' router sums ride along with the hidden states (a loss's: "train", "loss") and
+        leave the last stage with its output ("loss": evaluation sums them), or not at all ("logits").
+        (hfpipe.models.router_loss)"""
+        for m in self.modules:
+            m.carry_router_sums, m.router_sums_out = mode in ("train", "loss"), mode == "loss"
 
     def local(self, batch: dict) -> dict:
         """This rank's part of a batch of whole rows: under --cp its tokens (labels shifted first), else all."""
@@ -233,16 +239,16 @@ class Pipeline:
         return self.context.gather_sequence(logits)
 
     def _local_logits(self, batch: dict, router: bool = False):
-        """This rank's logits of ``batch`` (on the loss rank), with ``router`` also its router sums
-        (``(logits, sums)``, :func:`hfpipe.models.router_loss.sums_with_tokens`); ``None`` elsewhere."""
+        """This rank's logits of ``batch`` (on the loss rank), with ``router`` (the in-order forward's evaluation)
+        also its router sums (``(logits, sums)``, :func:`hfpipe.models.router_loss.sums_with_tokens`); ``None``
+        elsewhere."""
         was_training = [m.training for m in self.modules]
         for m in self.modules:
             m.eval()
         try:
-            self._set_head(batch["input_ids"].shape, "logits")
-            for m in self.modules:
-                m.carry_router_sums = m.router_sums_out = router
-            if self._local_hops:
+            if self._local_hops:  # the schedule's own path sets the stages up in _get_schedule
+                self._set_head(batch["input_ids"].shape, "logits")
+                self._set_router_sums("loss" if router else "logits")  # an evaluation's sums, beside the logits
                 return self._forward_in_order(batch)
             batch, rows = self._whole_microbatches(batch)
             shape, args, kwargs = self._inputs(batch)

@@ -114,7 +114,7 @@ def _rank(config, name: str) -> int:
     return next((r for pat, r in (config.rank_pattern or {}).items() if re.fullmatch(pat, owner)), config.r)
 
 
-def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int = 1):
+def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int = 1, quantized: bool = False):
     """A plan's :class:`~hfpipe.plan.report.RankReport` for a LoRA run of the same layout.
 
     The base is frozen: its weights stay but it has no gradients and no AdamW state. The adapters
@@ -127,12 +127,12 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
     """
     import dataclasses
 
-    from hfpipe.plan.memory import fsdp_bytes, param_bytes
+    from hfpipe.plan.memory import frozen_dtype, fsdp_bytes, param_bytes
 
     n = sum(counts.get("embed", 0) * s.embed + counts.get("head", 0) * s.head
             + sum(counts.get(f"layer.{i}", 0) for i in s.layers) for s in specs)
     base = rank_report.params
-    base_w = param_bytes(dtype, dp)[0]  # a frozen weight costs what a full run's weight costs
+    base_w = param_bytes(frozen_dtype(dtype, quantized), dp)[0]  # a full run's weight, in the base's precision
     m = 8 if dtype == "fp64" else 4  # the adapters' masters: fp32, fp64 in an fp64 run
     if dp == 1:  # under bf16-mixed FSDP2 holds a bf16 compute copy beside the fp32 masters, as of the base
         w, g, o = m + 2 * (dtype == "bf16-mixed"), m, 2 * m
@@ -143,7 +143,7 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
 
 
 def describe_plan(ranks, plan, model_config, dtype: str, rank: int, targets: str, total: int, dp: int = 1,
-                  tp: int = 1):
+                  tp: int = 1, quantized: bool = False):
     """``plan``'s rank reports priced for LoRA, and the line that says so (for ``hfpipe plan``).
 
     ``ranks`` already hold one tensor-parallel rank's share of the base (:func:`hfpipe.plan.tensor.price_ranks`);
@@ -151,10 +151,10 @@ def describe_plan(ranks, plan, model_config, dtype: str, rank: int, targets: str
     whole, held = adapter_params(model_config, rank, targets), adapter_params(model_config, rank, targets, tp)
     out, n_all, n_held = [], 0, 0
     for r in ranks:
-        report, n = rank_memory(r, plan.stages_of_rank(r.rank), held, dtype, dp)
+        report, n = rank_memory(r, plan.stages_of_rank(r.rank), held, dtype, dp, quantized)
         out.append(report)
         n_held = max(n_held, n)
-        n_all += rank_memory(r, plan.stages_of_rank(r.rank), whole, dtype, dp)[1]
+        n_all += rank_memory(r, plan.stages_of_rank(r.rank), whole, dtype, dp, quantized)[1]
     sharded = f", sharded over dp={dp} by FSDP2" if dp > 1 else ""
     split = f"; split as their tp-split bases, at most {n_held:,} on a GPU" if tp > 1 else ""
     line = (f"LoRA rank {rank} on {targets}: {n_all:,} adapter parameters ({100 * n_all / max(1, total):.2f}% "

@@ -6,7 +6,8 @@ quantized base's (:mod:`hfpipe.plan.quant`), which all price parameters with the
 loss chunk, which the report prices too, is the loss room's: :func:`hfpipe.loss.budget.chunk_tokens`.)
 """
 
-__all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "fsdp_bytes", "fsdp_units", "param_bytes", "reduce_scatter_bytes"]
+__all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "frozen_dtype", "fsdp_bytes", "fsdp_units", "param_bytes",
+           "reduce_scatter_bytes"]
 
 #: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4), "fp64": (8, 8, 16)}
@@ -23,6 +24,12 @@ _FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 
 def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
     """(master, compute copy, unsharded gradient, AdamW) bytes per parameter under FSDP2 at ``dtype``."""
     return _FSDP_BYTES[dtype]
+
+
+def frozen_dtype(dtype: str, quantized: bool = False) -> str:
+    """The precision a LoRA run's frozen base is priced at: bf16-mixed holds an unquantized base in bf16 (nothing
+    trains it, so no fp32 master: :attr:`hfpipe.pipeline.options.StageOptions.base_dtype`)."""
+    return "bf16" if dtype == "bf16-mixed" and not quantized else dtype
 
 
 def param_bytes(dtype: str, dp: int = 1, reshard: bool = False) -> tuple[float, float, float]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from hfpipe.plan.experts import replicas
-from hfpipe.plan.memory import ACT_BYTES, param_bytes
+from hfpipe.plan.memory import ACT_BYTES, frozen_dtype, param_bytes
 from hfpipe.models.targets import ROUTERS as _SKIP  # routers stay in the run's dtype, as loading keeps them
 from hfpipe.models.targets import plain_linear  # ... and linear subclasses with a forward of their own
 
@@ -148,7 +148,7 @@ def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int,
     for r in lora_ranks:
         layers = [i for s in plan.stages_of_rank(r.rank) for i in s.layers]
         routed = sum(costs.layer_routed_params[i] for i in layers) // ep
-        adapters = r.weight_bytes - int(r.params * param_bytes(dtype, dp)[0])
+        adapters = r.weight_bytes - int(r.params * param_bytes(frozen_dtype(dtype, bool(kind)), dp)[0])
         base, transient = _base_bytes(r.params, routed, layers, per_layer, kind, dtype, dp, ep, tp)
         out.append(dataclasses.replace(r, weight_bytes=int(base) + adapters, transient_bytes=int(transient)))
     return tuple(out)
@@ -158,7 +158,8 @@ def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, d
     """(frozen base bytes, transient dequantized bytes) of a rank holding ``params`` base
     parameters, ``routed`` of them routed experts (already cut to ``1 / ep``)."""
     edp = replicas(dp, ep, tp)  # the ranks holding the same experts (under ep whole on each tp rank)
-    full, full_e = param_bytes(dtype, dp)[0], param_bytes(dtype, edp)[0]
+    held = frozen_dtype(dtype, bool(kind))
+    full, full_e = param_bytes(held, dp)[0], param_bytes(held, edp)[0]
     if not kind:
         return (params - routed) * full + routed * full_e, 0
 

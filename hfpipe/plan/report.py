@@ -266,7 +266,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         from hfpipe.plan.lora import describe_plan, tp_adapters
 
         ranks, lora = describe_plan(ranks, plan, config, dtype, lora_rank, lora_targets,
-                                    total - costs.embed_params * tied, shards, tp)
+                                    total - costs.embed_params * tied, shards, tp, bool(quantize_base))
         adapters = tp_adapters(config, lora_rank, lora_targets, tp) if tp > 1 else None
         if ep > 1 or quantize_base:
             ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep, tp)

@@ -39,7 +39,7 @@ from torch import nn
 from hfpipe.models.targets import quantized_linears
 from hfpipe.quant.nf4 import QuantError
 
-__all__ = ["apply_fp8", "float8_linears"]
+__all__ = ["apply_fp8", "float8_linears", "warn_if_uncompiled"]
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +100,11 @@ def apply_fp8(modules: list[nn.Module], recipe: str | None, device=None) -> int:
     log.info("--fp8 %s: %d decoder-layer linears compute in float8", recipe, count)
     return count
 
+
+def warn_if_uncompiled(recipe: str | None, compiled: bool, device) -> None:
+    """Log that ``--fp8`` without ``--compile`` is slower than bf16 on a GPU: torchao's casts to float8 run as
+    separate kernels unless inductor fuses them (measured on an H200: 0.61x of bf16-mixed eager, where
+    ``--compile --fp8`` ran 1.06x of ``--compile``; docs/benchmarks.md)."""
+    if recipe is not None and not compiled and device is not None and torch.device(device).type == "cuda":
+        log.warning("--fp8 without --compile runs torchao's float8 casts unfused: slower than bf16 on a GPU "
+                    "(0.61x measured on an H200); add --compile")

@@ -7,6 +7,9 @@ quantized at load) and is dequantized to fp32 before PEFT's ``merge()`` adds the
 The merged folder is then written:
 
 - in bf16 (``--dtype auto``/``bf16``): the dequantized base plus the adapters, rounded once;
+- in a float dtype the user names (``--dtype fp16``/``fp32``/``fp64``), of any base: merged in the wider of the
+  base's dtype and that one, so a wider dtype gets PEFT's ``merge_and_unload()`` of the base loaded in it
+  (``--dtype fp64``: the base widened exactly, the delta added in fp64), a narrower one a single rounding;
 - in the FP8 block format (``--dtype fp8``): every linear the run quantized (and every routed
   expert's 2-D weight), requantized per ``block x block`` tile with a ``weight_scale_inv``, and
   config.json's ``quantization_config`` saying so, as DeepSeek-V3 ships (transformers loads it).
@@ -26,8 +29,9 @@ from hfpipe.models.targets import quantized_linears
 
 __all__ = ["MergedBase", "MERGE_DTYPES"]
 
-#: ``--dtype`` of a merged export: auto (the base's dtypes; bf16 for a quantized base), bf16, fp8.
-MERGE_DTYPES = ("auto", "bf16", "fp8")
+#: ``--dtype`` of a merged export: auto (the base's dtypes; bf16 for a quantized base), a float dtype, fp8.
+MERGE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp64", "fp8")
+_FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 _SCALE = "_scale_inv"
 _FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
 
@@ -56,14 +60,16 @@ class MergedBase:
         self.split_stacks = {f"{name}.gate_up_proj" for name, m in fused_experts(meta_model).items()
                              if split_seam(m, "gate_up_proj")}
         self.fp8_out = dtype == "fp8"
-        self.bf16 = dtype == "bf16" or (dtype == "auto" and (quant is not None or qc is not None))
-        self.changes = self.fp8_out or self.bf16  # else the plain merge: the base's files, keys, dtypes
+        quantized = dtype == "auto" and (quant is not None or qc is not None)
+        self.out_dtype = torch.bfloat16 if quantized else _FLOATS.get(dtype)  # the floats written (not fp8's)
+        self.changes = self.fp8_out or self.out_dtype is not None  # else the plain merge: the base's files, keys, dtypes
         kind_block = quant.get("block") if quant and quant.get("kind") == "fp8" else None
         self.out_block = kind_block or self.source_block or FP8_DEFAULT_BLOCK
 
     def as_trained(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The shard's tensors as the run saw them: FP8 dequantized (scales dropped), the run's
-        quantized linears round-tripped through its quantization, in fp32."""
+        quantized linears round-tripped through its quantization, in fp32; widened to a wider ``--dtype``
+        (the merge then runs in it)."""
         out = {}
         for key, t in tensors.items():
             if key.endswith(_SCALE):
@@ -76,8 +82,13 @@ class MergedBase:
             if self.quant and (key in self.linears or self._quantized_expert(key)):
                 t = self._round_trip_stack(key, t, is_fp8(tensors[key])) if t.dim() == 3 else \
                     self._round_trip(t, is_fp8(tensors[key]))
-            out[key] = t
+            out[key] = self._widened(t)
         return out
+
+    def _widened(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in the export's float dtype where that is wider (exact); else as it is (rounded once, at the end)."""
+        wider = self.out_dtype is not None and t.is_floating_point() and t.dtype.itemsize < self.out_dtype.itemsize
+        return t.to(self.out_dtype) if wider else t
 
     def _quantized_expert(self, key: str) -> bool:
         """A routed expert's weight (kept quantized by the run)."""
@@ -102,15 +113,16 @@ class MergedBase:
     def output(self, tensors: dict[str, torch.Tensor], source_dtypes: dict) -> dict[str, torch.Tensor]:
         """Merged tensors in the export's dtypes (FP8 linears gain their ``weight_scale_inv``).
 
-        Floating tensors become bf16, but those an FP8 checkpoint stores in fp32 (DeepSeek's
-        router bias) stay fp32, as it ships them.
+        Floating tensors take the export's float dtype (bf16 beside FP8), but those an FP8 checkpoint
+        stores in fp32 (DeepSeek's router bias) stay fp32 in a narrower one, as it ships them.
         """
-        out = {}
+        out, dtype = {}, self.out_dtype or torch.bfloat16
         for key, t in tensors.items():
             if self.fp8_out and (key in self.linears or (routed_expert_key(key) and t.dim() == 2)):
                 out[key], out[key + _SCALE] = quantize_blocks(t, self.out_block)
-            elif t.is_floating_point() and not (self.source_block and source_dtypes.get(key) == torch.float32):
-                out[key] = t.to(torch.bfloat16)
+            elif t.is_floating_point() and not (self.source_block and source_dtypes.get(key) == torch.float32
+                                                and dtype.itemsize < 4):
+                out[key] = t.to(dtype)
             else:
                 out[key] = t
         return out
@@ -121,6 +133,6 @@ class MergedBase:
         cfg.pop("quantization_config", None)
         if self.fp8_out:
             cfg["quantization_config"] = {**_FP8_CONFIG, "weight_block_size": [self.out_block, self.out_block]}
-        if self.bf16 or self.fp8_out:
-            cfg["dtype"] = "bfloat16"
+        if self.changes:
+            cfg["dtype"] = str(self.out_dtype or torch.bfloat16).removeprefix("torch.")
         return cfg

@@ -28,8 +28,8 @@ from _trust import (  # noqa: F401 - ckpt and tiny are fixtures
 from hfpipe.checkpoint.checksums import DamagedCheckpointError
 from hfpipe.checkpoint.dcp import CheckpointError, check_stored_data, resolve_resume
 from hfpipe.export.hf_folder import ExportError, export_checkpoint
-from hfpipe.checkpoint.safe_metadata import (SafeLoadPlanner, SafeReader, UnsafeMetadataError, _DcpReader,
-                                             read_metadata, safe_load)
+from hfpipe.checkpoint.safe_metadata import (SafeReader, UnsafeMetadataError, _DcpReader, read_metadata,
+                                             safe_load)
 
 LR = "optim.param_groups.model.layers.0.mlp.up_proj.weight.lr"
 BETAS = "optim.param_groups.lm_head.weight.betas"

@@ -20,7 +20,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from _dist import run_ranks, tiny_checkpoint
+from _dist import run_ranks
 from hfpipe.cli.main import app
 from test_cli_bad_inputs import ckpt, edit_json, tiny, tree  # noqa: F401 - ckpt, tiny: fixtures
 

@@ -11,7 +11,6 @@ under the test's folder and the shared model are the same after as before. Token
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path

@@ -222,7 +222,6 @@ def test_resume_from_a_flipped_bit_is_refused_whatever_else_is_damaged(tiny, ckp
 
 
 def test_a_checksum_record_that_is_not_json_is_one_line(ckpt, tmp_path):
-    from _trust import rerecord_metadata  # noqa: F401 - the same way an attacker rewrites the record
     from hfpipe.checkpoint.checksums import _digest
 
     c = copy_checkpoint(ckpt, tmp_path / "case" / "step-00000001")

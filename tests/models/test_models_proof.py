@@ -11,7 +11,6 @@ import json
 import logging
 
 import pytest
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from hfpipe.models.adapter import UnsupportedModelError

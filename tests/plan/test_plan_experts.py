@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from hfpipe.cli.main import app
 from hfpipe.plan.report import load_model_config, param_bytes, plan_report
 from hfpipe.errors import ParallelError
-from hfpipe.plan.split import PlanError, plan_pipeline
+from hfpipe.plan.split import plan_pipeline
 from hfpipe.tiny import tiny_config
 from _trust import error_lines
 

@@ -123,3 +123,14 @@ def test_a_frozen_float8_base_gives_torchaos_input_gradient_bit_for_bit_and_no_w
     assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[1][1], results[0][1])
     assert not torch.equal(results[0][0], plain(x)), "the reference multiplied in float8"
     assert reference.weight.grad is not None and frozen.weight.grad is None
+
+
+@pytest.mark.parametrize("compiled, device, warned", [(False, "cuda", True), (True, "cuda", False),
+                                                       (False, "cpu", False)])
+def test_fp8_without_compile_on_a_gpu_says_it_is_slower(caplog, compiled, device, warned):
+    from hfpipe.quant.float8 import warn_if_uncompiled
+
+    with caplog.at_level("WARNING", logger="hfpipe.quant.float8"):
+        warn_if_uncompiled("rowwise", compiled, torch.device(device))
+        warn_if_uncompiled(None, False, torch.device(device))  # no --fp8: nothing to say
+    assert ["add --compile" in r.getMessage() for r in caplog.records] == ([True] if warned else [])

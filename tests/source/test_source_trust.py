@@ -20,7 +20,7 @@ import torch
 
 from _trust import rerecord_metadata
 from hfpipe.checkpoint.dcp import CheckpointError, check_complete, record_checksums
-from hfpipe.export.hf_folder import ExportError, export_checkpoint
+from hfpipe.export.hf_folder import export_checkpoint
 from hfpipe.checkpoint.safe_metadata import SafeReader, UnsafeMetadataError, read_metadata
 from hfpipe.source.safetensors_io import SafetensorsError, read_header
 from hfpipe.source.folder import ModelSource, SourceError
