@@ -36,7 +36,7 @@ import re
 
 from torch import nn
 
-__all__ = ["apply_ep", "shard_moe_layer", "experts_of", "local_rows"]
+__all__ = ["apply_ep", "shard_moe_layer", "experts_of", "local_rows", "stage_ep_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +62,21 @@ def apply_ep(modules, expert_mesh) -> int:
 
     count = 0
     for stage in modules:
-        patterns = _plan_patterns(stage.config)
-        names = [n for n, _ in stage.named_parameters()] + [n for n, _ in stage.named_modules()]
-        plan = {}
-        for regex, style in patterns:  # plan order: the parameters before their module
-            plan.update({n: style for n in names if regex.match(n)})
+        plan = stage_ep_plan(stage)
         count += sum(1 for s in plan.values() if s == "ep_dispatch_experts")
         # tp: the ranks that share a batch; each dispatches its slice of the tokens (size 1 without --tp)
         apply_expert_parallelism(stage, expert_mesh["ep"], expert_mesh["tp"], plan, ep_implementation="all_to_all")
     return count
+
+
+def stage_ep_plan(stage: nn.Module) -> dict[str, str]:
+    """The config's ``base_model_ep_plan`` expanded to ``stage``'s parameter and module names, in plan order (the
+    parameters before their module): name -> style (``ep_dispatch_experts`` names the experts modules)."""
+    names = [n for n, _ in stage.named_parameters()] + [n for n, _ in stage.named_modules()]
+    plan = {}
+    for regex, style in _plan_patterns(stage.config):
+        plan.update({n: style for n in names if regex.match(n)})
+    return plan
 
 
 def experts_of(layer: nn.Module) -> list[nn.Module]:

@@ -27,6 +27,7 @@ from contextlib import nullcontext
 import torch
 
 from hfpipe.errors import HfpipeError
+from hfpipe.plan.dispatch import dispatch_experts
 from hfpipe.plan.layer_run import _DTYPES, _TOKENS, _SkipMatmuls, _add_lora, _materialise, _signature
 from hfpipe.plan.layouts import SEQ, WHOLE, Layouts, share, weight_styles
 
@@ -47,20 +48,21 @@ def layer_bytes_per_token(config, dtype: str, lora: tuple[int, str] | None = Non
 
 
 def layer_layouts(config, dtype: str, lora: tuple[int, str] | None = None, experts_whole: bool = False,
-                  fsdp: bool = False) -> tuple[tuple[int, int, int], ...]:
+                  fsdp: bool = False, dispatched: bool = False) -> tuple[tuple[int, int, int], ...]:
     """Per decoder layer, the bytes per token of :func:`layer_bytes_per_token` as a tensor-parallel rank keeps
     them: ``(whole, by sequence, split)`` (:mod:`hfpipe.plan.layouts`; all whole for a family tp does not run).
 
     ``experts_whole``: the routed experts are sharded over ep instead of tp (``--ep``); ``fsdp``: the stages
-    are FSDP2 modules (``dp * cp > 1``, or ``bf16-mixed``), which run a LoRA run's adapters in the compute dtype."""
+    are FSDP2 modules (``dp * cp > 1``, or ``bf16-mixed``), which run a LoRA run's adapters in the compute dtype;
+    ``dispatched``: the routed experts are reached by ``--ep``'s all-to-all dispatch (:mod:`hfpipe.plan.dispatch`)."""
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     lora = (*lora, fsdp or dtype == "bf16-mixed") if lora is not None else None
-    return _measure_all(key, type(config), dtype, lora, experts_whole)
+    return _measure_all(key, type(config), dtype, lora, experts_whole, dispatched)
 
 
 @functools.lru_cache(maxsize=32)
 def _measure_all(key: str, config_cls, dtype: str, lora: tuple[int, str, bool] | None = None,
-                 experts_whole: bool = False) -> tuple[tuple[int, int, int], ...]:
+                 experts_whole: bool = False, dispatched: bool = False) -> tuple[tuple[int, int, int], ...]:
     from hfpipe.models.meta import build_meta_model, model_config
 
     fields = json.loads(key)
@@ -71,6 +73,9 @@ def _measure_all(key: str, config_cls, dtype: str, lora: tuple[int, str, bool] |
         out = []
         for i, layer in enumerate(full.model.layers):
             kind = _signature(config, i, layer)
+            if kind not in by_kind and dispatched:  # the experts as --ep runs them, adapters on their stacks too
+                by_kind[kind] = _measure_layer(config, full, i, dtype, lora, experts_whole, experts=True,
+                                               dispatched=True)
             if kind not in by_kind:
                 by_kind[kind] = _measure_layer(config, full, i, dtype, lora, experts_whole)
                 if lora is not None and _adapts_parameters(full, lora):  # adapters on the expert stacks
@@ -90,13 +95,15 @@ def _measure_all(key: str, config_cls, dtype: str, lora: tuple[int, str, bool] |
 
 
 def _measure_layer(cfg, full, index: int, precision: str, lora: tuple[int, str, bool] | None = None,
-                   experts_whole: bool = False, experts: bool = False, tokens: int = _TOKENS) -> tuple[int, int, int]:
+                   experts_whole: bool = False, experts: bool = False, tokens: int = _TOKENS,
+                   dispatched: bool = False) -> tuple[int, int, int]:
     """Bytes autograd keeps, per token, when hfpipe's one-layer stage runs ``tokens`` tokens: (whole, by
     sequence, split) as tp ranks keep them (:mod:`hfpipe.plan.layouts`).
 
     The stage takes its modules from ``full`` (the meta model) and gives them real buffers and
     zero-stride parameters, as loading would give them weights; a LoRA run's adapters then go in
-    as :func:`hfpipe.lora.adapters.add_adapters` puts them.
+    as :func:`hfpipe.lora.adapters.add_adapters` puts them (``dispatched``: after its routed experts are put
+    behind ``--ep``'s dispatch, :func:`hfpipe.plan.dispatch.dispatch_experts`, as loading puts them).
     """
     from hfpipe.models.registry import adapter_for
     from hfpipe.models.spec import StageSpec
@@ -106,6 +113,8 @@ def _measure_layer(cfg, full, index: int, precision: str, lora: tuple[int, str, 
     stage = PipelineStageModule(StageSpec(0, (index,), embed=False, head=False), cfg, full, adapter)
     dtype = _DTYPES[precision]
     _materialise(stage, dtype)
+    if dispatched:
+        dispatch_experts(stage)
     if lora is not None:
         _add_lora(stage, full, lora, experts)
     rng = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
@@ -192,11 +201,14 @@ def _measure_head(key: str, config_cls, dtype: str, lora: tuple[int, str, bool] 
         return fields["hidden_size"] * (4 + 2 * (4 if dtype == "fp32" else 2)), 0, 0  # whole over tp
 
 
-def expert_adapter_bytes(config, dtype: str, lora: tuple[int, str] | None, fsdp: bool = False) -> tuple[int, ...]:
+def expert_adapter_bytes(config, dtype: str, lora: tuple[int, str] | None, fsdp: bool = False,
+                         dispatched: bool = False) -> tuple[int, ...]:
     """Per decoder layer, the bytes a LoRA run's adapters on the expert stacks keep per microbatch whatever its
     tokens: each expert's weight with its delta added, which PEFT's ``ParamWrapper`` makes in forward and the
-    experts' matmuls save (all routed experts of the layer; a rank holds ``1 / ep`` of them). 0 without them."""
-    if lora is None:
+    experts' matmuls save (all routed experts of the layer; a rank holds ``1 / ep`` of them). 0 without them,
+    and 0 under ``--ep`` (``dispatched``): there hfpipe's experts forward builds one expert's weight at a time
+    and saves only what it is made of, the adapter factors (:mod:`hfpipe.models.experts`)."""
+    if lora is None or dispatched:
         return (0,) * config.num_hidden_layers
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     return _expert_constants(key, type(config), dtype, (*lora, fsdp or dtype == "bf16-mixed"))

@@ -17,8 +17,9 @@ each rank sends (and receives) ``tokens * top_k * hidden * bytes * (ep - 1) / ep
 all-to-alls: dispatch and combine, in forward and again (their gradients) in backward. A layer that
 activation checkpointing recomputes runs its forward pair once more in backward (``full``: every
 layer; ``selective``: every other layer). Activations per token are the measured layer's
-(:mod:`hfpipe.plan.activations`): on average a rank's experts receive as many token copies as
-without ep (``tokens * top_k``), only from every rank of the group.
+(:mod:`hfpipe.plan.activations`), run through the all-to-all dispatch as the run reaches its experts
+(:mod:`hfpipe.plan.dispatch`): on average a rank's experts receive as many token copies as without ep
+(``tokens * top_k``), only from every rank of the group.
 """
 
 from __future__ import annotations

@@ -36,14 +36,17 @@ def _add_lora(stage: torch.nn.Module, full, lora: tuple[int, str, bool], experts
     the forward like every parameter, so they read the base's input as it is (no copy).
     """
     from hfpipe.lora.adapters import add_adapters, lora_config, resolve_config
+    from hfpipe.lora.experts import attach_expert_adapters
 
     rank, targets, fsdp = lora
     config = resolve_config(lora_config(rank, targets=targets), full)
     # PEFT's adapters on fused expert stacks (target_parameters) make every expert's whole delta weight
-    # in forward (256 experts: 15 GB): measured apart, on few experts (``experts``, see _expert_adapters)
+    # in forward (256 experts: 15 GB): measured apart, on few experts (``experts``, see _expert_adapters),
+    # unless the experts are dispatched as under --ep (hfpipe.plan.dispatch), where no such fold runs
     if not experts:
         config.target_parameters = None
     add_adapters([stage], config)
+    attach_expert_adapters([stage])  # dispatched experts: hfpipe's experts forward adapts them, as the run's
     if fsdp:
         for name, p in stage.named_parameters():
             if p.requires_grad:

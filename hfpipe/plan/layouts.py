@@ -66,7 +66,8 @@ def weight_styles(stage: torch.nn.Module, config, experts_whole: bool = False) -
 
     for name, style in plan.items():
         module = modules.get(name)
-        module = getattr(module, "base_layer", module)
+        while hasattr(module, "base_layer"):  # PEFT's wrappers, nested on a stack of experts (one per parameter)
+            module = module.base_layer
         if module is None:
             continue
         if isinstance(style, ColwiseParallel):
@@ -77,7 +78,7 @@ def weight_styles(stage: torch.nn.Module, config, experts_whole: bool = False) -
             styles[module.gate_up_proj.untyped_storage().data_ptr()] = SPLIT
             styles[module.down_proj.untyped_storage().data_ptr()] = WHOLE
         wrapper = modules.get(name)
-        if hasattr(wrapper, "lora_A"):  # colwise base: lora_B splits its output; rowwise: lora_A its input
+        if hasattr(wrapper, "lora_A") and hasattr(module, "weight"):  # (--tp refuses adapters on the experts)  # colwise base: lora_B splits its output; rowwise: lora_A its input
             colwise = isinstance(style, ColwiseParallel)
             for adapter in (wrapper.lora_B if colwise else wrapper.lora_A).values():
                 mark(adapter, SPLIT if colwise else styles.get(module.weight.untyped_storage().data_ptr(), WHOLE))

@@ -6,15 +6,19 @@ quantized base's (:mod:`hfpipe.plan.quant`), which all price parameters with the
 loss chunk, which the report prices too, is the loss room's: :func:`hfpipe.loss.budget.chunk_tokens`.)
 """
 
-__all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "frozen_dtype", "fsdp_bytes", "param_bytes"]
+__all__ = ["ACT_BYTES", "BYTES_PER_PARAM", "frozen_dtype", "fsdp_bytes", "fsdp_units", "param_bytes",
+           "reduce_scatter_bytes"]
 
 #: dtype -> (weights, gradients, optimizer) bytes per parameter; see the module docstring.
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (6, 4, 8), "bf16": (2, 2, 4), "fp64": (8, 8, 16)}
 #: dtype -> bytes per activation element (what runs the matmuls).
 ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2, "fp64": 8}
 
-#: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2.
-_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 2, 4), "fp64": (8, 8, 8, 16)}
+#: dtype -> (master weights, compute copy, whole gradients, optimizer) bytes per parameter under FSDP2. The whole
+#: gradients are in the reduce dtype, fp32 under bf16 too (hfpipe.parallel.fsdp): with gradient sync off until the
+#: step's last backward, FSDP2 upcasts each unit's gradients as its backward ends and accumulates them so (a cp2
+#: bf16 run held fp32 ones; priced at 2 bytes, full fine-tuning under full checkpointing was 0.94x of its peak)
+_FSDP_BYTES = {"fp32": (4, 4, 4, 8), "bf16-mixed": (4, 2, 4, 8), "bf16": (2, 2, 4, 4), "fp64": (8, 8, 8, 16)}
 
 
 def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
@@ -45,3 +49,23 @@ def param_bytes(dtype: str, dp: int = 1, reshard: bool = False) -> tuple[float, 
     if reshard:
         return master / dp + compute / dp, grad / dp, optim / dp
     return master / dp + compute, grad, optim / dp
+
+
+def reduce_scatter_bytes(grad_bytes: float, units: list[int]) -> int:
+    """What FSDP2's reduce-scatter after the step's last backward holds beside a rank's ``grad_bytes`` of whole
+    gradients: the largest of its ``units`` (parameters per FSDP2 unit) copied into one reduce-scatter input in the
+    reduce dtype, while that unit's whole gradients are freed only once copied (torch's ``foreach_reduce``). The
+    stage's own unit (embedding, norm and head) goes first, while every layer's gradients are still whole (measured
+    on a cp2 run's real peak). On CPU, gloo's reduce-scatter allocates one more buffer of its input's size; NCCL's
+    does not, and it is not priced."""
+    return int(grad_bytes * max(units) / sum(units)) if units and sum(units) else 0
+
+
+def fsdp_units(stages, costs, ep: int = 1) -> list[int]:
+    """Parameters of each FSDP2 unit of ``stages`` (:mod:`hfpipe.parallel.fsdp`): each decoder layer, with its routed
+    experts a unit of their own under ep (``1 / ep`` of them), and each stage's own (embedding, head)."""
+    routed = costs.layer_routed_params or (0,) * len(costs.layer_params)
+    units = [costs.embed_params * s.embed + costs.head_params * s.head for s in stages]
+    for i in (i for s in stages for i in s.layers):
+        units += [costs.layer_params[i] - routed[i], routed[i] // ep] if ep > 1 else [costs.layer_params[i]]
+    return units

@@ -14,15 +14,15 @@ bf16-mixed    4 + 2    4      8          fp32 masters, plus the bf16 copy autoca
 bf16          2        2      4          everything bf16; AdamW state in the parameter dtype
 ============  =======  =====  =========  ===================================================
 
-With ``dp > 1`` the stage modules are FSDP2-sharded over dp (as :mod:`hfpipe.pipeline.model` does, each
-decoder layer and then the stage, no reshard after forward): fp32 masters, the sharded gradients
-kept for the optimizer and AdamW state are split ``dp`` ways, but during a schedule step torch's
-pipeline stage keeps the stage's parameters gathered in the compute dtype and accumulates their
-gradients unsharded in the reduce dtype (fp32; bf16 with ``bf16``) until the step's last backward
-(``set_requires_gradient_sync(False)`` for every microbatch before it), then reduce-scatters them one
-unit at a time, each unit's whole gradients freed as its shard is made. So per parameter:
-weights ``master / dp + compute``, grads ``reduce``, optimizer ``adamw / dp`` (see
-:func:`param_bytes`): more dp shrinks a rank down to the 6 bytes (bf16-mixed) it cannot shard.
+With ``dp > 1`` the stage modules are FSDP2-sharded over dp (as :mod:`hfpipe.pipeline.model` does, each decoder layer
+and then the stage, no reshard after forward): fp32 masters, the sharded gradients kept for the optimizer and AdamW
+state are split ``dp`` ways, but during a schedule step torch's pipeline stage keeps the stage's parameters gathered
+in the compute dtype and accumulates their gradients unsharded in the reduce dtype (fp32, under ``bf16`` too) until
+the step's last backward (``set_requires_gradient_sync(False)`` for every microbatch before it), then reduce-scatters
+them one unit at a time, each unit's whole gradients freed as its shard is made. So per parameter: weights
+``master / dp + compute``, grads ``reduce``, optimizer ``adamw / dp`` (see :func:`param_bytes`): more dp shrinks a
+rank down to the 6 bytes (bf16-mixed) it cannot shard. The first unit reduced, the stage's own, is copied into one
+reduce-scatter input beside every whole gradient, once the activations are gone (``reduce_bytes``).
 
 Activations, bytes per token per decoder layer: measured on transformers' own layer, one of each
 kind (dense, MoE, ...), by :mod:`hfpipe.plan.activations` (Korthikanti et al.'s ``34 * h`` for a
@@ -68,7 +68,7 @@ from hfpipe.loss.budget import chunk_tokens
 from hfpipe.plan.actions import in_flight, schedule_actions
 from hfpipe.plan.activations import expert_adapter_bytes, head_bytes_per_token, layer_layouts
 from hfpipe.plan.experts import all_to_all_bytes, describe_ep, price_ranks as price_ep
-from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, param_bytes
+from hfpipe.plan.memory import ACT_BYTES as _ACT_BYTES, BYTES_PER_PARAM, fsdp_units, param_bytes, reduce_scatter_bytes
 from hfpipe.plan.preference import describe_reference, reference_pass, sequences_per_pair
 from hfpipe.plan.model_config import load_model_config
 from hfpipe.plan.peak import rank_peak
@@ -115,11 +115,12 @@ class RankReport:
     fsdp_bytes: int = 0  # FSDP2's all-gather + reduce-scatter traffic one GPU moves per step
     cp_bytes: int = 0  # context-parallel K/V gathers one GPU receives per step (not memory)
     apart_bytes: int = 0  # of grads + activations, what never exists at once (hfpipe.plan.peak)
+    reduce_bytes: int = 0  # FSDP2's reduce-scatter after the last backward, beside the whole grads (plan.memory)
 
     @property
-    def total_bytes(self) -> int:
-        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.transient_bytes - self.apart_bytes)
+    def total_bytes(self) -> int:  # activations are gone when FSDP2 reduce-scatters
+        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.transient_bytes
+                + max(self.activation_bytes - self.apart_bytes, self.reduce_bytes))
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         PlanError, ParallelError, UnsupportedModelError: the plan cannot be made (the message
             names the option to change).
     """
+    from hfpipe.config.options import require_positive
     from hfpipe.models.support import get_adapter
     from hfpipe.parallel.dims import ParallelDims
     from hfpipe.parallel.rules import check_layout
@@ -218,8 +220,6 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     get_adapter(config)
     sp, reshard = sequence_parallel and tp > 1, reshard_per_microbatch
     tensor.check_tp(config, tp, dp=dp, reshard=reshard, lora=lora_rank is not None)
-    from hfpipe.config.options import require_positive
-
     require_positive(seq_len=seq_len, microbatches=microbatches, batch_size=batch_size)
     schedule = schedule or ("interleaved-1f1b" if vpp and vpp > 1 else "1f1b")
     checked = check_layout(dims, schedule, vpp=vpp, microbatches=microbatches, batch_size=batch_size,
@@ -227,19 +227,18 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                            quantize_base=quantize_base, seq_len=seq_len)
     vpp, m = checked.vpp, checked.microbatches
     batch = (batch_size or m) * sequences_per_pair(train_method)  # sequences: a dpo pair is two
-    plan = plan_pipeline(config, pp, vpp=vpp, style=checked.style, method=method,
-                         layout=layout, seq_len=seq_len)
+    plan = plan_pipeline(config, pp, vpp=vpp, style=checked.style, method=method, layout=layout, seq_len=seq_len)
     costs = layer_costs(config, seq_len)
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens, shards = batch // m * seq_len // cp, dp * cp  # a cp rank's tokens; FSDP2 over dp x cp
     lora_key = (lora_rank, lora_targets) if lora_rank is not None else None
-    layouts = layer_layouts(config, dtype, lora_key, experts_whole=ep > 1 and tp > 1, fsdp=shards > 1)
+    layouts = layer_layouts(config, dtype, lora_key, ep > 1 and tp > 1, shards > 1, dispatched=ep > 1)
     measured = tuple(sum(held) for held in layouts)
     per_layer = context.layer_bytes(tensor.layer_bytes(layouts, tp, sp), config, cp, tp, dtype, seq_len)
     head = _Head(head_bytes_per_token(config, dtype, lora_key, tp, fsdp=shards > 1),
                  lora_rank is None or _adapted_head(config, lora_key))
     # a LoRA run's adapters on the expert stacks: each microbatch keeps its experts' weights with their delta
-    fixed = tuple(b // ep for b in expert_adapter_bytes(config, dtype, lora_key, fsdp=shards > 1))
+    fixed = tuple(b // ep for b in expert_adapter_bytes(config, dtype, lora_key, fsdp=shards > 1, dispatched=ep > 1))
     parts = [_stage_parts(config, s, tokens, dtype, activation_checkpointing, per_layer, costs, tp, sp, head, fixed)
              for s in plan.stages]
     per_mb = [sum(a for a, _ in p) for p in parts]
@@ -254,7 +253,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens)) + kv
                   if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     passing = [rank_transient(plan.stages_of_rank(r), config, dtype, lora_key, shards > 1, tokens, tp,
-                              head.unchunked(config, tokens), head.trains, extra) for r in range(pp)]
+                              head.unchunked(config, tokens), head.trains, extra, ep > 1) for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r] + passing[r], passing[r]) for r in range(pp))
     # tp first: under ep the routed experts stay whole over tp, and price_ep then prices each rank's 1 / ep of
@@ -276,7 +275,9 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     ranks = tuple(_apart(r, actions[r.rank], {s.index: parts[s.index] for s in plan.stages_of_rank(r.rank)},
                          recomputes[r.rank] + r.backward_bytes) for r in ranks)
     cp_bytes = context.cp_traffic(plan, config, cp, tp, m, batch // m, seq_len, dtype, activation_checkpointing)
-    ranks = tuple(dataclasses.replace(r, cp_bytes=c) for r, c in zip(ranks, cp_bytes))
+    fsdp = (shards > 1 or dtype == "bf16-mixed") and not reshard and lora_rank is None  # LoRA's: its adapters'
+    ranks = tuple(dataclasses.replace(r, cp_bytes=c, reduce_bytes=reduce_scatter_bytes(
+        r.grad_bytes, fsdp_units(plan.stages_of_rank(r.rank), costs, ep)) if fsdp else 0) for r, c in zip(ranks, cp_bytes))
     notes += lines + context.describe(cp, dp, cp_bytes, [r.fsdp_bytes for r in ranks], _size)
     if ep > 1:
         a2a = all_to_all_bytes(plan, costs, config, ep, m, tokens, dtype, activation_checkpointing, tp)
@@ -286,10 +287,9 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         notes.append(describe_quant(quantize_base, ranks, _size))
     reference = None
     if train_method == "dpo":
-        reference = reference_pass(plan, ranks, config, tokens=tokens, per_layer=per_layer,
-                                   hidden_elements=_hidden_elements(config), dtype=dtype, microbatches=m,
-                                   activation_checkpointing=activation_checkpointing, tp=tp, sp=sp,
-                                   lora=lora_rank is not None)
+        reference = reference_pass(plan, ranks, config, tokens=tokens, per_layer=per_layer, dtype=dtype,
+                                   hidden_elements=_hidden_elements(config), microbatches=m, tp=tp, sp=sp,
+                                   activation_checkpointing=activation_checkpointing, lora=lora_rank is not None)
         notes.append(describe_reference(reference, _size))
     notes += idle_ranks(plan)
     return PlanReport(

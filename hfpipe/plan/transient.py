@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hfpipe.errors import HfpipeError
+from hfpipe.plan.dispatch import dispatch_experts
 from hfpipe.plan.layer_run import _DTYPES, _TOKENS, _SkipMatmuls, _add_lora, _materialise, _signature
 
 __all__ = ["LiveBytes", "backward_bytes_per_token", "loss_chunk_bytes_per_token", "rank_transient"]
@@ -87,7 +88,7 @@ class LiveBytes(TorchDispatchMode):
 
 
 def rank_transient(stages, config, dtype: str, lora: tuple[int, str] | None, fsdp: bool, tokens: int, tp: int,
-                   head_kept: int, head_trains: bool, recompute: int = 0) -> int:
+                   head_kept: int, head_trains: bool, recompute: int = 0, dispatched: bool = False) -> int:
     """The most a rank holding ``stages`` adds, once, above its activations for a microbatch of ``tokens``
     tokens (a cp rank's): its largest layer's backward, or its loss (one chunk's, or the whole microbatch's
     beyond the ``head_kept`` bytes priced as the head's activations). Under tp a layer's is priced whole
@@ -98,7 +99,8 @@ def rank_transient(stages, config, dtype: str, lora: tuple[int, str] | None, fsd
     Through a stage's whole backward the schedule holds its output and the gradient it received (``h`` per
     token each), which no layer saves; and the chunked loss keeps the gradients it made in forward (the hidden
     states', and the head's where it trains) while its backward hands on scaled copies of them
-    (:mod:`hfpipe.loss.chunked`): on the last stage those stay beside every layer's backward."""
+    (:mod:`hfpipe.loss.chunked`): on the last stage those stay beside every layer's backward. ``dispatched``: the
+    routed experts are reached by ``--ep``'s dispatch (:mod:`hfpipe.plan.dispatch`)."""
     from hfpipe.loss.budget import chunk_tokens
     from hfpipe.models.registry import adapter_for
     from hfpipe.plan.memory import ACT_BYTES
@@ -109,9 +111,10 @@ def rank_transient(stages, config, dtype: str, lora: tuple[int, str] | None, fsd
     chunked = 0 < chunk < tokens
     most = 0
     if any(s.layers for s in stages):
-        most = tokens * backward_bytes_per_token(config, dtype, lora, fsdp)
+        most = tokens * backward_bytes_per_token(config, dtype, lora, fsdp, dispatched=dispatched)
         if recompute:
-            most = max(most, tokens * backward_bytes_per_token(config, dtype, lora, fsdp, ac=True) - recompute)
+            most = max(most, tokens * backward_bytes_per_token(config, dtype, lora, fsdp, ac=True,
+                                                               dispatched=dispatched) - recompute)
         most += tokens * 2 * hidden
         if chunked and any(s.head for s in stages):
             most += tokens * hidden + config.vocab_size * config.hidden_size * act // tp * head_trains
@@ -122,14 +125,15 @@ def rank_transient(stages, config, dtype: str, lora: tuple[int, str] | None, fsd
 
 
 def backward_bytes_per_token(config, dtype: str, lora: tuple[int, str] | None = None, fsdp: bool = False,
-                             ac: bool = False) -> int:
+                             ac: bool = False, dispatched: bool = False) -> int:
     """The most bytes per token any decoder layer's backward holds above what its forward saved (see the module).
 
     ``ac``: the layer is checkpointed; then what its recompute saves is included (the caller prices the
-    largest layer's saved bytes once as the recompute, and takes the larger of the two)."""
+    largest layer's saved bytes once as the recompute, and takes the larger of the two); ``dispatched``: the routed
+    experts behind ``--ep``'s dispatch, as :func:`hfpipe.plan.activations.layer_layouts` measures them."""
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     lora = (*lora, fsdp or dtype == "bf16-mixed") if lora is not None else None
-    return _measure(key, type(config), dtype, lora, head=False, ac=ac)
+    return _measure(key, type(config), dtype, lora, head=False, ac=ac, dispatched=dispatched)
 
 
 def loss_chunk_bytes_per_token(config, dtype: str, lora: tuple[int, str] | None = None, fsdp: bool = False) -> int:
@@ -142,7 +146,7 @@ def loss_chunk_bytes_per_token(config, dtype: str, lora: tuple[int, str] | None 
 
 
 @functools.lru_cache(maxsize=32)
-def _measure(key: str, config_cls, dtype: str, lora, head: bool, ac: bool = False) -> int:
+def _measure(key: str, config_cls, dtype: str, lora, head: bool, ac: bool = False, dispatched: bool = False) -> int:
     from hfpipe.models.meta import build_meta_model, model_config
 
     fields = json.loads(key)
@@ -156,7 +160,7 @@ def _measure(key: str, config_cls, dtype: str, lora, head: bool, ac: bool = Fals
             kind = _signature(config, i, layer)
             if kind not in kinds:
                 kinds.add(kind)
-                most = max(most, _per_token(lambda t: _layer_peak(config, i, dtype, lora, t, ac)))
+                most = max(most, _per_token(lambda t: _layer_peak(config, i, dtype, lora, t, ac, dispatched)))
         return most
     except HfpipeError:
         raise
@@ -174,7 +178,7 @@ def _per_token(peak) -> int:
     return max(0, -(-(peak(2 * _TOKENS) - peak(_TOKENS)) // _TOKENS))
 
 
-def _stage(config, spec, dtype: str, lora):
+def _stage(config, spec, dtype: str, lora, dispatched: bool = False):
     from hfpipe.models.meta import build_meta_model
     from hfpipe.models.registry import adapter_for
     from hfpipe.models.stage import PipelineStageModule
@@ -183,18 +187,20 @@ def _stage(config, spec, dtype: str, lora):
     adapter = adapter_for(config)
     stage = PipelineStageModule(spec, config, full, adapter)
     _materialise(stage, _DTYPES[dtype])
+    if dispatched:
+        dispatch_experts(stage)
     if lora is not None:
-        _add_lora(stage, full, lora)
+        _add_lora(stage, full, lora, experts=dispatched)
     return stage, adapter
 
 
-def _layer_peak(config, index: int, dtype: str, lora, tokens: int, ac: bool = False) -> int:
+def _layer_peak(config, index: int, dtype: str, lora, tokens: int, ac: bool = False, dispatched: bool = False) -> int:
     """Bytes layer ``index``'s backward holds at its most above what its forward left (its output included in
     both), with the gradient flowing in; weight gradients are not taken (they are the gradients column).
     ``ac``: the layer checkpointed, so its backward recomputes it first (what it saves included)."""
     from hfpipe.models.spec import StageSpec
 
-    stage, adapter = _stage(config, StageSpec(0, (index,), embed=False, head=False), dtype, lora)
+    stage, adapter = _stage(config, StageSpec(0, (index,), embed=False, head=False), dtype, lora, dispatched)
     stage.activation_checkpointing = "full" if ac else "none"
     rng = torch.Generator().manual_seed(0)
     x = torch.randn(adapter.hidden_shape(config, 1, tokens), generator=rng, dtype=_DTYPES[dtype], requires_grad=True)

@@ -127,3 +127,32 @@ def test_skipping_the_matmuls_keeps_the_same_bytes_on_the_bundled_models(model, 
     monkeypatch.setattr(plan_activations, "_SkipMatmuls", contextlib.nullcontext)
     assert layer_bytes_per_token(config, "bf16-mixed") == skipped
     plan_activations._measure_all.cache_clear()
+
+
+def test_one_ranks_ep_dispatch_computes_what_the_experts_do_and_runs_hfpipes_experts_under_lora():
+    # hfpipe.plan.dispatch: the plan measures an --ep layer through transformers' all-to-all dispatch with the
+    # exchanges of one rank; it must be the same computation, or its bytes are not the run's
+    from transformers import AutoModelForCausalLM
+
+    from hfpipe.lora.adapters import lora_config, resolve_config
+    from hfpipe.lora.experts import attach_expert_adapters
+    from hfpipe.models.experts import IMPLEMENTATION
+    from hfpipe.plan.dispatch import dispatch_experts
+
+    config = tiny_config("qwen3_moe")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # grouped_mm has no fp64
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    expected = model(ids).logits
+    assert dispatch_experts(model) == config.num_hidden_layers
+    torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)  # rows summed in another order
+    lora = resolve_config(lora_config(4, targets="all-linear"), model)
+    assert lora.target_parameters  # the experts' stacks are adapted
+    from peft.tuners.lora import LoraModel
+
+    LoraModel(model, lora, "default")
+    assert attach_expert_adapters([model]) > 0 and config._experts_implementation == IMPLEMENTATION
+    got = model(ids).logits  # hfpipe's experts forward, one expert's weight at a time
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # PEFT's B starts at zero
+    got.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n and "experts" in n)

@@ -59,7 +59,9 @@ def test_ep_cuts_each_ranks_routed_experts_and_shards_them_over_dp_over_ep():
         assert e.weight_bytes == int(other * w_dp[0] + routed // 2 * w_edp[0])
         assert e.grad_bytes == int(other * w_dp[1] + routed // 2 * w_edp[1])
         assert e.optimizer_bytes == int(other * w_dp[2] + routed // 2 * w_edp[2])
-        assert e.activation_bytes == b.activation_bytes
+        # as many token copies reach a rank's experts, through transformers' all-to-all dispatch (measured
+        # through it: hfpipe.plan.dispatch), which keeps about what the one-process experts keep
+        assert e.activation_bytes == pytest.approx(b.activation_bytes, rel=0.05)
     assert "ep 2, 4 of 8 routed experts per rank" in "\n".join(ep.notes)
 
 

@@ -59,8 +59,9 @@ def test_the_plan_of_a_config_uses_finetunes_defaults():
 def test_dp_shards_masters_grads_and_adamw_but_not_the_step_buffers(dtype):
     """FSDP2 under pipelining: the compute-dtype weights and reduce-dtype gradients are whole
     for the whole step (no reshard after forward, no gradient sync before the last backward); their
-    shards replace them one unit at a time after it, so the two are never held whole together."""
-    compute, reduce = {"fp32": (4, 4), "bf16-mixed": (2, 4), "bf16": (2, 2), "fp64": (8, 8)}[dtype]
+    shards replace them one unit at a time after it, so the two are never held whole together. The reduce dtype is
+    fp32 under bf16 too (hfpipe.parallel.fsdp), and FSDP2 accumulates the whole gradients in it."""
+    compute, reduce = {"fp32": (4, 4), "bf16-mixed": (2, 4), "bf16": (2, 4), "fp64": (8, 8)}[dtype]
     master = {"bf16": 2, "fp64": 8}.get(dtype, 4)
     adamw = 2 * master
     assert param_bytes(dtype, 1) == BYTES_PER_PARAM[dtype]
@@ -70,6 +71,20 @@ def test_dp_shards_masters_grads_and_adamw_but_not_the_step_buffers(dtype):
     for a, b in zip(one.ranks, four.ranks):
         assert b.params == a.params and b.activation_bytes == a.activation_bytes
         assert b.optimizer_bytes == a.optimizer_bytes // 4
+
+
+def test_after_the_last_backward_fsdp2_copies_the_stage_unit_beside_every_whole_gradient():
+    # torch's foreach_reduce copies a unit's whole gradients into one reduce-scatter input before it frees them; the
+    # stage's own unit (embedding, head) goes first, while every layer's are whole: with the activations gone, that
+    # is the peak of a full fine-tune under full checkpointing (a cp2 run's real peak, measured)
+    config = tiny_config("llama")
+    kw = dict(seq_len=16, dtype="bf16", activation_checkpointing="full")
+    for r in plan_report(config, 1, dp=2, **kw).ranks:
+        unit = (config.vocab_size * config.hidden_size * 2) * 4  # embedding and head, untied, fp32 gradients
+        assert r.reduce_bytes == pytest.approx(unit, rel=0.01)
+        assert r.total_bytes >= r.weight_bytes + r.grad_bytes + r.optimizer_bytes + r.reduce_bytes
+    assert plan_report(config, 1, **kw).ranks[0].reduce_bytes == 0  # one bf16 replica: no FSDP2
+    assert plan_report(config, 1, dp=2, lora_rank=4, **kw).ranks[0].reduce_bytes == 0  # LoRA: adapters' only
 
 
 def test_a_recipe_that_fits_says_so_per_rank():
