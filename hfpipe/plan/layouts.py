@@ -78,7 +78,9 @@ def weight_styles(stage: torch.nn.Module, config, experts_whole: bool = False) -
             styles[module.gate_up_proj.untyped_storage().data_ptr()] = SPLIT
             styles[module.down_proj.untyped_storage().data_ptr()] = WHOLE
         wrapper = modules.get(name)
-        if hasattr(wrapper, "lora_A") and hasattr(module, "weight"):  # (--tp refuses adapters on the experts)  # colwise base: lora_B splits its output; rowwise: lora_A its input
+        # colwise base: lora_B splits its output; rowwise: lora_A its input (--tp refuses adapters on the experts,
+        # whose stacks have no single weight)
+        if hasattr(wrapper, "lora_A") and hasattr(module, "weight"):
             colwise = isinstance(style, ColwiseParallel)
             for adapter in (wrapper.lora_B if colwise else wrapper.lora_A).values():
                 mark(adapter, SPLIT if colwise else styles.get(module.weight.untyped_storage().data_ptr(), WHOLE))
