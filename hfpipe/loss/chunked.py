@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hfpipe.loss.linear_head import LinearHead, linear_head_weight, linear_loss_sum
+from hfpipe.loss.linear_head import LinearHead, hand_on, linear_head_weight, linear_loss_sum
 from hfpipe.loss.tokens import IGNORE_INDEX
 from hfpipe.loss.vocab_parallel import loss_dtype, vocab_parallel_loss_sum, vocab_parallel_token_losses
 
@@ -117,7 +117,8 @@ class _ChunkedLoss(torch.autograd.Function):
     """Loss forward and backward per chunk in ``forward``; ``backward`` hands the kept gradients on.
 
     ``backward`` may run twice on one graph (zero-bubble schedules take the input gradient first
-    and the weight gradient later, retaining the graph), so it never consumes what it keeps.
+    and the weight gradient later, retaining the graph); it hands on what it keeps only when the graph
+    is not retained (:func:`hfpipe.loss.linear_head.hand_on`).
     """
 
     @staticmethod
@@ -146,7 +147,5 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # Scaled on the device, never compared on the host (a GPU would wait for the whole forward); a fresh
-        # product is also what AccumulateGrad takes over without a copy (the kept tensor stays referenced).
-        grads = [None if g is None else g * grad_out for g in ctx.grads]
+        grads = hand_on(ctx, grad_out)
         return (grads[0], None, None, None, None, None, None, *grads[1:])

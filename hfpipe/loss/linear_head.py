@@ -38,7 +38,7 @@ from functools import cache
 import torch
 from torch import nn
 
-__all__ = ["LinearHead", "linear_head_weight", "linear_loss_sum"]
+__all__ = ["LinearHead", "hand_on", "linear_head_weight", "linear_loss_sum"]
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Forward and backward of every chunk in ``forward``; ``backward`` hands the kept gradients on.
 
     ``backward`` may run twice on one graph (zero-bubble schedules take the input gradient first and
-    the weight gradient later), so it never consumes what it keeps.
+    the weight gradient later, retaining the graph); it hands on what it keeps only when the graph is not
+    retained (:func:`hand_on`).
     """
 
     @staticmethod
@@ -180,7 +181,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # Scaled on the device, never compared on the host (a GPU would wait for the whole forward); a fresh
-        # product is also what AccumulateGrad takes over without a copy (the kept tensor stays referenced).
-        grads = [None if g is None else g * grad_out for g in ctx.grads]
-        return (*grads, None, None, None, None, None)
+        return (*hand_on(ctx, grad_out), None, None, None, None, None)
+
+
+def hand_on(ctx, grad_out: torch.Tensor) -> list:
+    """A chunked loss's backward: the gradients its forward made (``ctx.grads``) times ``grad_out``.
+
+    Scaled on the device, never compared on the host (a GPU would wait for the whole forward). A zero-bubble
+    schedule runs the backward twice on one graph (the input gradients first, retaining the graph, the weight
+    gradients later): then the kept tensors stay, and fresh products go on. Otherwise this is the graph's only
+    backward: the kept tensors are scaled in place and handed on, so nothing is held twice through the last
+    stage's backward (at Llama-3-8B's vocabulary the head's gradient is 1 GB in bf16) and AccumulateGrad takes
+    the head's gradient over without a copy.
+    """
+    if _graph_kept():
+        return [None if g is None else g * grad_out for g in ctx.grads]
+    grads, ctx.grads = ctx.grads, None
+    return [None if g is None else g.mul_(grad_out) for g in grads]
+
+
+def _graph_kept() -> bool:
+    """Whether the backward running now retains its graph (torch's own test, AOTAutograd's "saved tensors used
+    once"; a private function: where a torch lacks it, the graph is taken as retained, which is always safe)."""
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if kept is None else bool(kept())

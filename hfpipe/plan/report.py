@@ -252,8 +252,8 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         counts[s.index] * per_mb[s.index] + (extra + kv if s.layers else 0)) for s in plan.stages)
     recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens)) + kv
                   if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
-    passing = [rank_transient(plan.stages_of_rank(r), config, dtype, lora_key, shards > 1, tokens, tp,
-                              head.unchunked(config, tokens), head.trains, extra, ep > 1) for r in range(pp)]
+    passing = [rank_transient(plan.stages_of_rank(r), config, dtype, lora_key, shards > 1, tokens, tp, head.unchunked(
+        config, tokens), head.trains, extra, ep > 1, split=any(a[0] == "I" for a in actions[r])) for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r] + passing[r], passing[r]) for r in range(pp))
     # tp first: under ep the routed experts stay whole over tp, and price_ep then prices each rank's 1 / ep of

@@ -88,7 +88,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 def rank_transient(stages, config, dtype: str, lora: tuple[int, str] | None, fsdp: bool, tokens: int, tp: int,
-                   head_kept: int, head_trains: bool, recompute: int = 0, dispatched: bool = False) -> int:
+                   head_kept: int, head_trains: bool, recompute: int = 0, dispatched: bool = False,
+                   split: bool = False) -> int:
     """The most a rank holding ``stages`` adds, once, above its activations for a microbatch of ``tokens``
     tokens (a cp rank's): its largest layer's backward, or its loss (one chunk's, or the whole microbatch's
     beyond the ``head_kept`` bytes priced as the head's activations). Under tp a layer's is priced whole
@@ -97,10 +98,11 @@ def rank_transient(stages, config, dtype: str, lora: tuple[int, str] | None, fsd
     layer's backward, measured recompute and all, beyond ``recompute``.
 
     Through a stage's whole backward the schedule holds its output and the gradient it received (``h`` per
-    token each), which no layer saves; and the chunked loss keeps the gradients it made in forward (the hidden
-    states', and the head's where it trains) while its backward hands on scaled copies of them
-    (:mod:`hfpipe.loss.chunked`): on the last stage those stay beside every layer's backward. ``dispatched``: the
-    routed experts are reached by ``--ep``'s dispatch (:mod:`hfpipe.plan.dispatch`)."""
+    token each), which no layer saves; and where the schedule ``split``s the backward (input gradients first,
+    retaining the graph: the zero-bubble ones), the chunked loss keeps the gradients it made in forward (the
+    hidden states', and the head's where it trains) while its backward hands on scaled copies of them
+    (:func:`hfpipe.loss.linear_head.hand_on`): on the last stage those stay beside every layer's backward.
+    ``dispatched``: the routed experts are reached by ``--ep``'s dispatch (:mod:`hfpipe.plan.dispatch`)."""
     from hfpipe.loss.budget import chunk_tokens
     from hfpipe.models.registry import adapter_for
     from hfpipe.plan.memory import ACT_BYTES
@@ -116,7 +118,7 @@ def rank_transient(stages, config, dtype: str, lora: tuple[int, str] | None, fsd
             most = max(most, tokens * backward_bytes_per_token(config, dtype, lora, fsdp, ac=True,
                                                                dispatched=dispatched) - recompute)
         most += tokens * 2 * hidden
-        if chunked and any(s.head for s in stages):
+        if chunked and split and any(s.head for s in stages):
             most += tokens * hidden + config.vocab_size * config.hidden_size * act // tp * head_trains
     if any(s.head for s in stages):
         n = chunk if chunked else tokens

@@ -140,3 +140,35 @@ def test_the_compiled_form_equals_the_in_place_form():
         got, want = compiled(logits, targets, weights, -100), _chunk_loss_and_grad(logits.clone(), targets, weights, -100)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_only_backward_hands_on_the_kept_gradients_and_a_retained_graph_keeps_them(fast):
+    """The loss's forward makes the head's gradient; without a retained graph its backward hands that tensor on
+    (AccumulateGrad takes it over: the same storage, nothing held twice), with one it keeps it for a second
+    backward (zero-bubble schedules), which gives the same gradients again."""
+    stage = _last_stage("llama")
+    hidden, targets = _data(stage, torch.float32)
+
+    def run():
+        linear = LinearHead(*stage.head_parts()) if fast else None
+        return chunked_loss_sum(stage.logits, hidden, targets, 7, 11.0, linear=linear)
+
+    loss = run()
+    kept = loss.grad_fn.grads  # the autograd node is the Function's context
+    where = {g.data_ptr() for g in kept if g is not None and g.shape == stage.lm_head.weight.shape}
+    del kept  # (a reference held here would make AccumulateGrad copy)
+    loss.backward()
+    assert loss.grad_fn.grads is None, "the only backward handed its gradients on"
+    # a copy would be made while the kept tensor still lives, so at another address
+    assert stage.lm_head.weight.grad.data_ptr() in where, "taken over, not copied"
+    once = stage.lm_head.weight.grad.clone()
+
+    stage.zero_grad(set_to_none=True)
+    loss = run()
+    loss.backward(retain_graph=True)
+    assert loss.grad_fn.grads is not None, "kept for a second backward"
+    first = stage.lm_head.weight.grad.clone()
+    stage.zero_grad(set_to_none=True)
+    loss.backward()
+    assert torch.equal(first, once) and torch.equal(stage.lm_head.weight.grad, once)
