@@ -275,7 +275,6 @@ def _run_child(case: str, folder: Path, a, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--run-case", case, "--model", str(folder)] + [
         f"--{k}={getattr(a, k)}" for k in ("seq", "batch", "steps", "warmup")] + (
         [f"--profile-dir={a.profile_dir}"] if profile else [])
-    row: dict = {}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -284,11 +283,16 @@ def _run_child(case: str, folder: Path, a, timeout: float) -> dict:
     if not found:
         sys.stderr.write(done.stderr[-4000:])
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][-300:]}
-    row.update(json.loads(found[-1][7:]))
+    row = json.loads(found[-1][7:])
     row["tok_s"] = a.batch * a.seq / row["wall"]
-    shape = SHAPES[a.lora_shape if case.startswith("lora-") else a.shape]
-    row["mfu"] = row["tok_s"] * flops_per_token(shape, a.seq, case.startswith("lora-")) / (a.peak_tflops * 1e12)
+    flops = flops_per_token(SHAPES[_shape_name(case, a)], a.seq, case.startswith("lora-"))
+    row["mfu"] = row["tok_s"] * flops / (a.peak_tflops * 1e12)
     return row
+
+
+def _shape_name(case: str, a) -> str:
+    """The model shape a case trains: ``--lora-shape`` for the LoRA cases, else ``--shape``."""
+    return a.lora_shape if case.startswith("lora-") else a.shape
 
 
 def main() -> None:
@@ -318,7 +322,7 @@ def main() -> None:
         os.makedirs(a.profile_dir, exist_ok=True)
     start, rows = time.monotonic(), []
     for case in a.cases.split(","):
-        shape = a.lora_shape if case.startswith("lora-") else a.shape
+        shape = _shape_name(case, a)
         left = a.budget - (time.monotonic() - start)
         row = {"case": case, "shape": shape}
         if left < 30:
