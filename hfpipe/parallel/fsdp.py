@@ -12,8 +12,13 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hfpipe.parallel.expert import experts_of, shard_moe_layer
+from hfpipe.parallel.one_replica import apply_one_replica
 
 __all__ = ["apply_fsdp"]
+
+#: bf16-mixed at one replica through FSDP2 (its one-rank path) instead of :mod:`hfpipe.parallel.one_replica`:
+#: the oracle tests compare the two (tests/parallel/test_parallel_one_replica.py); no option reaches it.
+_FSDP2_AT_ONE_REPLICA = False
 
 
 def apply_fsdp(modules: list, dist, *, param_dtype: torch.dtype, compute_dtype: torch.dtype,
@@ -26,6 +31,11 @@ def apply_fsdp(modules: list, dist, *, param_dtype: torch.dtype, compute_dtype: 
     """
     dims = dist.dims
     if dims.grad_divide_factor == 1 and compute_dtype == param_dtype:
+        return
+    if dims.grad_divide_factor == 1 and not _FSDP2_AT_ONE_REPLICA:
+        # bf16-mixed at one replica (no ep either: ep ranks are carved out of dp): FSDP2's numerics without
+        # its one-rank copies
+        apply_one_replica(modules, compute_dtype, lambda m: _left_out_on_one_rank(m, 1, compute_dtype))
         return
     mesh, again = dist.fsdp_mesh, reshard_per_microbatch
     # Gradients reduce in fp32 (bf16-mixed's and bf16's), or in fp64 for an fp64 run: an fp32 reduction

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from torch.distributed.pipelining import PipelineStage
 
+from hfpipe.parallel.one_replica import one_replica_of
+
 __all__ = ["AccumulatingStage"]
 
 
@@ -32,6 +34,22 @@ class AccumulatingStage(PipelineStage):
 
     def _post_metadata_inference_cleanup(self) -> None:
         super()._post_metadata_inference_cleanup()
+        if mixed := one_replica_of(self.submod):
+            mixed.discard()
         for p, grad in getattr(self, "_grads_before_setup", ()):
             p.grad = grad
         self._grads_before_setup = []
+
+    # bf16-mixed at one replica (hfpipe.parallel.one_replica) is called where torch calls FSDP2: after each
+    # backward that FSDP2's post-backward hooks follow (a full or an input-only one; a weight-only backward
+    # leaves its gradients on the bf16 copies, as FSDP2's), and at the step's gradient reduction.
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if backward_type != "weight" and (mixed := one_replica_of(self.submod)):
+            mixed.post_backward()
+        return result
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        if mixed := one_replica_of(self.submod):
+            mixed.reshard()
+        super().perform_reduce_grad(grad_scale_factor)
