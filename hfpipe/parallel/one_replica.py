@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["OneReplicaMixed", "apply_one_replica", "one_replica_of"]
+__all__ = ["OneReplicaMixed", "apply_one_replica", "one_replica_of", "release"]
 
 _ATTR = "_hfpipe_one_replica"
 
@@ -45,6 +45,16 @@ def apply_one_replica(modules: list, compute_dtype: torch.dtype, left_out) -> No
 def one_replica_of(module: nn.Module) -> OneReplicaMixed | None:
     """The :class:`OneReplicaMixed` of a stage module, or ``None``."""
     return getattr(module, _ATTR, None)
+
+
+def release(modules: list) -> None:
+    """After a forward-only pass (evaluation, logits): the masters registered again, the copies dropped.
+
+    Not at the stage's own post-forward: the chunked head loss runs the last stage's head after it, on the
+    copies (FSDP2 keeps them gathered after a forward without backward too)."""
+    for m in modules:
+        if mixed := one_replica_of(m):
+            mixed.discard()
 
 
 def _input_caster(dtype: torch.dtype):
@@ -69,7 +79,6 @@ class OneReplicaMixed:
         self.copies: dict[int, nn.Parameter] = {}
         self.sums: dict[int, torch.Tensor] = {}
         stage.register_forward_pre_hook(lambda *_: self.unshard())
-        stage.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else self.discard())
 
     @property
     def unsharded(self) -> bool:
@@ -112,7 +121,7 @@ class OneReplicaMixed:
         self.discard()
 
     def discard(self) -> None:
-        """Drop the copies and sums (a forward without backward, torch's set-up pass) and register the masters."""
+        """Drop the copies and sums (a forward-only pass, torch's set-up pass) and register the masters."""
         self.copies, self.sums = {}, {}
         self._register({})
 

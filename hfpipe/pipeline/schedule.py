@@ -22,6 +22,7 @@ from hfpipe.pipeline.accumulating_stage import AccumulatingStage
 from hfpipe.pipeline.inputs import pad_rows, with_router_mask
 from hfpipe.pipeline.shapes import resize_schedule
 from hfpipe.pipeline.stage_sync import ReducingStage
+from hfpipe.parallel.one_replica import release
 from hfpipe.parallel.rules import SINGLE_STAGE
 from hfpipe.parallel.schedules import schedule_class
 
@@ -255,6 +256,7 @@ class Pipeline:
             logits = self._get_schedule(shape, kwargs, "logits").eval(*args, **kwargs)
             return None if logits is None else logits[:rows]
         finally:
+            release(self.modules)  # bf16-mixed at one replica: the fp32 masters registered again
             for m, mode in zip(self.modules, was_training):
                 m.train(mode)
 
@@ -289,6 +291,7 @@ class Pipeline:
         try:
             schedule.eval(*args, target=target, losses=losses, **kwargs)
         finally:
+            release(self.modules)
             sums, self.loss.router_sums = self.loss.router_sums, None
         if not self.has_loss:
             return None, None

@@ -51,7 +51,12 @@ def run_both(path: str, pp: int, kw: dict) -> dict:
         pm = load_pipeline(path, pp=pp, microbatches=MICRO, dtype="bf16-mixed", dist=dist, **kw)
         opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2, foreach=True)
         trainer = pm.trainer(opt, max_grad_norm=0.5)
-        results = [trainer.step(b) for b in _batches(pm.source.config.vocab_size)]
+        steps = _batches(pm.source.config.vocab_size)
+        results = [trainer.step(steps[0])]  # both lengths: every graph a compiled layer needs
+        # an evaluation between steps (its head loss runs after the last stage's forward, on the copies)
+        evaluated = (trainer.eval_loss(steps[0][0]), _whole_or_none(pm.forward(steps[0][1])))
+        recompiles = _recompiles()
+        results += [trainer.step(b) for b in steps[1:]]
         named = dict(pm.named_parameters())
         out["old" if old else "new"] = {
             "loss": [r.loss for r in results], "norm": [r.grad_norm for r in results],
@@ -59,9 +64,22 @@ def run_both(path: str, pp: int, kw: dict) -> dict:
             "kinds": {type(p.data).__name__ for p in named.values()},
             "dtypes": {str(p.dtype) for p in named.values() if p.requires_grad},
             "state": {str(v.dtype) for st in opt.state.values() for k, v in st.items() if k != "step"},
+            "recompiles": _recompiles() - recompiles,
+            "eval": evaluated,
+            "masters": {id(p) for p in pm.parameters() if p.requires_grad} <= set(map(id, opt.param_groups[0]["params"])),
         }
     fsdp._FSDP2_AT_ONE_REPLICA = False
     return out
+
+
+def _recompiles() -> int:
+    from hfpipe.models.compile import watch_recompiles
+
+    return watch_recompiles().count
+
+
+def _whole_or_none(t):
+    return None if t is None else _whole(t)
 
 
 def _whole(p) -> torch.Tensor:
@@ -77,7 +95,13 @@ def assert_same_run(path, pp: int, **kw):
         for name, w in old["weights"].items():
             assert torch.equal(w, new["weights"][name]), f"rank {rank}: {name} differs from FSDP2's after {STEPS} steps"
         assert new["dtypes"] == {"torch.float32"} and new["state"] == {"torch.float32"}, "fp32 masters and state"
+        assert new["masters"], "outside a step the registered parameters are the optimizer's masters"
+        assert old["eval"][0] == new["eval"][0], "the same evaluation loss"
+        assert (old["eval"][1] is None) == (new["eval"][1] is None)
+        assert new["eval"][1] is None or torch.equal(old["eval"][1], new["eval"][1]), "the same logits"
+        assert "DTensor" in old["kinds"], "the oracle ran FSDP2"
         assert "DTensor" not in new["kinds"] or kw.get("tp", 1) > 1, "one replica holds plain tensors"
+        assert new["recompiles"] == 0, "a step after the first compiles nothing anew"
         assert len(set(new["loss"])) == STEPS and new["loss"] != [0.0] * STEPS, "the run trained"
 
 
@@ -100,3 +124,7 @@ def test_one_replica_matches_fsdp2_split_backward(llama):
 
 def test_one_replica_matches_fsdp2_lora(llama):
     assert_same_run(llama, 1, lora=True)
+
+
+def test_one_replica_matches_fsdp2_compiled(llama):
+    assert_same_run(llama, 1, compile=True, compile_backend="aot_eager", activation_checkpointing="full")
