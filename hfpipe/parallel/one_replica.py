@@ -57,6 +57,14 @@ def release(modules: list) -> None:
             mixed.discard()
 
 
+def _settled(grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """``grad`` on ``master``'s DTensor placements (a partial sum reduced); a plain tensor as it is."""
+    placements = getattr(master, "placements", None)
+    if placements is None or grad.placements == placements:
+        return grad
+    return grad.redistribute(placements=placements)
+
+
 def _input_caster(dtype: torch.dtype):
     """A forward pre-hook casting a layer's float tensor inputs to ``dtype`` (FSDP2's ``cast_forward_inputs``)."""
     def cast(x):
@@ -107,17 +115,27 @@ class OneReplicaMixed:
                     self.sums[key] = grad.to(self.masters[key].dtype)  # FSDP2's reduce dtype: fp32
 
     def reshard(self) -> None:
-        """The step's end: the fp32 sums into the masters' ``.grad``, the masters registered again."""
-        self.post_backward()
+        """The step's end: each step sum into its master's ``.grad``, the masters registered again.
+
+        As FSDP2's last post-backward and reduce: gradients still on a copy (a weight-only backward's) join
+        the fp32 sum, or stand alone in bf16; a tp DTensor's is then settled on its master's placements (a
+        norm weight's partial sums all-reduced: once a step, as FSDP2 does, not once an optimizer step),
+        upcast, and set as ``.grad`` or added into it (an earlier accumulation batch's)."""
         with torch.no_grad():
-            for p in self.masters.values():
-                total = self.sums.pop(id(p), None)
+            for key, copy in self.copies.items():
+                total, grad, master = self.sums.pop(key, None), copy.grad, self.masters[key]
+                copy.grad = None
+                if total is None or grad is None:
+                    total = grad if total is None else total
+                else:
+                    total += grad
                 if total is None:
                     continue
-                if p.grad is None:
-                    p.grad = total
+                total = _settled(total, master).to(master.dtype)
+                if master.grad is None:
+                    master.grad = total
                 else:
-                    p.grad += total
+                    master.grad += total
         self.discard()
 
     def discard(self) -> None:

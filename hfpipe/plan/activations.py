@@ -53,7 +53,8 @@ def layer_layouts(config, dtype: str, lora: tuple[int, str] | None = None, exper
     them: ``(whole, by sequence, split)`` (:mod:`hfpipe.plan.layouts`; all whole for a family tp does not run).
 
     ``experts_whole``: the routed experts are sharded over ep instead of tp (``--ep``); ``fsdp``: the stages
-    are FSDP2 modules (``dp * cp > 1``, or ``bf16-mixed``), which run a LoRA run's adapters in the compute dtype;
+    are FSDP2 modules (``dp * cp > 1``; ``bf16-mixed`` casts alike at one replica), which run a LoRA run's
+    adapters in the compute dtype;
     ``dispatched``: the routed experts are reached by ``--ep``'s all-to-all dispatch (:mod:`hfpipe.plan.dispatch`)."""
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     lora = (*lora, fsdp or dtype == "bf16-mixed") if lora is not None else None

@@ -275,7 +275,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     ranks = tuple(_apart(r, actions[r.rank], {s.index: parts[s.index] for s in plan.stages_of_rank(r.rank)},
                          recomputes[r.rank] + r.backward_bytes) for r in ranks)
     cp_bytes = context.cp_traffic(plan, config, cp, tp, m, batch // m, seq_len, dtype, activation_checkpointing)
-    fsdp = (shards > 1 or dtype == "bf16-mixed") and not reshard and lora_rank is None  # LoRA's: its adapters'
+    fsdp = shards > 1 and not reshard and lora_rank is None  # bf16-mixed at 1 replica: no reduce; LoRA's: adapters'
     ranks = tuple(dataclasses.replace(r, cp_bytes=c, reduce_bytes=reduce_scatter_bytes(
         r.grad_bytes, fsdp_units(plan.stages_of_rank(r.rank), costs, ep)) if fsdp else 0) for r, c in zip(ranks, cp_bytes))
     notes += lines + context.describe(cp, dp, cp_bytes, [r.fsdp_bytes for r in ranks], _size)

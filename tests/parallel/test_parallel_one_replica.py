@@ -39,17 +39,18 @@ def run_both(path: str, pp: int, kw: dict) -> dict:
     """Train the same run through FSDP2's one-rank path and through the new one; what each ended with."""
     import hfpipe.parallel.fsdp as fsdp
     from hfpipe.api import load_pipeline
+    from hfpipe.parallel.dims import ParallelDims
     from hfpipe.parallel.mesh import init_distributed
 
     if kw.pop("lora", False):
         from peft import LoraConfig
         kw["lora"] = LoraConfig(**LORA)
-    dist = init_distributed(pp)
+    dist = init_distributed(ParallelDims(pp=pp, tp=kw.get("tp", 1)))
     out = {}
     for old in (True, False):
         fsdp._FSDP2_AT_ONE_REPLICA = old
         pm = load_pipeline(path, pp=pp, microbatches=MICRO, dtype="bf16-mixed", dist=dist, **kw)
-        opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2, foreach=True)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, foreach=True)  # (groups by kind under tp)
         trainer = pm.trainer(opt, max_grad_norm=0.5)
         steps = _batches(pm.source.config.vocab_size)
         results = [trainer.step(steps[0])]  # both lengths: every graph a compiled layer needs
@@ -66,7 +67,8 @@ def run_both(path: str, pp: int, kw: dict) -> dict:
             "state": {str(v.dtype) for st in opt.state.values() for k, v in st.items() if k != "step"},
             "recompiles": _recompiles() - recompiles,
             "eval": evaluated,
-            "masters": {id(p) for p in pm.parameters() if p.requires_grad} <= set(map(id, opt.param_groups[0]["params"])),
+            "masters": {id(p) for p in named.values() if p.requires_grad} == {id(p) for g in opt.param_groups
+                                                                     for p in g["params"]},
         }
     fsdp._FSDP2_AT_ONE_REPLICA = False
     return out
@@ -87,7 +89,7 @@ def _whole(p) -> torch.Tensor:
 
 
 def assert_same_run(path, pp: int, **kw):
-    for rank, r in run_ranks(run_both, pp, str(path), pp, kw).items():
+    for rank, r in run_ranks(run_both, pp * kw.get("tp", 1), str(path), pp, kw).items():
         old, new = r["old"], r["new"]
         assert old["loss"] == new["loss"], f"rank {rank}: losses {new['loss']} != FSDP2's {old['loss']}"
         assert old["norm"] == new["norm"], f"rank {rank}: grad norms {new['norm']} != FSDP2's {old['norm']}"
@@ -128,3 +130,31 @@ def test_one_replica_matches_fsdp2_lora(llama):
 
 def test_one_replica_matches_fsdp2_compiled(llama):
     assert_same_run(llama, 1, compile=True, compile_backend="aot_eager", activation_checkpointing="full")
+
+
+SLOW_CASES = {  # name: (checkpoint kind, pp, load_pipeline keywords)
+    "gpipe": ("llama", 2, dict(schedule="gpipe")),
+    "interleaved-1f1b": ("llama", 2, dict(schedule="interleaved-1f1b")),
+    "looped-bfs": ("llama", 2, dict(schedule="looped-bfs")),
+    "interleaved-zb": ("llama", 2, dict(schedule="interleaved-zb")),
+    "dualpipev": ("llama", 2, dict(schedule="dualpipev")),
+    "selective-ac": ("llama", 2, dict(activation_checkpointing="selective")),
+    "chunked-head-zbv": ("llama", 2, dict(schedule="zbv", loss_chunk_tokens=4)),
+    "chunked-head-1f1b": ("llama", 1, dict(loss_chunk_tokens=4, activation_checkpointing="full")),
+    "tied-pp1": ("gemma", 1, dict()),
+    "tied-pp2": ("gemma", 2, dict()),
+    "moe-router-sums": ("mixtral", 2, dict()),
+    "lora-pp2-zbv": ("llama", 2, dict(lora=True, schedule="zbv")),
+    "lora-nf4-base": ("llama", 1, dict(lora=True, quantize_base="nf4")),
+    "fp8-rowwise": ("llama", 1, dict(fp8="rowwise")),
+    "tp2": ("llama", 1, dict(tp=2)),
+    "inductor-full-ac": ("llama", 1, dict(compile=True, activation_checkpointing="full")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_CASES))
+def test_one_replica_matches_fsdp2_matrix(case):
+    kind, pp, kw = SLOW_CASES[case]
+    path = tiny_checkpoint(kind, num_hidden_layers=4)
+    assert_same_run(path, pp, **kw)

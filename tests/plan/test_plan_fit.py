@@ -84,6 +84,8 @@ def test_after_the_last_backward_fsdp2_copies_the_stage_unit_beside_every_whole_
         assert r.reduce_bytes == pytest.approx(unit, rel=0.01)
         assert r.total_bytes >= r.weight_bytes + r.grad_bytes + r.optimizer_bytes + r.reduce_bytes
     assert plan_report(config, 1, **kw).ranks[0].reduce_bytes == 0  # one bf16 replica: no FSDP2
+    one_mixed = dict(kw, dtype="bf16-mixed")  # one bf16-mixed replica: no reduce input (hfpipe.parallel.one_replica)
+    assert plan_report(config, 1, **one_mixed).ranks[0].reduce_bytes == 0
     assert plan_report(config, 1, dp=2, lora_rank=4, **kw).ranks[0].reduce_bytes == 0  # LoRA: adapters' only
 
 
