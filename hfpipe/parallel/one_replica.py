@@ -86,20 +86,27 @@ class OneReplicaMixed:
         self.masters = {id(p): p for _, _, p in self.slots}
         self.copies: dict[int, nn.Parameter] = {}
         self.sums: dict[int, torch.Tensor] = {}
+        self.cast_at: dict[int, int] = {}  # each master's version counter when its copy was cast
         stage.register_forward_pre_hook(lambda *_: self.unshard())
 
-    @property
-    def unsharded(self) -> bool:
-        return bool(self.copies)
-
     def unshard(self) -> None:
-        """Register the bf16 copies (cast from the masters once a step: they change only between steps)."""
-        if self.copies or not self.masters:
+        """Register the bf16 copies: cast from the masters at a step's first forward, kept for the step.
+
+        A copy is cast anew only where its master changed since (its version counter, which the optimizer's
+        in-place step and a checkpoint's load bump): a forward-only pass left unreleased is not reused stale.
+        """
+        if not self.masters or (self.copies and self._fresh()):
             return
+        if self.sums or any(c.grad is not None for c in self.copies.values()):
+            raise RuntimeError("bf16-mixed: the fp32 masters changed between a forward and its step's end")
         with torch.no_grad():
             self.copies = {id(p): nn.Parameter(p.to(self.dtype), requires_grad=p.requires_grad)
                            for p in self.masters.values()}
+        self.cast_at = {key: p._version for key, p in self.masters.items()}
         self._register(self.copies)
+
+    def _fresh(self) -> bool:
+        return all(p._version == self.cast_at[key] for key, p in self.masters.items())
 
     def post_backward(self) -> None:
         """One microbatch's bf16 gradients, upcast and added into the fp32 sums (FSDP2's order)."""

@@ -5,7 +5,7 @@ at ``--dp 1`` took before): the same losses, grad norms and weights after severa
 with ``torch.equal``, where both paths sum in the same order (bf16 within a microbatch, fp32 across
 microbatches and across the accumulation batches of one optimizer step). The registered parameters stay
 fp32 masters under the full model's names, now plain tensors (FSDP2's were one-rank DTensors).
-The default suite runs a few cheap cases; ``pytest -m slow`` runs the matrix.
+The default suite runs two cheap spawns and a unit test; ``pytest -m slow`` runs the matrix.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from _dist import run_ranks, tiny_checkpoint
 
-STEPS, ACCUM, MICRO = 3, 2, 4
+STEPS, ACCUM, MICRO = 2, 2, 4
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
@@ -112,27 +112,20 @@ def llama():
     return tiny_checkpoint("llama", num_hidden_layers=4)
 
 
-def test_one_replica_matches_fsdp2_pp1(llama):
-    assert_same_run(llama, 1)
-
-
-def test_one_replica_matches_fsdp2_pp2_full_ac(llama):
-    assert_same_run(llama, 2, activation_checkpointing="full")
-
-
-def test_one_replica_matches_fsdp2_split_backward(llama):
-    assert_same_run(llama, 2, schedule="zbv")
-
-
-def test_one_replica_matches_fsdp2_lora(llama):
-    assert_same_run(llama, 1, lora=True)
+def test_one_replica_matches_fsdp2_pp2_split_backward_full_ac(llama):
+    # a split-backward schedule (the weights' gradients found by their nodes) and checkpointing's recompute
+    assert_same_run(llama, 2, schedule="zbv", activation_checkpointing="full")
 
 
 def test_one_replica_matches_fsdp2_compiled(llama):
+    # layers compiled in place (aot_eager here, inductor in the matrix) with the copies swapped in under them
     assert_same_run(llama, 1, compile=True, compile_backend="aot_eager", activation_checkpointing="full")
 
-
 SLOW_CASES = {  # name: (checkpoint kind, pp, load_pipeline keywords)
+    "pp1": ("llama", 1, dict()),
+    "pp2-full-ac": ("llama", 2, dict(activation_checkpointing="full")),
+    "lora": ("llama", 1, dict(lora=True)),
+    "compiled-pp2": ("llama", 2, dict(compile=True, compile_backend="aot_eager")),
     "gpipe": ("llama", 2, dict(schedule="gpipe")),
     "interleaved-1f1b": ("llama", 2, dict(schedule="interleaved-1f1b")),
     "looped-bfs": ("llama", 2, dict(schedule="looped-bfs")),
@@ -158,3 +151,55 @@ def test_one_replica_matches_fsdp2_matrix(case):
     kind, pp, kw = SLOW_CASES[case]
     path = tiny_checkpoint(kind, num_hidden_layers=4)
     assert_same_run(path, pp, **kw)
+
+
+class _Stage(torch.nn.Module):
+    """Two linear "layers" and a head tied to the first (one master under two names)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(8, 8), "1": torch.nn.Linear(8, 8)})
+        self.head = torch.nn.Linear(8, 8, bias=False)
+        self.head.weight = self.model.layers["0"].weight
+
+    def forward(self, x):
+        return self.head(self.model.layers["1"](self.model.layers["0"](x)))
+
+
+def test_copies_live_for_a_step_gradients_sum_as_fsdp2_and_a_changed_master_is_cast_anew():
+    from hfpipe.parallel.one_replica import apply_one_replica, one_replica_of, release
+
+    stage, bf16 = _Stage(), _Stage().to(torch.bfloat16)  # bf16: the compute copies, by hand (the oracle)
+    apply_one_replica([stage], torch.bfloat16, lambda m: set())
+    masters = dict(stage.named_parameters())
+    mixed = one_replica_of(stage)
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]  # fp32: cast per layer
+    for x in xs:
+        stage(x).square().sum().backward()
+        assert {str(p.dtype) for p in stage.parameters()} == {"torch.bfloat16"}, "the copies, until the step ends"
+        mixed.post_backward()
+    mixed.reshard()
+    assert dict(stage.named_parameters()) == masters, "the masters again, under the same names"
+    grads = []
+    for x in xs:
+        bf16.zero_grad(set_to_none=True)
+        bf16(x.to(torch.bfloat16)).square().sum().backward()  # the tied weight's two uses sum in bf16
+        grads.append({n: p.grad for n, p in bf16.named_parameters()})
+    for n, p in masters.items():
+        assert torch.equal(p.grad, grads[0][n].float() + grads[1][n]), f"{n}: upcast per microbatch, summed in fp32"
+
+    with torch.no_grad():
+        stage(xs[0])  # a forward-only pass left unreleased: its copies stay registered
+    stale, before = next(stage.parameters()), {n: p._version for n, p in masters.items()}
+    torch.optim.SGD(masters.values(), lr=0.1).step()
+    assert all(p._version > before[n] for n, p in masters.items()), "an optimizer step bumps every master's version"
+    with torch.no_grad():
+        stage(xs[0])
+    assert next(stage.parameters()) is not stale, "a copy is cast anew once its master changed"
+    assert torch.equal(next(stage.parameters()), masters["model.layers.0.weight"].to(torch.bfloat16))
+    release([stage])
+    before = {n: p._version for n, p in masters.items()}
+    stage.load_state_dict({k: v + 1 for k, v in stage.state_dict().items()})
+    assert all(p._version > before[n] for n, p in masters.items()), "a checkpoint's load bumps them too"

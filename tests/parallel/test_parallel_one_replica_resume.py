@@ -8,6 +8,7 @@ weight and AdamW moment equal; and what ``--dp 2`` saves loads back at ``--dp 1`
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from _dist import run_ranks, tiny_checkpoint
@@ -82,6 +83,7 @@ def resume_worker(path: str, root: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_a_one_replica_checkpoint_resumes_under_fsdp2_and_at_dp2_and_back(tmp_path):
     path = tiny_checkpoint("llama", num_hidden_layers=2)
     ranks = run_ranks(resume_worker, 2, str(path), str(tmp_path))
