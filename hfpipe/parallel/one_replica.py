@@ -18,6 +18,9 @@ lifecycle, one stage at a time, without those copies:
   gradient); the masters are registered again and the bf16 copies dropped.
 
 Each decoder layer's float inputs are cast to the compute dtype first, as FSDP2's per-layer policy does.
+The swap runs in the stage module's pre-forward hook, outside the layers ``--compile`` compiles in place:
+they see a bf16 leaf of the same shape every step, so nothing recompiles. A weight-only backward (the
+zero-bubble schedules' W) leaves its gradient in bf16 on the copy until the next backward's upcast, as FSDP2's.
 The stage's pipeline class (:mod:`hfpipe.pipeline.accumulating_stage`) calls :meth:`OneReplicaMixed.post_backward`,
 :meth:`~OneReplicaMixed.reshard` and :meth:`~OneReplicaMixed.discard` at the points FSDP2 is called.
 """
