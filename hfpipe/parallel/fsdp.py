@@ -3,7 +3,8 @@
 Each decoder layer is a unit, then the stage; with sharded experts a MoE layer's experts, attention
 and MoE block are units of their own first (:func:`hfpipe.parallel.expert.shard_moe_layer`). FSDP2
 also carries bf16-mixed: fp32 sharded masters (and so fp32 optimizer state), bf16 compute, fp32
-gradient reduction (fp64 for an fp64 run).
+gradient reduction (fp64 for an fp64 run). At one replica bf16-mixed runs without FSDP2, with the same
+numerics (:mod:`hfpipe.parallel.one_replica`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def apply_fsdp(modules: list, dist, *, param_dtype: torch.dtype, compute_dtype: 
 
     No reshard after forward: under pipelining a stage runs forward for several microbatches before
     their backward; unless ``reshard_per_microbatch``, which trades an all-gather per microbatch for
-    weights divided by dp. Nothing to do with one replica and one dtype.
+    weights divided by dp. Nothing to do with one replica and one dtype; one replica and bf16-mixed:
+    :func:`~hfpipe.parallel.one_replica.apply_one_replica`.
     """
     dims = dist.dims
     if dims.grad_divide_factor == 1 and compute_dtype == param_dtype:

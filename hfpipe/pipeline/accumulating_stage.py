@@ -3,7 +3,7 @@
 torch 2.13's schedules set their stages up on the first ``step()`` and again whenever they are told to
 (hfpipe.pipeline.shapes resizes a kept schedule for a new batch shape by asking for that). After every
 such set-up the schedule calls each stage's ``_post_metadata_inference_cleanup``, which, for an FSDP2
-stage (``--dp`` > 1, or one replica with bf16-mixed), reshards it and sets every parameter's ``.grad``
+stage (``--dp`` or ``--cp`` > 1), reshards it and sets every parameter's ``.grad``
 to ``None``: it assumes a set-up happens before any training, and clears what its own metadata pass
 may have left. But gradient accumulation runs one ``step()`` per accumulation batch, and FSDP2 adds
 each one's reduce-scattered gradient into the sharded ``.grad``: an accumulation batch whose shape
