@@ -64,6 +64,10 @@ def main(spec: dict) -> None:
     else:
         from hfpipe.hf import PipelineTrainer
 
+        if spec.get("fsdp2_at_one_replica"):  # the oracle of tests/hf/test_hf_trainer_one_replica.py
+            import hfpipe.parallel.fsdp
+
+            hfpipe.parallel.fsdp._FSDP2_AT_ONE_REPLICA = True
         axes = {k: spec[k] for k in ("dp", "tp", "ep", "cp") if k in spec}
         trainer = PipelineTrainer(spec["model"], args=args, pp=spec.get("pp"), microbatches=spec.get("microbatches"),
                                   peft_config=peft, fp8=spec.get("fp8"), **axes, **data)
