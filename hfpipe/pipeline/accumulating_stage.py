@@ -23,7 +23,8 @@ __all__ = ["AccumulatingStage"]
 
 
 class AccumulatingStage(PipelineStage):
-    """A :class:`torch.distributed.pipelining.PipelineStage` whose (re-)set-up leaves ``.grad`` as it found it."""
+    """A :class:`torch.distributed.pipelining.PipelineStage` whose (re-)set-up leaves ``.grad`` as it found it
+    (and which runs bf16-mixed's one-replica casts where torch runs FSDP2's hooks)."""
 
     def _prepare_forward_infra(self, *args, **kwargs):
         # The first call of every set-up (the schedule prepares the forward before the backward, and a set-up
