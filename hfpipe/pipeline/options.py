@@ -201,7 +201,7 @@ class StageOptions:
     def base_dtype(self) -> torch.dtype:
         """The dtype the stage modules are built and loaded in: :attr:`param_dtype`, except a LoRA run's
         unquantized base under bf16-mixed, which nothing trains: held in the compute dtype, it is the compute
-        copy FSDP2 would cast it to (the same values), without an fp32 master beside it (an 8B base: 16 GB,
+        copy bf16-mixed would cast it to (the same values), without an fp32 master beside it (an 8B base: 16 GB,
         not 32 + 16). Its adapters stay fp32 masters (PEFT's ``autocast_adapter_dtype``), cast for compute."""
         if self.lora is not None and self.quantize_base is None:
             return self.compute_dtype
@@ -209,7 +209,7 @@ class StageOptions:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the forward runs in (FSDP2 casts to it under bf16-mixed)."""
+        """The dtype the forward runs in (bf16-mixed casts to it: FSDP2, or hfpipe.parallel.one_replica)."""
         return PRECISIONS[self.dtype][1]
 
     @property

@@ -119,7 +119,7 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
 
     The base is frozen: its weights stay but it has no gradients and no AdamW state. The adapters
     are fp32 weights, fp32 gradients and two fp32 AdamW moments: 4 + 4 + 8 bytes each (and under
-    ``bf16-mixed`` the bf16 copy FSDP2 gathers for the forward, 2 more). With
+    ``bf16-mixed`` the bf16 copy cast for the forward, 2 more). With
     ``dp > 1`` FSDP2 shards both as it shards a full run (hfpipe.plan.memory.param_bytes): the
     masters and AdamW state split ``dp`` ways, the gathered compute copies and the step's
     unsharded gradients whole. Activations are the full run's: backward still goes through every
@@ -134,7 +134,7 @@ def rank_memory(rank_report, specs, counts: dict[str, int], dtype: str, dp: int 
     base = rank_report.params
     base_w = param_bytes(frozen_dtype(dtype, quantized), dp)[0]  # a full run's weight, in the base's precision
     m = 8 if dtype == "fp64" else 4  # the adapters' masters: fp32, fp64 in an fp64 run
-    if dp == 1:  # under bf16-mixed FSDP2 holds a bf16 compute copy beside the fp32 masters, as of the base
+    if dp == 1:  # under bf16-mixed a bf16 compute copy sits beside the fp32 masters, as of the base
         w, g, o = m + 2 * (dtype == "bf16-mixed"), m, 2 * m
     else:  # adapters: masters, grads and moments, sharded as param_bytes shards a full run's
         w, g, o = m / dp + fsdp_bytes(dtype)[1], m, 2 * m / dp  # whole gradients, reduce-scattered unit by unit
