@@ -64,7 +64,7 @@ SHAPES["llama3-8b-slice"] = {**SHAPES["llama3-8b"], "num_hidden_layers": 8}
 CASES = ("plain", "plain-compile", "hfpipe", "hfpipe-full-logits", "hfpipe-compile", "hfpipe-fp8",
          "hfpipe-compile-fp8", "trainer", "pipeline-trainer", "lora-plain", "lora-hfpipe", "lora-hfpipe-compile",
          "hfpipe-compile-fp8-tensorwise", "lora-hfpipe-compile-fp8", "lora-hfpipe-ac", "lora-hfpipe-mixed",
-         "lora-hfpipe-mixed-compile-fp8")
+         "lora-hfpipe-mixed-compile-fp8", "hfpipe-fsdp2", "hfpipe-compile-fsdp2")
 PROFILE: dict = {}  # {"to": path} when --profile-dir is given
 HFPIPE = {"hfpipe": {}, "hfpipe-full-logits": {"loss_chunk_tokens": 0}, "hfpipe-compile": {"compile": True},
           "hfpipe-fp8": {"fp8": "rowwise"}, "hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
@@ -73,7 +73,9 @@ HFPIPE = {"hfpipe": {}, "hfpipe-full-logits": {"loss_chunk_tokens": 0}, "hfpipe-
           "lora-hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
           "lora-hfpipe-ac": {"activation_checkpointing": "full"},
           "lora-hfpipe-mixed": {"dtype": "bf16-mixed"},
-          "lora-hfpipe-mixed-compile-fp8": {"dtype": "bf16-mixed", "compile": True, "fp8": "rowwise"}}
+          "lora-hfpipe-mixed-compile-fp8": {"dtype": "bf16-mixed", "compile": True, "fp8": "rowwise"},
+          # bf16-mixed at one replica through FSDP2's one-rank path, as before hfpipe.parallel.one_replica
+          "hfpipe-fsdp2": {"fsdp2": True}, "hfpipe-compile-fsdp2": {"compile": True, "fsdp2": True}}
 
 
 def _device() -> torch.device:
@@ -153,6 +155,11 @@ def _hfpipe(path: str, a, options: dict, lora: bool) -> dict:
     from hfpipe.train.optim import build_optimizer
 
     extra = {"dtype": "bf16", "lora": _lora_config()} if lora else {"dtype": "bf16-mixed"}
+    options = dict(options)
+    if options.pop("fsdp2", False):  # each case runs in a child process of its own: the switch is the case's
+        import hfpipe.parallel.fsdp as fsdp
+
+        fsdp._FSDP2_AT_ONE_REPLICA = True
     pm = load_pipeline(path, pp=1, schedule="1f1b", microbatches=1, **{**extra, **options})
     trainer = pm.trainer(build_optimizer(pm.modules, lr=1e-4, weight_decay=0.0), max_grad_norm=1.0)
 

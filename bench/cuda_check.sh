@@ -3,7 +3,7 @@
 # Run from the repository root with the wheels the device image lacks in .whl/ (see bench/README or the note):
 #   bash bench/cuda_check.sh            (results and logs under $OUT, else /tmp/hfpipe-cuda-check)
 # Part 1: the 8-layer Llama-3-8B slice (speed of eager / compiled / float8, the Trainer against PipelineTrainer,
-# the plan against the peak). Part 2: LoRA r16 all-linear on the full 8B shape. Profiles of the compiled cases.
+# the plan against the peak; bf16-mixed at one replica against FSDP2's one-rank path it replaced). Part 2: LoRA r16 all-linear on the full 8B shape. Profiles of the compiled cases.
 set -o pipefail
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -20,7 +20,7 @@ run() {  # PART BUDGET CASES PROFILED
     --profile-cases "$4" 2>&1 | grep -v -e Warning -e "warnings.warn" -e register_constant | tee "$O/$1.log"
 }
 run slice "${SLICE_BUDGET:-275}" \
-  plain,hfpipe-compile,hfpipe-compile-fp8,trainer,pipeline-trainer,hfpipe-compile-fp8-tensorwise,plain-compile,hfpipe \
+  plain,hfpipe-compile,hfpipe-compile-fsdp2,plain-compile,hfpipe-compile-fp8,hfpipe-compile-fp8-tensorwise,trainer,pipeline-trainer,hfpipe \
   hfpipe-compile,hfpipe-compile-fp8
 run lora "${LORA_BUDGET:-235}" lora-hfpipe-mixed-compile-fp8,lora-hfpipe-mixed,lora-plain,lora-hfpipe-compile-fp8,lora-hfpipe,lora-hfpipe-ac \
   lora-hfpipe-mixed-compile-fp8
