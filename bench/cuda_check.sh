@@ -3,7 +3,8 @@
 # Run from the repository root with the wheels the device image lacks in .whl/ (see bench/README or the note):
 #   bash bench/cuda_check.sh            (results and logs under $OUT, else /tmp/hfpipe-cuda-check)
 # Part 1: the 8-layer Llama-3-8B slice (speed of eager / compiled / float8, the Trainer against PipelineTrainer,
-# the plan against the peak; bf16-mixed at one replica against FSDP2's one-rank path it replaced). Part 2: LoRA r16 all-linear on the full 8B shape. Profiles of the compiled cases.
+# the plan against the peak; bf16-mixed at one replica against FSDP2's one-rank path it replaced).
+# Part 2: LoRA r16 all-linear on the full 8B shape. Profiles of the compiled cases.
 set -o pipefail
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
