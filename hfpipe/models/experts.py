@@ -183,7 +183,10 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 
     ``top_k_index`` holds this rank's expert ids (``num_experts`` marks a slot another rank serves).
     """
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    # The sum over a token's experts in fp32 at least (transformers' grouped kernels reduce bf16 in fp32), and in
+    # the run's own precision above it: an fp64 run's outputs do not round through fp32.
+    acc = torch.promote_types(hidden_states.dtype, torch.float32)
+    out = torch.zeros(hidden_states.shape, dtype=acc, device=hidden_states.device)
     with torch.no_grad():
         mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
         hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
