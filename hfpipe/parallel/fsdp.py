@@ -59,7 +59,8 @@ def apply_fsdp(modules: list, dist, *, param_dtype: torch.dtype, compute_dtype: 
 
 
 def _left_out_on_one_rank(module, ranks: int, compute_dtype: torch.dtype) -> set | None:
-    """Frozen parameters FSDP2 has nothing to do for when its mesh is one rank (bf16-mixed at ``--dp 1``):
+    """Frozen parameters FSDP2 has nothing to do for when its mesh is one rank (bf16-mixed at ``--dp 1``, which
+    :mod:`hfpipe.parallel.one_replica` also leaves as they are; FSDP2 there only under the oracle switch above):
 
     - those already in the compute dtype (a LoRA run's base, :func:`hfpipe.pipeline.build`): FSDP2's one-rank
       shortcut would copy every one of them at every step (a 16 GB copy per step for an 8B base; measured on

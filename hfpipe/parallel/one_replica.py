@@ -135,10 +135,8 @@ class OneReplicaMixed:
             for key, copy in self.copies.items():
                 total, grad, master = self.sums.pop(key, None), copy.grad, self.masters[key]
                 copy.grad = None
-                if total is None or grad is None:
-                    total = grad if total is None else total
-                else:
-                    total += grad
+                if grad is not None:
+                    total = grad if total is None else total.add_(grad)
                 if total is None:
                     continue
                 total = _settled(total, master).to(master.dtype)
