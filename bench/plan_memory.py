@@ -55,7 +55,10 @@ SHAPES = {
                             moe_intermediate_size=96, num_experts=16, num_experts_per_tok=4, num_attention_heads=8,
                             num_key_value_heads=2, head_dim=32, vocab_size=8192, max_position_embeddings=4096),
 }
-MODES = ("full", "lora", "qlora")  # qlora: LoRA on an nf4-quantized base
+#: qlora: LoRA on an nf4-quantized base; fp8lora: on an FP8 base (dequantized per matmul); fp8tiles: on an FP8 base
+#: multiplied in float8 tile by tile (--fp8-recipe blockwise)
+MODES = ("full", "lora", "qlora", "fp8lora", "fp8tiles")
+_BASE = {"qlora": "nf4", "fp8lora": "fp8", "fp8tiles": "fp8"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +90,14 @@ class Case:
         lora = lora_config(self.lora_rank, targets="all-linear") if self.mode != "full" else None
         return dict(pp=1, dp=self.ep, ep=self.ep, tp=self.tp, cp=self.cp, schedule="1f1b", microbatches=1,
                     dtype=self.dtype, activation_checkpointing=self.ac, lora=lora,
-                    quantize_base="nf4" if self.mode == "qlora" else None)
+                    quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None)
 
     def plan_options(self) -> dict:
         """``plan_report`` keywords of this case."""
         return dict(pp=1, dp=self.ep, ep=self.ep, tp=self.tp, cp=self.cp, schedule="1f1b", microbatches=1,
                     seq_len=self.seq, batch_size=self.batch, dtype=self.dtype, activation_checkpointing=self.ac,
                     lora_rank=self.lora_rank if self.mode != "full" else None, lora_targets="all-linear",
-                    quantize_base="nf4" if self.mode == "qlora" else None)
+                    quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None)
 
 
 @dataclasses.dataclass

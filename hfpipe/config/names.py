@@ -12,8 +12,9 @@ __all__ = ["ConfigError", "SCHEDULES", "INTERLEAVED_SCHEDULES", "V_SCHEDULES", "
 
 #: Formats a LoRA run's frozen base can be kept in on the device (``--quantize-base``).
 QUANTIZE_BASE = ("nf4", "fp8")
-#: Float8 training's recipes (``--fp8-recipe``): torchao's names, rowwise (torchtitan's default) first.
-FP8_RECIPES = ("rowwise", "tensorwise")
+#: Float8 training's recipes (``--fp8-recipe``): torchao's names, rowwise (torchtitan's default) first; then
+#: DeepSeek-V3's tiles, which a ``--quantize-base fp8`` base multiplies its own codes by (hfpipe.quant.fp8_matmul).
+FP8_RECIPES = ("rowwise", "tensorwise", "blockwise")
 
 
 def check_fp8(recipe: str | None, dtype: str, quantize_base: str | None) -> None:
@@ -22,11 +23,17 @@ def check_fp8(recipe: str | None, dtype: str, quantize_base: str | None) -> None
         return
     if recipe not in FP8_RECIPES:
         raise ConfigError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}; got {recipe!r}")
-    if dtype == "fp32":  # torchao casts the bf16 compute copies; an fp32 run has none to cast
+    if quantize_base == "nf4":
+        raise ConfigError("--fp8 with --quantize-base nf4: an NF4 base dequantizes each weight for its matmul "
+                          "(NF4 codes are not float8); drop one of the two, or use --quantize-base fp8")
+    if quantize_base == "fp8" and recipe != "blockwise":
+        raise ConfigError(f"--fp8-recipe {recipe} casts a full-precision weight; a --quantize-base fp8 base keeps "
+                          "its FP8 codes in tiles: use --fp8-recipe blockwise")
+    if quantize_base is None and recipe == "blockwise":
+        raise ConfigError("--fp8-recipe blockwise multiplies a block-FP8 base's own tiles: add --quantize-base fp8 "
+                          "(a LoRA run), or use rowwise or tensorwise")
+    if quantize_base is None and dtype == "fp32":  # torchao casts the bf16 compute copies; fp32 has none
         raise ConfigError("--fp8 multiplies bf16 activations in float8; use --dtype bf16-mixed (or bf16), not fp32")
-    if quantize_base is not None:
-        raise ConfigError(f"--fp8 with --quantize-base {quantize_base}: a quantized base dequantizes each weight "
-                          "for a bf16 matmul; drop one of the two")
 
 
 #: Keys users bring from transformers' TrainingArguments, TRL, PEFT and torchtune recipes, and the

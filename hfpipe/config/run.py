@@ -138,7 +138,8 @@ class FinetuneConfig:
     """Float8 training (torchao): the decoder layers' linears whose dims divide by 16 multiply in
     float8; weights, optimizer state, checkpoints and exports keep --dtype's (bf16-mixed or bf16)."""
     fp8_recipe: str = "rowwise"
-    """With --fp8: rowwise (a scale per row, torchtitan's default) | tensorwise (one per tensor)."""
+    """With --fp8: rowwise (a scale per row, torchtitan's default) | tensorwise (one per tensor) |
+    blockwise (with --quantize-base fp8: the base multiplies its own FP8 tiles in float8)."""
     seed: int = 0
     """Seed for data order and any random initialisation."""
 

@@ -18,7 +18,8 @@ only the order:
                          ``apply_quant`` runs first
  meta    ``apply_ep``    routed experts sharded over ep (hfpipe.parallel.expert: transformers' plan)
  meta    ``apply_quant`` a LoRA base's linears and expert stacks swapped for quantized storage
-                         (hfpipe.quant.linear)
+                         (hfpipe.quant.linear); under ``--fp8-recipe blockwise`` its FP8 linears multiply
+                         their codes in float8 (hfpipe.quant.fp8_matmul)
  meta    ``apply_ac``    activation checkpointing of each decoder layer (hfpipe.models.stage)
  load    ``load``        this rank's bytes only, into what the steps above left (pipeline/load.py)
  loaded  ``apply_cp``    attention through the gathered-K/V function (hfpipe.parallel.context); the stage
@@ -166,15 +167,17 @@ def _loaded_stages(source, plan, pp_rank: int, device, meta: _Meta, tp_mesh, exp
     config = model_config(source.config)
     modules = build_stage_modules(config, plan.stages_of_rank(pp_rank), meta.param_dtype, adapter=adapter_for(config))
     apply_fp8(modules, meta.fp8, device)
+    tiles = meta.fp8 == "blockwise"  # an FP8 base multiplies its own tiles in float8 (apply_fp8 leaves it)
     quantizer = None
     if tp_mesh is not None and meta.quantize is not None:  # FP8 storage first: tp splits it on its tiles
-        quantizer = apply_quant(modules, source.config, meta.quantize, meta.param_dtype, tp_mesh.size())  # (no --ep)
+        quantizer = apply_quant(modules, source.config, meta.quantize, meta.param_dtype, tp_mesh.size(),  # (no --ep)
+                                float8=tiles, device=device)
     if tp_mesh is not None:  # an FP8 linear splits by its own style (fp8_tp_plan; a no-op without one)
         apply_tp(modules, tp_mesh, sequence_parallel=meta.sequence_parallel, experts_whole=expert_mesh is not None,
                  restyle=fp8_tp_plan)
     if expert_mesh is not None:
         apply_ep(modules, expert_mesh)
     if quantizer is None:
-        quantizer = apply_quant(modules, source.config, meta.quantize, meta.param_dtype)
+        quantizer = apply_quant(modules, source.config, meta.quantize, meta.param_dtype, float8=tiles, device=device)
     apply_ac(modules, meta.activation_checkpointing, meta.compute_dtype)
     return modules, load_stage_weights(modules, source, device, meta.load_dtype, quantizer)

@@ -130,6 +130,8 @@ class StageOptions:
         compile_mode: torch's compile mode (default: torch's).
         fp8: Float8 training: ``rowwise`` or ``tensorwise`` (torchao's recipes), or ``None``: the decoder
             layers' linears multiply in float8 (:mod:`hfpipe.quant.float8`); needs a bf16 compute dtype.
+            ``blockwise``: a ``quantize_base="fp8"`` base multiplies its own FP8 tiles in float8
+            (:mod:`hfpipe.quant.fp8_matmul`), in any dtype.
     """
 
     dtype: str = "fp32"

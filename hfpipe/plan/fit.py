@@ -75,7 +75,8 @@ def plan_kwargs(cfg) -> dict:
                 activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
                 lora_targets=cfg.lora_targets, ep=cfg.ep, quantize_base=cfg.quantize_base, tp=cfg.tp, cp=cfg.cp,
                 sequence_parallel=cfg.sequence_parallel, reshard_per_microbatch=cfg.reshard_per_microbatch,
-                quantize_block_size=cfg.quantize_block_size, train_method=cfg.method)
+                quantize_block_size=cfg.quantize_block_size, train_method=cfg.method,
+                fp8=cfg.fp8_recipe if cfg.fp8 else None)
 
 
 def report_for(model_config, cfg, name: str | None = None):

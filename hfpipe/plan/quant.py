@@ -20,6 +20,14 @@ FP8 codes are buffers, whole on every rank: ``q``; so are the routed experts of 
 linear, and a routed expert, dequantizes just in time, in forward and again in backward, so one
 dequantized weight lives at a time: priced as the rank's largest quantized matrix in the run's
 dtype, twice (a forward's and a backward's can overlap in a 1F1B steady state).
+
+Under ``--fp8-recipe blockwise`` an FP8 linear whose dims divide by 16 multiplies its codes tile by tile
+instead (:mod:`hfpipe.quant.fp8_matmul`) and no weight of it is dequantized; what lives during one of its
+matmuls is priced instead, on a microbatch's tokens: the input's fp32 copy and its scaled copy while it is
+cast (then its e4m3 codes), and the tile loop's two ``(tokens, out)`` sums in fp32 (fp64 runs: fp64); in
+backward the same with ``in`` and ``out`` swapped, plus the codes laid out transposed. Priced on the layer's
+widest input and output (whole under tp: a bound). torch's one-GEMM kernel, where it runs, holds less.
+Routed experts still dequantize (priced as above).
 """
 
 from __future__ import annotations
@@ -52,14 +60,21 @@ class LayerQuant:
     expert_tiles: int  # their 128 x 128 FP8 tiles (per expert matrix)
     largest_stack: int  # parameters of the largest routed-expert stack (all experts)
     largest_expert: int = 0  # parameters of the largest one expert's matrix in those stacks
+    widest_in: int = 0  # the largest in_features of the quantized linears whose dims divide by 16 (float8 tiles)
+    widest_out: int = 0  # ... and out_features
+    largest_untiled: int = 0  # parameters of the largest quantized linear whose dims do not: it dequantizes
 
 
 def check_quant(kind: str | None, lora_rank: int | None, config=None, block: int | None = None,
-                tp: int = 1) -> None:
+                tp: int = 1, fp8: str | None = None, dtype: str = "bf16-mixed") -> None:
     """Raise PlanError unless ``--quantize-base kind`` can be priced (FinetuneConfig repeats it); with
     the model's ``config``, also QuantError for what finetune refuses of that model
-    (:func:`hfpipe.quant.linear.check_quantize`, the one set of checks both call)."""
+    (:func:`hfpipe.quant.linear.check_quantize`, the one set of checks both call); ConfigError for a
+    float8 recipe ``fp8`` that does not go with the base (:func:`hfpipe.config.names.check_fp8`)."""
+    from hfpipe.config.names import check_fp8
     from hfpipe.errors import PlanError
+
+    check_fp8(fp8, dtype, kind)
 
     if kind is not None and kind not in QUANT_BYTES:
         raise PlanError(f"--quantize-base must be one of {', '.join(QUANT_BYTES)}; got {kind!r}")
@@ -106,7 +121,9 @@ def _count(config) -> tuple[LayerQuant, ...]:
 
 
 def _one_layer(layer: torch.nn.Module) -> LayerQuant:
-    lin = tiles = largest = exp = exp_tiles = stack = one = 0
+    from hfpipe.quant.fp8_matmul import FLOAT8_TILE_DIVISOR
+
+    lin = tiles = largest = exp = exp_tiles = stack = one = wide_in = wide_out = untiled = 0
     for name, module in layer.named_modules():
         routed = "experts" in name.split(".")  # not shared_experts: those run for every token
         for pname, p in module.named_parameters(recurse=False):
@@ -119,7 +136,11 @@ def _one_layer(layer: torch.nn.Module) -> LayerQuant:
                     exp, exp_tiles = exp + p.numel(), exp_tiles + _tiles(*p.shape)
                 else:
                     lin, tiles, largest = lin + p.numel(), tiles + _tiles(*p.shape), max(largest, p.numel())
-    return LayerQuant(lin, tiles, largest, exp, exp_tiles, stack, one)
+                    if all(n % FLOAT8_TILE_DIVISOR == 0 for n in p.shape):  # (the tile edge: 128 here)
+                        wide_out, wide_in = max(wide_out, p.shape[0]), max(wide_in, p.shape[1])
+                    else:
+                        untiled = max(untiled, p.numel())
+    return LayerQuant(lin, tiles, largest, exp, exp_tiles, stack, one, wide_in, wide_out, untiled)
 
 
 def _tiles(rows: int, cols: int) -> int:
@@ -132,10 +153,12 @@ def _quantized_bytes(kind: str, params: float, tiles: float) -> float:
     return params * QUANT_BYTES["fp8"] + 4 * tiles
 
 
-def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int, ep: int, tp: int = 1) -> tuple:
+def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int, ep: int, tp: int = 1,
+                tile_tokens: int | None = None) -> tuple:
     """LoRA ranks (:func:`hfpipe.lora.memory.describe_plan`'s) with the frozen base re-priced: its
     routed experts sharded over ``dp / ep`` (x ``tp``: whole on each tp rank) and, with ``kind``, its linear
-    weights quantized.
+    weights quantized; ``tile_tokens``: a microbatch's tokens, whose float8 tile products an FP8 base's
+    linears compute (``--fp8-recipe blockwise``) instead of dequantizing.
 
     ``describe_plan`` priced every base parameter a rank holds at a frozen full-precision weight's
     bytes over ``dp``; that part is replaced here, the adapters' bytes are kept.
@@ -149,14 +172,15 @@ def price_ranks(lora_ranks, plan, config, kind: str | None, dtype: str, dp: int,
         layers = [i for s in plan.stages_of_rank(r.rank) for i in s.layers]
         routed = sum(costs.layer_routed_params[i] for i in layers) // ep
         adapters = r.weight_bytes - int(r.params * param_bytes(frozen_dtype(dtype, bool(kind)), dp)[0])
-        base, transient = _base_bytes(r.params, routed, layers, per_layer, kind, dtype, dp, ep, tp)
+        base, transient = _base_bytes(r.params, routed, layers, per_layer, kind, dtype, dp, ep, tp, tile_tokens)
         out.append(dataclasses.replace(r, weight_bytes=int(base) + adapters, transient_bytes=int(transient)))
     return tuple(out)
 
 
-def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, dp: int, ep: int, tp: int):
-    """(frozen base bytes, transient dequantized bytes) of a rank holding ``params`` base
-    parameters, ``routed`` of them routed experts (already cut to ``1 / ep``)."""
+def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, dp: int, ep: int, tp: int,
+                tile_tokens: int | None = None):
+    """(frozen base bytes, transient bytes) of a rank holding ``params`` base parameters, ``routed`` of them
+    routed experts (already cut to ``1 / ep``): dequantized weights, or float8 tile products (``tile_tokens``)."""
     edp = replicas(dp, ep, tp)  # the ranks holding the same experts (under ep whole on each tp rank)
     held = frozen_dtype(dtype, bool(kind))
     full, full_e = param_bytes(held, dp)[0], param_bytes(held, edp)[0]
@@ -173,16 +197,36 @@ def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, d
     base = (params - routed - lin) * full + (routed - exp) * full_e
     base += _quantized_bytes(kind, lin, sum(x.linear_tiles for x in q)) * (1 if fp8 else gathered(dp))
     base += _quantized_bytes(kind, exp, sum(x.expert_tiles for x in q) / ep)  # whole on their ranks
-    largest = max([x.largest for x in q] + [x.largest_expert for x in q] + [0])
-    return base, 2 * largest * ACT_BYTES[dtype]
+    if not tile_tokens:
+        largest = max([x.largest for x in q] + [x.largest_expert for x in q] + [0])
+        return base, 2 * largest * ACT_BYTES[dtype]
+    dequantized = max([x.largest_untiled for x in q] + [x.largest_expert for x in q] + [0])
+    return base, max(2 * dequantized * ACT_BYTES[dtype], _tile_bytes(q, tile_tokens, dtype))
 
 
-def describe_quant(kind: str, ranks, size) -> str:
-    """The line ``hfpipe plan`` prints about the quantized base (``size`` formats bytes)."""
+def _tile_bytes(q, tokens: int, dtype: str) -> float:
+    """What one float8 tile product holds at its peak (module docstring), on the widest linear of ``q``."""
+    wide_in, wide_out = max([x.widest_in for x in q] + [0]), max([x.widest_out for x in q] + [0])
+    codes = max([x.largest for x in q] + [0])  # the transposed codes, in backward
+    acc = 8 if dtype == "fp64" else 4  # the sums' dtype
+
+    def one_way(k: int, n: int) -> float:  # casting (k) to e4m3, then multiplying into (n)
+        cast = tokens * k * 2 * acc
+        return max(cast, tokens * k * (1 + 4 / _FP8_TILE) + 2 * tokens * n * acc)
+
+    return max(one_way(wide_in, wide_out), codes + one_way(wide_out, wide_in))
+
+
+def describe_quant(kind: str, ranks, size, tiles: bool = False) -> str:
+    """The line ``hfpipe plan`` prints about the quantized base (``size`` formats bytes; ``tiles``: an FP8 base
+    multiplied in float8, ``--fp8-recipe blockwise``)."""
     per = {"nf4": "0.516 B/param (4-bit NF4, one int8 absmax per 64 values, double-quantized: one "
                   "scale per 256 absmaxes; torchao)",
            "fp8": "1 B/param + one fp32 scale per 128x128 tile (e4m3, DeepSeek's block format)"}[kind]
     worst = max(r.transient_bytes for r in ranks)
+    how = (f"linears multiplied in float8 tile by tile, routed experts dequantized just in time, {size(worst)} "
+           "transient on the busiest rank (a microbatch's tile products through its widest linear)" if tiles else
+           f"dequantized just in time, {size(worst)} transient on the busiest rank (its largest weight in the "
+           "run's dtype, x2)")
     return (f"base quantized {kind}: decoder-layer linears and routed experts at {per}; embedding, head, norms "
-            f"and routers in the run's dtype; dequantized just in time, {size(worst)} "
-            f"transient on the busiest rank (its largest weight in the run's dtype, x2)")
+            f"and routers in the run's dtype; {how}")

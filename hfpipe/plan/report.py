@@ -54,8 +54,8 @@ keeps, shards weights, gradients and AdamW state over dp x cp and counts the K/V
 (:mod:`hfpipe.plan.context`).
 ``ep > 1`` re-prices each rank's routed experts (:mod:`hfpipe.plan.experts`: ``1/ep`` of them,
 FSDP2 over ``dp/ep``; with tp, whole on each tp rank and FSDP2 over ``dp/ep x tp``) and counts the
-all-to-all bytes; a LoRA run's ``quantize_base`` re-prices
-its frozen base (:mod:`hfpipe.plan.quant`) and adds the transient dequantized weight.
+all-to-all bytes; a LoRA run's ``quantize_base`` re-prices its frozen base (:mod:`hfpipe.plan.quant`) and adds the
+transient dequantized weight (or, ``fp8="blockwise"``, a float8 tile product's working set).
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                 dp: int = 1, lora_rank: int | None = None, lora_targets: str = "all-linear",
                 ep: int = 1, quantize_base: str | None = None, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
                 reshard_per_microbatch: bool = False, quantize_block_size: int | None = None,
-                train_method: str = "sft") -> PlanReport:
+                train_method: str = "sft", fp8: str | None = None) -> PlanReport:
     """Plan ``config`` into pipeline stages and price every stage and rank.
 
     Args:
@@ -199,6 +199,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
             microbatch instead of once per step (hfpipe.plan.tensor).
         train_method: ``sft``, or ``dpo``: ``batch_size`` counts pairs of two sequences, and the reference pass
             before training is priced too (hfpipe.plan.preference).
+        fp8: Float8's recipe: torchao's priced as bf16-mixed; ``blockwise``, an FP8 base's tile products (plan.quant).
 
     Raises:
         PlanError, ParallelError, UnsupportedModelError: the plan cannot be made (the message
@@ -216,7 +217,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         raise PlanError(f"--activation-checkpointing must be one of {', '.join(_AC_MODES)}; "
                         f"got {activation_checkpointing!r}")
     dims = ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
-    check_quant(quantize_base, lora_rank, config, quantize_block_size, tp)
+    check_quant(quantize_base, lora_rank, config, quantize_block_size, tp, fp8=fp8, dtype=dtype)
     get_adapter(config)
     sp, reshard = sequence_parallel and tp > 1, reshard_per_microbatch
     tensor.check_tp(config, tp, dp=dp, reshard=reshard, lora=lora_rank is not None)
@@ -269,7 +270,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
                                     total - costs.embed_params * tied, shards, tp, bool(quantize_base))
         adapters = tp_adapters(config, lora_rank, lora_targets, tp) if tp > 1 else None
         if ep > 1 or quantize_base:
-            ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep, tp)
+            ranks = price_base(ranks, plan, config, quantize_base, dtype, shards, ep, tp, fp8 == "blockwise" and tokens)
     ranks, lines = _tensor_and_fsdp(ranks, plan, costs, config, dtype, shards, ep, tp, sp, reshard, m, tokens,
                                     activation_checkpointing, adapters)
     ranks = tuple(_apart(r, actions[r.rank], {s.index: parts[s.index] for s in plan.stages_of_rank(r.rank)},
@@ -284,7 +285,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         ranks = tuple(dataclasses.replace(r, all_to_all_bytes=a) for r, a in zip(ranks, a2a))
         notes.append(describe_ep(config, ep, dp, a2a, _size, dtype, frozen=lora_rank is not None, tp=tp))
     if quantize_base:
-        notes.append(describe_quant(quantize_base, ranks, _size))
+        notes.append(describe_quant(quantize_base, ranks, _size, tiles=fp8 == "blockwise"))
     reference = None
     if train_method == "dpo":
         reference = reference_pass(plan, ranks, config, tokens=tokens, per_layer=per_layer, dtype=dtype,
@@ -311,8 +312,7 @@ def _tensor_and_fsdp(ranks, plan, costs, config, dtype, dp, ep, tp, sp, reshard,
     tp_bytes = tensor.tp_traffic(plan, costs, config, tp, m, tokens, dtype, ac, sequence_parallel=sp, ep=ep,
                                  adapters=adapters, reshard=reshard)
     traffic = [tensor.fsdp_traffic(plan, costs, dtype, dp, ep, tp, m, r) for r in (False, reshard)]
-    ranks = tuple(dataclasses.replace(r, tp_bytes=t, fsdp_bytes=f)
-                  for r, t, f in zip(ranks, tp_bytes, traffic[1]))
+    ranks = tuple(dataclasses.replace(r, tp_bytes=t, fsdp_bytes=f) for r, t, f in zip(ranks, tp_bytes, traffic[1]))
     return ranks, tensor.describe(tp, sp, dp, reshard, tp_bytes, *traffic, _size, ep=ep,
                                   mla=bool(getattr(config, "kv_lora_rank", None)))
 

@@ -79,6 +79,8 @@ def apply_fp8(modules: list[nn.Module], recipe: str | None, device=None) -> int:
     if recipe is None:
         return 0
     _check_device(device)
+    if recipe == "blockwise":  # not torchao's: the FP8 base's own linears (hfpipe.pipeline.build, apply_quant)
+        return 0
     config = _float8_config(recipe)
     from torchao.float8 import convert_to_float8_training
 
@@ -105,6 +107,7 @@ def warn_if_uncompiled(recipe: str | None, compiled: bool, device) -> None:
     """Log that ``--fp8`` without ``--compile`` is slower than bf16 on a GPU: torchao's casts to float8 run as
     separate kernels unless inductor fuses them (measured on an H200: 0.61x of bf16-mixed eager, where
     ``--compile --fp8`` ran 1.06x of ``--compile``; docs/benchmarks.md)."""
-    if recipe is not None and not compiled and device is not None and torch.device(device).type == "cuda":
+    if recipe in ("rowwise", "tensorwise") and not compiled and device is not None \
+            and torch.device(device).type == "cuda":
         log.warning("--fp8 without --compile runs torchao's float8 casts unfused: slower than bf16 on a GPU "
                     "(0.61x measured on an H200); add --compile")

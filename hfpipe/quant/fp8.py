@@ -7,6 +7,9 @@ that ``W ~= Q.float() * scale`` tile by tile (edge tiles may be partial). :class
 again in backward (:class:`_DequantLinear` saves only ``Q`` and the scales), so no full-precision
 copy of a weight outlives its matmul.
 
+Under ``--fp8-recipe blockwise`` a linear whose dims allow it multiplies the codes in float8 instead
+(:mod:`hfpipe.quant.fp8_matmul`), so no weight is dequantized at all.
+
 The dequantization is the checkpoint's definition, ``Q.float() * scale`` in fp32, as transformers'
 ``Fp8Dequantize`` computes it, then one cast to the compute dtype.
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hfpipe.quant.fp8_matmul import float8_tile_linear
 
 __all__ = ["FP8", "FP8_DTYPES", "FP8_DEFAULT_BLOCK", "FP8Linear", "quantize_blocks", "dequantize_blocks", "is_fp8", "take_ranges",
            "tile_ranges"]
@@ -97,6 +102,10 @@ class FP8Linear(nn.Linear):
     """
 
     plain_linear = True  # x @ W.T + b, as nn.Linear: a target of all-linear (hfpipe.models.targets)
+    #: Multiply the codes in float8, tile by tile (``--fp8-recipe blockwise``: hfpipe.quant.fp8_matmul),
+    #: instead of dequantizing the weight for a matmul in the compute dtype. Set by the quantizer.
+    float8 = False
+    cublas = False  # ... through torch's one-GEMM kernel, which runs on this device (fp8_matmul.cublas_blockwise)
 
     def __init__(self, in_features: int, out_features: int, block: int, bias: bool = False,
                  compute_dtype: torch.dtype = torch.float32, device=None) -> None:
@@ -109,6 +118,8 @@ class FP8Linear(nn.Linear):
         self.compute_dtype = compute_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float8:
+            return float8_tile_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias, self.cublas)
         return _DequantLinear.apply(x, self.weight, self.weight_scale_inv, self.block, self.bias)
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -116,4 +127,4 @@ class FP8Linear(nn.Linear):
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype or self.compute_dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8 block={self.block}"
+        return f"{super().extra_repr()}, fp8 block={self.block}" + (", multiplied in float8" if self.float8 else "")

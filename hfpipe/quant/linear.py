@@ -22,6 +22,7 @@ materialised in full precision.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 from hfpipe.models.experts import register
 from hfpipe.quant.experts import ExpertStacks, fused_experts
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_blocks
+from hfpipe.quant.fp8_matmul import cublas_blockwise, fits_float8_tiles
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
 from hfpipe.models.targets import quantized_linears
 
@@ -37,6 +39,8 @@ __all__ = ["KINDS", "QuantSpec", "Quantizer", "QuantError", "apply_quant", "chec
            "quantized_linears", "source_fp8_block"]
 
 KINDS = ("nf4", "fp8")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,10 +97,12 @@ class Quantizer:
         spec: The ``--quantize-base`` request.
         source_config: The checkpoint's transformers config (its FP8 block, if any).
         tp: The tensor-parallel degree the stages are then split over (FP8 only: whole tiles per rank).
+        float8: Multiply FP8 linears in float8 where their dims allow (``--fp8-recipe blockwise``).
     """
 
-    def __init__(self, spec: QuantSpec, source_config, *, backend: bool = True, tp: int = 1) -> None:
-        self.spec, self.tp = spec, tp
+    def __init__(self, spec: QuantSpec, source_config, *, backend: bool = True, tp: int = 1,
+                 float8: bool = False) -> None:
+        self.spec, self.tp, self.float8 = spec, tp, float8
         self.source_block = source_fp8_block(source_config)
         if spec.kind == "fp8":
             if self.source_block is not None and spec.block not in (None, self.source_block):
@@ -127,6 +133,7 @@ class Quantizer:
                     parent, _, attr = name.rpartition(".")
                     new = FP8Linear(linear.in_features, linear.out_features, self.block,
                                     bias=linear.bias is not None, compute_dtype=dtype, device="meta")
+                    new.float8 = self.float8 and fits_float8_tiles(new.in_features, new.out_features, self.block)
                     setattr(stage.get_submodule(parent), attr, new)
                     self.scales.add(name + ".weight_scale_inv")
                 self.weights.add(name + ".weight")
@@ -207,14 +214,24 @@ class Quantizer:
         return True
 
 
-def apply_quant(modules: list[nn.Module], config, spec: QuantSpec | None, dtype: torch.dtype, tp: int = 1):
+def apply_quant(modules: list[nn.Module], config, spec: QuantSpec | None, dtype: torch.dtype, tp: int = 1,
+                float8: bool = False, device=None):
     """A quantized base's storage on the meta stage ``modules`` (``dtype``: the parameters'); the returned
     :class:`Quantizer` fills it while loading (under ``tp``, this rank's tiles of each FP8 linear), or
-    ``None`` without ``spec``."""
+    ``None`` without ``spec``. ``float8``: FP8 linears multiply in float8 (``--fp8-recipe blockwise``) on
+    ``device``."""
     if spec is None:
         return None
-    quantizer = Quantizer(spec, config, tp=tp)
+    quantizer = Quantizer(spec, config, tp=tp, float8=float8)
     quantizer.prepare(modules, dtype)
+    if float8:
+        linears = [m for stage in modules for m in stage.modules() if isinstance(m, FP8Linear)]
+        cublas = device is not None and cublas_blockwise(device)
+        for m in linears:
+            m.cublas = m.float8 and cublas
+        log.info("--fp8-recipe blockwise: %d of %d FP8 linears multiply in float8 (one whose dims do not divide "
+                 "by 16 dequantizes), %s", sum(m.float8 for m in linears), len(linears),
+                 "through torch's blockwise kernel where their dims divide by 128" if cublas else "tile by tile")
     return quantizer
 
 

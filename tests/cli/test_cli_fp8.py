@@ -22,10 +22,14 @@ REFUSED = {
     "fp32": (["--fp8", "--dtype", "fp32"], "--fp8 multiplies bf16 activations in float8; use --dtype bf16-mixed"),
     "a recipe without --fp8": (["--fp8-recipe", "tensorwise", "--dtype", "bf16-mixed"],
                                "--fp8-recipe tensorwise applies with --fp8; add --fp8"),
-    "an unknown recipe": (["--fp8", "--fp8-recipe", "blockwise", "--dtype", "bf16-mixed"],
-                          "--fp8-recipe must be one of rowwise, tensorwise; got 'blockwise'"),
-    "a quantized base": (["--fp8", "--dtype", "bf16-mixed", "--lora-rank", "8", "--quantize-base", "nf4"],
-                         "--fp8 with --quantize-base nf4"),
+    "an unknown recipe": (["--fp8", "--fp8-recipe", "delayed", "--dtype", "bf16-mixed"],
+                          "--fp8-recipe must be one of rowwise, tensorwise, blockwise; got 'delayed'"),
+    "an NF4 base": (["--fp8", "--dtype", "bf16-mixed", "--lora-rank", "8", "--quantize-base", "nf4"],
+                    "--fp8 with --quantize-base nf4"),
+    "torchao's recipe on an FP8 base": (["--fp8", "--dtype", "bf16-mixed", "--lora-rank", "8", "--quantize-base",
+                                         "fp8"], "--fp8-recipe rowwise casts a full-precision weight"),
+    "blockwise without an FP8 base": (["--fp8", "--fp8-recipe", "blockwise", "--dtype", "bf16-mixed"],
+                                      "--fp8-recipe blockwise multiplies a block-FP8 base's own tiles"),
 }
 
 

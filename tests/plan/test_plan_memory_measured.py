@@ -54,7 +54,7 @@ def assert_priced(r: dict) -> None:
 
 
 @pytest.mark.parametrize("case", [Case("full", "none", "bf16"), Case("lora", "none", "bf16"),
-                                  Case("lora", "full", "bf16")], ids=str)
+                                  Case("lora", "full", "bf16"), Case("fp8tiles", "none", "bf16")], ids=str)
 def test_the_plan_prices_what_the_run_holds(llama, case):
     # LoRA without checkpointing was 0.92x of the run's activations: PEFT casts each adapted linear's
     # input to the fp32 adapters, one copy per adapter, which the plan now measures on the layer.
@@ -94,7 +94,7 @@ def test_every_backward_is_priced_with_the_loss_chunked(llama, case, monkeypatch
 
 MATRIX = [Case(mode, ac, dtype) for mode in ("full", "lora") for ac in ("none", "selective", "full")
           for dtype in ("fp32", "bf16", "bf16-mixed")]
-MATRIX += [Case("qlora", ac, "bf16") for ac in ("none", "full")]
+MATRIX += [Case(mode, ac, "bf16") for mode in ("qlora", "fp8lora", "fp8tiles") for ac in ("none", "full")]
 # tp: each saved tensor priced as the tp plan leaves it on a rank (a block's gathered input and each LoRA adapter's
 # fp32 copy of it are whole: 0.86x when all was divided by tp); cp: SDPA's additive mask per layer (0.97x without);
 # FSDP2 over dp x cp: the adapters run in bf16 (1.31x when priced with fp32 copies), whole gradients not added to

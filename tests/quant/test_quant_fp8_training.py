@@ -87,7 +87,8 @@ def test_an_fp8_run_resumes_without_fp8_and_with_it_and_exports_an_ordinary_fold
 
 @pytest.mark.parametrize("options, words", [
     (dict(dtype="fp32", fp8="rowwise"), "use dtype bf16-mixed (or bf16), not fp32"),
-    (dict(dtype="bf16-mixed", fp8="blockwise"), "fp8 must be one of rowwise, tensorwise; got 'blockwise'"),
+    (dict(dtype="bf16-mixed", fp8="delayed"), "fp8 must be one of rowwise, tensorwise, blockwise; got 'delayed'"),
+    (dict(dtype="bf16-mixed", fp8="blockwise"), "fp8 blockwise multiplies a block-FP8 base's own tiles"),
 ])
 def test_fp8_refuses_in_one_line(llama, options, words):
     from hfpipe.api import load_pipeline

@@ -27,8 +27,9 @@ pytest.importorskip("torchao", reason="--quantize-base nf4 needs torchao (pip in
 FP8_BLOCK = 32  # tiles of 32 x 32: every tiny weight holds several, and transformers' dequantizer takes them
 
 
-def quantized_hf_model(kind: str, block: int | None = None):
-    """A ``build`` for the oracle: ``from_pretrained``, then the same quantization as the pipeline's."""
+def quantized_hf_model(kind: str, block: int | None = None, float8: bool = False):
+    """A ``build`` for the oracle: ``from_pretrained``, then the same quantization as the pipeline's
+    (``float8``: the FP8 linears multiply their codes in float8, as ``fp8="blockwise"`` has them)."""
 
     def build(path: str, dtype: torch.dtype):
         from hfpipe.quant.fp8 import FP8Linear, quantize_blocks
@@ -45,6 +46,7 @@ def quantized_hf_model(kind: str, block: int | None = None):
                 new = FP8Linear(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
                                 compute_dtype=dtype)
                 new.weight, new.weight_scale_inv = quantize_blocks(linear.weight.detach(), block)
+                new.float8 = float8
                 if linear.bias is not None:
                     new.bias = linear.bias
                 parent, _, attr = name.rpartition(".")
