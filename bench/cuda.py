@@ -23,6 +23,9 @@ the first case of the same shape, measured in the same run on the same device:
  ``lora-hfpipe-ac``             ``activation_checkpointing="full"`` (the plan's other LoRA row)
  ``lora-hfpipe-mixed`` (``-compile-fp8``)  ``dtype="bf16-mixed"``: the base in bf16, the fp32 adapters computed in
                                 bf16 (as PEFT under autocast computes them)
+ ``lora-hfpipe-fp8base``        ``quantize_base="fp8"``: the base as 128 x 128 FP8 tiles, dequantized per matmul
+ ``lora-hfpipe-fp8base-blockwise`` (``-compile``)  ``fp8="blockwise"`` too: the base multiplies its codes in
+                                float8 (torch's one-GEMM blockwise kernel on SM90, else tile by tile)
 ============================  ===========================================================================
 
 Beside each ``hfpipe`` case: what ``hfpipe plan`` promises for it (``plan_report``'s rank 0 total) and the plan's
@@ -64,7 +67,8 @@ SHAPES["llama3-8b-slice"] = {**SHAPES["llama3-8b"], "num_hidden_layers": 8}
 CASES = ("plain", "plain-compile", "hfpipe", "hfpipe-full-logits", "hfpipe-compile", "hfpipe-fp8",
          "hfpipe-compile-fp8", "trainer", "pipeline-trainer", "lora-plain", "lora-hfpipe", "lora-hfpipe-compile",
          "hfpipe-compile-fp8-tensorwise", "lora-hfpipe-compile-fp8", "lora-hfpipe-ac", "lora-hfpipe-mixed",
-         "lora-hfpipe-mixed-compile-fp8", "hfpipe-fsdp2", "hfpipe-compile-fsdp2")
+         "lora-hfpipe-mixed-compile-fp8", "hfpipe-fsdp2", "hfpipe-compile-fsdp2", "lora-hfpipe-fp8base",
+         "lora-hfpipe-fp8base-blockwise", "lora-hfpipe-fp8base-blockwise-compile")
 PROFILE: dict = {}  # {"to": path} when --profile-dir is given
 HFPIPE = {"hfpipe": {}, "hfpipe-full-logits": {"loss_chunk_tokens": 0}, "hfpipe-compile": {"compile": True},
           "hfpipe-fp8": {"fp8": "rowwise"}, "hfpipe-compile-fp8": {"compile": True, "fp8": "rowwise"},
@@ -75,7 +79,10 @@ HFPIPE = {"hfpipe": {}, "hfpipe-full-logits": {"loss_chunk_tokens": 0}, "hfpipe-
           "lora-hfpipe-mixed": {"dtype": "bf16-mixed"},
           "lora-hfpipe-mixed-compile-fp8": {"dtype": "bf16-mixed", "compile": True, "fp8": "rowwise"},
           # bf16-mixed at one replica through FSDP2's one-rank path, as before hfpipe.parallel.one_replica
-          "hfpipe-fsdp2": {"fsdp2": True}, "hfpipe-compile-fsdp2": {"compile": True, "fsdp2": True}}
+          "hfpipe-fsdp2": {"fsdp2": True}, "hfpipe-compile-fsdp2": {"compile": True, "fsdp2": True},
+          "lora-hfpipe-fp8base": {"quantize_base": "fp8"},
+          "lora-hfpipe-fp8base-blockwise": {"quantize_base": "fp8", "fp8": "blockwise"},
+          "lora-hfpipe-fp8base-blockwise-compile": {"quantize_base": "fp8", "fp8": "blockwise", "compile": True}}
 
 
 def _device() -> torch.device:
@@ -254,7 +261,8 @@ def planned_bytes(folder: Path, case: str, a) -> int | None:
     return plan_report(load_config(folder), pp=1, schedule="1f1b", microbatches=1, seq_len=a.seq,
                        batch_size=a.batch, dtype=options.get("dtype", "bf16" if lora else "bf16-mixed"),
                        activation_checkpointing=options.get("activation_checkpointing", "none"),
-                       lora_rank=16 if lora else None, lora_targets="all-linear").ranks[0].total_bytes
+                       lora_rank=16 if lora else None, lora_targets="all-linear",
+                       quantize_base=options.get("quantize_base"), fp8=options.get("fp8")).ranks[0].total_bytes
 
 
 def _report(rows: list[dict], a) -> None:
