@@ -110,7 +110,18 @@ class PipelineModel(_model.RankPipeline):
                         checkpoint=None, call: str = "save_pretrained"):
         """:meth:`save_pretrained` without its closing log line, for a caller that says what it wrote in its
         own words (``PipelineTrainer.save_model``); errors name ``call``'s arguments. With ``checkpoint`` (one
-        :meth:`save_checkpoint` just wrote) the folder is exported from it, not from a temporary one."""
+        :meth:`save_checkpoint` just wrote) the folder is exported from it, not from a temporary one. A failure
+        leaves ``out`` as it was and removes the parents of ``out`` it made."""
+        import contextlib
+        from pathlib import Path
+
+        from hfpipe.export.out_folder import new_parents_removed_on_failure
+
+        rank0 = self.dist.rank == 0
+        with new_parents_removed_on_failure(Path(out)) if rank0 else contextlib.nullcontext():
+            return self._write_hf_folder(out, bool(overwrite), rank0, dtype, max_shard_size, checkpoint, call)
+
+    def _write_hf_folder(self, out, overwrite: bool, rank0: bool, dtype, max_shard_size, checkpoint, call):
         import shutil
         import tempfile
         from pathlib import Path
@@ -120,8 +131,6 @@ class PipelineModel(_model.RankPipeline):
         from hfpipe.export.hf_folder import export_checkpoint
         from hfpipe.export.out_folder import check_out
 
-        overwrite = bool(overwrite)
-        rank0 = self.dist.rank == 0
         # Rank 0 checks the folder before anything is written; every rank raises what it found.
         _in_python_words(lambda: agree(lambda: check_out(Path(out), overwrite, ()) if rank0 else None),
                          call, out=out)

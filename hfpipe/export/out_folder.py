@@ -26,7 +26,7 @@ from hfpipe.checkpoint.meta import EXPORT_RECORD, copy_side_files
 from hfpipe.files import SideFileError, read_side_json
 from hfpipe.parallel.lock import FolderLock, write_new
 
-__all__ = ["build_folder", "check_out", "locked_out", "make_dir"]
+__all__ = ["build_folder", "check_out", "locked_out", "make_dir", "new_parents_removed_on_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,31 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def locked_out(out: Path, force: bool, protected: tuple[Path, ...]):
     """Hold ``out``'s lock (one export into a folder at a time), with ``out`` checked before and after taking it."""
-    check_out(out, force, protected)
-    with FolderLock(out.parent / f".{out.name}.lock", out, "OUT"):
-        check_out(out, force, protected)  # again: another export may have finished meanwhile
+    with new_parents_removed_on_failure(out):
+        check_out(out, force, protected)
+        with FolderLock(out.parent / f".{out.name}.lock", out, "OUT"):
+            check_out(out, force, protected)  # again: another export may have finished meanwhile
+            yield
+
+
+@contextlib.contextmanager
+def new_parents_removed_on_failure(out: Path):
+    """On a failure (a bad input, a full disk, Ctrl-C), remove again the parents of ``out`` that did not exist
+    before (:func:`check_out` creates them, for the lock and the hidden sibling), deepest first, while empty:
+    a failed export leaves the disk as it found it."""
+    new, parent = [], Path(os.path.abspath(out)).parent
+    while not parent.exists() and parent != parent.parent:
+        new.append(parent)
+        parent = parent.parent
+    try:
         yield
+    except BaseException:
+        for folder in new:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (something else was put there meanwhile), or gone: leave it
+                break
+        raise
 
 
 def build_folder(out: Path, fill, nbytes: int, record: dict | None = None, *, side_from: Path | None = None,

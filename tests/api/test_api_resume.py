@@ -197,3 +197,19 @@ def test_each_rank_level_says_each_thing_once(monkeypatch):
     assert (rank_level(0), rank_level(1)) == ("DEBUG", "DEBUG")
     monkeypatch.setenv("HFPIPE_LOG_LEVEL", "ERROR")
     assert rank_level(1) == "ERROR"
+
+
+def test_a_failed_save_pretrained_removes_the_parents_it_made(tmp_path, monkeypatch):
+    """save_pretrained makes the parents of ``out`` before the export; an export stopped midway removes them."""
+    from hfpipe.api import load_pipeline
+    from hfpipe.export import hf_folder
+
+    pm = load_pipeline(str(tiny_checkpoint("llama", num_hidden_layers=2)), pp=1)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_folder, "build_folder", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        pm.save_pretrained(str(tmp_path / "new" / "out"))
+    assert not (tmp_path / "new").exists()

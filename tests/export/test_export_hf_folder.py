@@ -315,6 +315,28 @@ def test_unwritable_output_parent_is_an_export_error(tiny, tmp_path):
         export_checkpoint(tiny("llama_tied")[1], tmp_path / "file" / "out", progress=False)
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])  # Ctrl-C; a disk error midway
+def test_a_failed_export_removes_the_parents_it_made_and_a_finished_one_keeps_them(tiny, tmp_path, monkeypatch, stop):
+    ckpt = tiny("llama_tied")[1]
+    (tmp_path / "there").mkdir()
+    out = tmp_path / "there" / "new" / "deeper" / "out"
+    real = export_mod.build_folder
+
+    def failing(out, fill, *args, **kwargs):
+        def fill_then_stop(tmp):
+            fill(tmp)
+            raise stop("stopped midway")
+        return real(out, fill_then_stop, *args, **kwargs)
+
+    monkeypatch.setattr(export_mod, "build_folder", failing)
+    with pytest.raises(stop):
+        export_checkpoint(ckpt, out, progress=False)
+    assert sorted(p.name for p in (tmp_path / "there").iterdir()) == [], "the folders it made, and nothing in them"
+    monkeypatch.setattr(export_mod, "build_folder", real)
+    export_checkpoint(ckpt, out, progress=False)
+    assert (out / "config.json").exists()
+
+
 def test_out_may_not_overwrite_the_checkpoint_or_source(tiny, tmp_path):
     src, ckpt = tiny("llama_tied")
     for target in (ckpt, src, ckpt.parent):
