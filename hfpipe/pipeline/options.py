@@ -29,6 +29,7 @@ from hfpipe.lora.adapters import check_lora_config, from_finetune_config
 from hfpipe.models.compile import CompileSpec
 from hfpipe.parallel.dims import ParallelDims, check_degrees
 from hfpipe.pipeline.schedule import PipelineError
+from hfpipe.plan.memory import frozen_dtype
 from hfpipe.quant.linear import QuantSpec
 
 __all__ = ["CHECKPOINTING", "PRECISIONS", "PipelineLayout", "StageOptions", "from_config", "from_keywords",
@@ -205,8 +206,8 @@ class StageOptions:
         unquantized base under bf16-mixed, which nothing trains: held in the compute dtype, it is the compute
         copy bf16-mixed would cast it to (the same values), without an fp32 master beside it (an 8B base: 16 GB,
         not 32 + 16). Its adapters stay fp32 masters (PEFT's ``autocast_adapter_dtype``), cast for compute."""
-        if self.lora is not None and self.quantize_base is None:
-            return self.compute_dtype
+        if self.lora is not None:  # the rule is the plan's too: one place
+            return PRECISIONS[frozen_dtype(self.dtype, self.quantize_base is not None)][0]
         return self.param_dtype
 
     @property

@@ -27,8 +27,8 @@ def fsdp_bytes(dtype: str) -> tuple[int, int, int, int]:
 
 
 def frozen_dtype(dtype: str, quantized: bool = False) -> str:
-    """The precision a LoRA run's frozen base is priced at: bf16-mixed holds an unquantized base in bf16 (nothing
-    trains it, so no fp32 master: :attr:`hfpipe.pipeline.options.StageOptions.base_dtype`)."""
+    """The precision a LoRA run's frozen base is held (and priced) in: bf16-mixed holds an unquantized base in bf16
+    (nothing trains it, so no fp32 master); :attr:`hfpipe.pipeline.options.StageOptions.base_dtype` builds by it."""
     return "bf16" if dtype == "bf16-mixed" and not quantized else dtype
 
 
