@@ -10,10 +10,12 @@ and nothing of the input is saved for backward: the base is frozen, so only the 
 A token's tiles are its own, so a row's output does not depend on the rows it is batched with (a
 microbatch computes what the whole batch computes).
 
-Written here because no library does it on these weights: torchao's float8 training casts a
-full-precision weight (rowwise or tensorwise: one scale per row or tensor, which 128 x 128 tiles are
-not), and transformers' FP8 integration dequantizes on CPU and runs its Triton kernels for inference
-only. Two kernels compute it:
+Written here because no library does it for training on these weights everywhere: torchao's float8
+training casts a full-precision weight (rowwise or tensorwise: one scale per row or tensor, which 128 x 128
+tiles are not); transformers' ``FP8LinearFunction`` runs this forward only on a GPU, through DeepGEMM or a
+Triton kernel fetched from the Hub by the ``kernels`` package (neither on a CPU nor offline without a
+cached build), and its backward dequantizes the weight for a bf16 matmul. Two kernels compute it here,
+both torch's own:
 
 - **torch's one-GEMM kernel** (``F.scaled_mm`` with ``BlockWise1x128`` x ``BlockWise128x128`` scales; cuBLASLt
   12.9 or later, which torch runs on SM90 only: H100, H200) where the tile edge is 128 and both dims of the

@@ -8,7 +8,7 @@ Training is layout-free: pp 2 trains as pp 1 to 1e-12 (fp64), every step (why no
 :func:`assert_layouts_agree`). Against the same run dequantizing its base, the losses differ (the matmuls
 ran in float8) by under 2%; a checkpoint resumes with and without the recipe, and the export is the
 dequantizing run's. ``pytest -m slow``: every schedule at pp 2 and 3, dp 2 x pp 2, tp 2, a checkpoint's
-own FP8 weights, compiled.
+own FP8 weights, activation checkpointing, compiled.
 """
 
 from __future__ import annotations
@@ -232,14 +232,17 @@ def test_a_checkpoints_own_fp8_weights_within_2_percent_of_dequantizing_them():
 
 
 @pytest.mark.slow
-def test_compiled_trains_as_eager():
+def test_checkpointed_and_compiled_train_as_eager():
+    """A recomputed forward casts the same tiles; a compiled layer runs the same tile products."""
     from hfpipe.api import load_pipeline
 
     path = str(tiny_checkpoint("llama", num_hidden_layers=2))
     base = {**FP64, "lora": lora_config(LORA)}
     eager = _train(load_pipeline(path, pp=1, **base))[0]
-    compiled = _train(load_pipeline(path, pp=1, **base, compile=True, compile_backend="aot_eager"))[0]
-    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-9, atol=0)
+    for options in ({"activation_checkpointing": "full"}, {"activation_checkpointing": "selective"},
+                    {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": "full"}):
+        got = _train(load_pipeline(path, pp=1, **base, **options))[0]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(eager), rtol=1e-9, atol=0, msg=str(options))
 
 
 def test_quantized_hf_model_is_the_oracles_build():  # the oracle really multiplies in float8
@@ -262,3 +265,17 @@ def test_torchs_one_gemm_kernel_takes_the_layouts_given_it_forward_and_backward(
     g, g_scale = torch.empty(m, n, dtype=torch.float8_e4m3fn, **meta), torch.empty(m, n // 128, **meta)
     assert _scaled_blockwise(g, g_scale, w.t().contiguous(), w_scale.t(), torch.float32).shape == (m, k)
     assert cublas_blockwise(torch.device("cpu")) is False, "a CPU multiplies tile by tile"
+
+
+def test_a_compiled_layer_keeps_torchs_kernel_as_one_opaque_op():
+    """What inductor sees of it: one custom op (its scales' strides stay the eager ones), shaped by its fake."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hfpipe.quant.fp8_matmul import _cublas_matmul
+
+    a, a_scale = torch.zeros(8, 256).to(torch.float8_e4m3fn), torch.ones(8, 2)
+    w, w_scale = torch.zeros(128, 256).to(torch.float8_e4m3fn), torch.ones(1, 2)
+    graph = make_fx(lambda *t: _cublas_matmul(*t, torch.bfloat16), tracing_mode="fake")(a, a_scale, w, w_scale)
+    ops = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert ops == [torch.ops.hfpipe.blockwise_scaled_mm.default]
+
