@@ -121,7 +121,7 @@ def _count(config) -> tuple[LayerQuant, ...]:
 
 
 def _one_layer(layer: torch.nn.Module) -> LayerQuant:
-    from hfpipe.quant.fp8_matmul import FLOAT8_TILE_DIVISOR
+    from hfpipe.quant.fp8_matmul import fits_float8_tiles
 
     lin = tiles = largest = exp = exp_tiles = stack = one = wide_in = wide_out = untiled = 0
     for name, module in layer.named_modules():
@@ -136,7 +136,7 @@ def _one_layer(layer: torch.nn.Module) -> LayerQuant:
                     exp, exp_tiles = exp + p.numel(), exp_tiles + _tiles(*p.shape)
                 else:
                     lin, tiles, largest = lin + p.numel(), tiles + _tiles(*p.shape), max(largest, p.numel())
-                    if all(n % FLOAT8_TILE_DIVISOR == 0 for n in p.shape):  # (the tile edge: 128 here)
+                    if fits_float8_tiles(p.shape[1], p.shape[0], _FP8_TILE):  # priced at the default tiles
                         wide_out, wide_in = max(wide_out, p.shape[0]), max(wide_in, p.shape[1])
                     else:
                         untiled = max(untiled, p.numel())
