@@ -8,13 +8,15 @@ from hfpipe.errors import ConfigError
 from hfpipe.parallel.rules import INTERLEAVED_SCHEDULES, SCHEDULES, V_SCHEDULES
 
 __all__ = ["ConfigError", "SCHEDULES", "INTERLEAVED_SCHEDULES", "V_SCHEDULES", "QUANTIZE_BASE", "OTHER_NAMES",
-           "FP8_RECIPES", "check_fp8", "check_other_names"]
+           "FP8_RECIPES", "TORCHAO_FP8_RECIPES", "check_fp8", "check_other_names"]
 
 #: Formats a LoRA run's frozen base can be kept in on the device (``--quantize-base``).
 QUANTIZE_BASE = ("nf4", "fp8")
-#: Float8 training's recipes (``--fp8-recipe``): torchao's names, rowwise (torchtitan's default) first; then
-#: DeepSeek-V3's tiles, which a ``--quantize-base fp8`` base multiplies its own codes by (hfpipe.quant.fp8_matmul).
-FP8_RECIPES = ("rowwise", "tensorwise", "blockwise")
+#: torchao's float8 training recipes, rowwise (torchtitan's default) first: what a bf16 base takes.
+TORCHAO_FP8_RECIPES = ("rowwise", "tensorwise")
+#: Float8 training's recipes (``--fp8-recipe``): torchao's, then DeepSeek-V3's tiles, which a ``--quantize-base
+#: fp8`` base multiplies its own codes by (hfpipe.quant.fp8_matmul).
+FP8_RECIPES = (*TORCHAO_FP8_RECIPES, "blockwise")
 
 
 def check_fp8(recipe: str | None, dtype: str, quantize_base: str | None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hfpipe.config.names import FP8_RECIPES
+from hfpipe.config.names import TORCHAO_FP8_RECIPES
 from hfpipe.errors import ConfigError
 from hfpipe.pipeline.options import PipelineLayout, StageOptions
 
@@ -96,11 +96,11 @@ def float8_recipe(args, fp8: str | None, face: str = "PipelineTrainer") -> str |
     linears, the head in bf16), computing in bf16 around the float8 matmuls as accelerate's fp8 autocasts.
     """
     accelerate_fp8 = getattr(args, "mixed_precision", "no") == "fp8"
-    recipe = fp8 or (FP8_RECIPES[0] if accelerate_fp8 else None)
+    recipe = fp8 or (TORCHAO_FP8_RECIPES[0] if accelerate_fp8 else None)
     if recipe is None:
         return None
-    if recipe not in FP8_RECIPES:
-        raise ConfigError(f"{face}(fp8={recipe!r}): choose one of {', '.join(map(repr, FP8_RECIPES))}")
+    if recipe not in TORCHAO_FP8_RECIPES:  # (blockwise needs a quantized base, which no Trainer face takes)
+        raise ConfigError(f"{face}(fp8={recipe!r}): choose one of {', '.join(map(repr, TORCHAO_FP8_RECIPES))}")
     if not (args.bf16 or accelerate_fp8):
         raise ConfigError(f"{face}(fp8={recipe!r}) multiplies bf16 activations in float8; set "
                           f"{type(args).__name__}(bf16=True)")
