@@ -232,6 +232,10 @@ def apply_quant(modules: list[nn.Module], config, spec: QuantSpec | None, dtype:
         log.info("--fp8-recipe blockwise: %d of %d FP8 linears multiply in float8 (one whose dims do not divide "
                  "by 16 dequantizes), %s", sum(m.float8 for m in linears), len(linears),
                  "through torch's blockwise kernel where their dims divide by 128" if cublas else "tile by tile")
+        if not cublas and device is not None and torch.device(device).type == "cuda":
+            log.warning("--fp8-recipe blockwise: torch's one-GEMM blockwise kernel does not run here (it needs an "
+                        "H100/H200 and torch built with CUDA 12.9 or later); tile by tile, a GEMM per 128 columns, "
+                        "is likely slower than the dequantizing base: measure it against dropping --fp8")
     return quantizer
 
 

@@ -279,3 +279,22 @@ def test_a_compiled_layer_keeps_torchs_kernel_as_one_opaque_op():
     ops = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     assert ops == [torch.ops.hfpipe.blockwise_scaled_mm.default]
 
+
+
+@pytest.mark.parametrize("device, cublas, warned", [("cuda", False, True), ("cuda", True, False), ("cpu", False, False)])
+def test_the_tile_loop_on_a_gpu_is_said_to_be_slow(caplog, monkeypatch, device, cublas, warned):
+    from transformers import AutoConfig
+
+    from hfpipe.models.meta import build_meta_model, model_config
+    from hfpipe.quant import linear
+    from hfpipe.quant.fp8 import FP8Linear
+
+    monkeypatch.setattr(linear, "cublas_blockwise", lambda _device: cublas)  # (no GPU here to ask)
+    config = AutoConfig.from_pretrained(tiny_checkpoint("llama", num_hidden_layers=1))
+    model = build_meta_model(model_config(config))
+    with caplog.at_level("INFO", logger="hfpipe.quant.linear"):
+        linear.apply_quant([model], config, linear.QuantSpec("fp8", FP8_BLOCK), torch.float32, float8=True,
+                           device=torch.device(device))
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert fp8 and all(m.float8 and m.cublas == cublas for m in fp8)
+    assert any("likely slower than the dequantizing base" in r.getMessage() for r in caplog.records) == warned
