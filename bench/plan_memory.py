@@ -74,6 +74,7 @@ class Case:
     cp: int = 1
     ep: int = 1
     lora_rank: int = 16
+    block: int | None = None  # --quantize-block-size of the quantized modes (None: the default)
 
     def __str__(self) -> str:
         mesh = "".join(f"-{k}{getattr(self, k)}" for k in ("tp", "cp", "ep") if getattr(self, k) > 1)
@@ -90,14 +91,16 @@ class Case:
         lora = lora_config(self.lora_rank, targets="all-linear") if self.mode != "full" else None
         return dict(pp=1, dp=self.ep, ep=self.ep, tp=self.tp, cp=self.cp, schedule="1f1b", microbatches=1,
                     dtype=self.dtype, activation_checkpointing=self.ac, lora=lora,
-                    quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None)
+                    quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None,
+                    quantize_block_size=self.block)
 
     def plan_options(self) -> dict:
         """``plan_report`` keywords of this case."""
         return dict(pp=1, dp=self.ep, ep=self.ep, tp=self.tp, cp=self.cp, schedule="1f1b", microbatches=1,
                     seq_len=self.seq, batch_size=self.batch, dtype=self.dtype, activation_checkpointing=self.ac,
                     lora_rank=self.lora_rank if self.mode != "full" else None, lora_targets="all-linear",
-                    quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None)
+                    quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None,
+                    quantize_block_size=self.block)
 
 
 @dataclasses.dataclass
@@ -407,6 +410,7 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert parallel (a MoE --model-shape; dp = ep)")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--block", type=int, default=None, help="--quantize-block-size of the quantized modes")
     p.add_argument("--detail", type=int, nargs="?", const=12, default=0,
                    help="the largest saved tensors at the peak, per case (how many; default 12)")
     a = p.parse_args()
@@ -418,7 +422,7 @@ def main() -> None:
         for mode in a.mode.split(","):
             for ac in a.ac.split(","):
                 for dtype in a.dtype.split(","):
-                    case = Case(mode, ac, dtype, a.seq, a.batch, a.tp, a.cp, a.ep, lora_rank=a.lora_rank)
+                    case = Case(mode, ac, dtype, a.seq, a.batch, a.tp, a.cp, a.ep, lora_rank=a.lora_rank, block=a.block)
                     try:
                         r = compare(path, case, top=a.detail)
                     except torch.OutOfMemoryError:  # worth a row: what did the plan say?

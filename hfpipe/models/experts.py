@@ -48,6 +48,9 @@ class ExpertsState:
         block: The FP8 tile edge of the stacks' scales (0: none).
         dequantize: ``(codes, scales, block, dtype) -> weight`` for FP8 stacks, set by the quantizer
             (:mod:`hfpipe.quant`), so that this module need not know the format.
+        multiply: ``(x, codes, scales, block) -> x @ W.T`` computed from an FP8 expert's codes without
+            dequantizing them (``--fp8-recipe blockwise``: :mod:`hfpipe.quant.fp8_matmul`), or ``None``; set by
+            the quantizer where every stack's dims allow it. An expert's adapter is then added, not folded.
     """
 
     first: int = 0
@@ -56,6 +59,7 @@ class ExpertsState:
     adapters: dict = field(default_factory=dict)
     block: int = 0
     dequantize: Callable | None = None
+    multiply: Callable | None = None
 
 
 def peek_state(module: nn.Module) -> ExpertsState | None:
@@ -170,8 +174,13 @@ def _project(self, attr: str, e: int, x: torch.Tensor) -> torch.Tensor:
     s = 1.0
     if wrapper is not None:
         lhs, rhs, s = _factors(wrapper, state.first + e, x.dtype)
-    y = _ExpertLinear.apply(x, stored[e], None if scale is None else scale[e], lhs, rhs, s, state.block,
-                            state.dequantize, bool(getattr(self, "is_transposed", False)))
+    if state.multiply is not None and scale is not None:  # FP8 codes multiplied as they are ([out, in] stacks)
+        y = state.multiply(x, stored[e], scale[e], state.block)
+        if lhs is not None:  # W + s * lhs @ rhs, the adapter's part added: x @ rhs.T @ lhs.T
+            y = y + s * ((x @ rhs.T) @ lhs.T)
+    else:
+        y = _ExpertLinear.apply(x, stored[e], None if scale is None else scale[e], lhs, rhs, s, state.block,
+                                state.dequantize, bool(getattr(self, "is_transposed", False)))
     if getattr(self, "has_bias", False):
         y = y + getattr(self, attr + "_bias")[e]
     return y

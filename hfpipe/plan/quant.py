@@ -21,13 +21,13 @@ linear, and a routed expert, dequantizes just in time, in forward and again in b
 dequantized weight lives at a time: priced as the rank's largest quantized matrix in the run's
 dtype, twice (a forward's and a backward's can overlap in a 1F1B steady state).
 
-Under ``--fp8-recipe blockwise`` an FP8 linear whose dims divide by 16 multiplies its codes tile by tile
-instead (:mod:`hfpipe.quant.fp8_matmul`) and no weight of it is dequantized; what lives during one of its
-matmuls is priced instead, on a microbatch's tokens: the input's fp32 copy and its scaled copy while it is
-cast (then its e4m3 codes), and the tile loop's two ``(tokens, out)`` sums in fp32 (fp64 runs: fp64); in
-backward the same with ``in`` and ``out`` swapped, plus the codes laid out transposed. Priced on the layer's
-widest input and output (whole under tp: a bound). torch's one-GEMM kernel, where it runs, holds less.
-Routed experts still dequantize (priced as above).
+Under ``--fp8-recipe blockwise`` an FP8 linear, or routed expert, whose dims divide by 16 multiplies its
+codes tile by tile instead (:mod:`hfpipe.quant.fp8_matmul`) and no weight of it is dequantized; what lives
+during one of its matmuls is priced instead, on a microbatch's tokens (all of them, for an expert: a bound):
+the input's fp32 copy and its scaled copy while it is cast (then its e4m3 codes), and the tile loop's two
+``(tokens, out)`` sums in fp32 (fp64 runs: fp64); in backward the same with ``in`` and ``out`` swapped, plus
+the codes laid out transposed. Priced on the layer's widest input and output (whole under tp: a bound).
+torch's one-GEMM kernel, where it runs, holds less. The others dequantize (priced as above).
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class LayerQuant:
     expert_tiles: int  # their 128 x 128 FP8 tiles (per expert matrix)
     largest_stack: int  # parameters of the largest routed-expert stack (all experts)
     largest_expert: int = 0  # parameters of the largest one expert's matrix in those stacks
-    widest_in: int = 0  # the largest in_features of the quantized linears whose dims divide by 16 (float8 tiles)
-    widest_out: int = 0  # ... and out_features
-    largest_untiled: int = 0  # parameters of the largest quantized linear whose dims do not: it dequantizes
+    widest_in: int = 0  # the largest in_features of the quantized matrices (linears, experts) that multiply in
+    widest_out: int = 0  # ... float8 tiles under blockwise (dims dividing by 16), and out_features
+    largest_untiled: int = 0  # parameters of the largest that do not (one expert's): it dequantizes
 
 
 def check_quant(kind: str | None, lora_rank: int | None, config=None, block: int | None = None,
@@ -124,6 +124,15 @@ def _one_layer(layer: torch.nn.Module) -> LayerQuant:
     from hfpipe.quant.fp8_matmul import fits_float8_tiles
 
     lin = tiles = largest = exp = exp_tiles = stack = one = wide_in = wide_out = untiled = 0
+
+    def matmul(out_features: int, in_features: int, transposed: bool = False) -> None:
+        """Under blockwise: a weight multiplied tile by tile (priced at the default tiles), or dequantized."""
+        nonlocal wide_in, wide_out, untiled
+        if not transposed and fits_float8_tiles(in_features, out_features, _FP8_TILE):
+            wide_out, wide_in = max(wide_out, out_features), max(wide_in, in_features)
+        else:
+            untiled = max(untiled, out_features * in_features)
+
     for name, module in layer.named_modules():
         routed = "experts" in name.split(".")  # not shared_experts: those run for every token
         for pname, p in module.named_parameters(recurse=False):
@@ -131,15 +140,13 @@ def _one_layer(layer: torch.nn.Module) -> LayerQuant:
                 exp += p.numel()
                 exp_tiles += p.shape[0] * _tiles(p.shape[1], p.shape[2])
                 stack, one = max(stack, p.numel()), max(one, p[0].numel())
+                matmul(p.shape[1], p.shape[2], getattr(module, "is_transposed", False))  # (GPT-OSS: [E, in, out])
             elif plain_linear(module) and pname == "weight" and not name.endswith(_SKIP):
                 if routed:  # experts as a ModuleList of linears
                     exp, exp_tiles = exp + p.numel(), exp_tiles + _tiles(*p.shape)
                 else:
                     lin, tiles, largest = lin + p.numel(), tiles + _tiles(*p.shape), max(largest, p.numel())
-                    if fits_float8_tiles(p.shape[1], p.shape[0], _FP8_TILE):  # priced at the default tiles
-                        wide_out, wide_in = max(wide_out, p.shape[0]), max(wide_in, p.shape[1])
-                    else:
-                        untiled = max(untiled, p.numel())
+                matmul(*p.shape)
     return LayerQuant(lin, tiles, largest, exp, exp_tiles, stack, one, wide_in, wide_out, untiled)
 
 
@@ -200,14 +207,14 @@ def _base_bytes(params: int, routed: int, layers, per_layer, kind, dtype: str, d
     if not tile_tokens:
         largest = max([x.largest for x in q] + [x.largest_expert for x in q] + [0])
         return base, 2 * largest * ACT_BYTES[dtype]
-    dequantized = max([x.largest_untiled for x in q] + [x.largest_expert for x in q] + [0])
+    dequantized = max([x.largest_untiled for x in q] + [0])
     return base, max(2 * dequantized * ACT_BYTES[dtype], _tile_bytes(q, tile_tokens, dtype))
 
 
 def _tile_bytes(q, tokens: int, dtype: str) -> float:
     """What one float8 tile product holds at its peak (module docstring), on the widest linear of ``q``."""
     wide_in, wide_out = max([x.widest_in for x in q] + [0]), max([x.widest_out for x in q] + [0])
-    codes = max([x.largest for x in q] + [0])  # the transposed codes, in backward
+    codes = max([x.largest for x in q] + [x.largest_expert for x in q] + [0])  # the codes transposed, in backward
     acc = 8 if dtype == "fp64" else 4  # the sums' dtype
 
     def one_way(k: int, n: int) -> float:  # casting (k) to e4m3, then multiplying into (n)

@@ -8,7 +8,8 @@ scale_w[:, t]``, each tile's product summed in fp32. The backward's input gradie
 gradient in ``1 x block`` tiles along the output dim against the same codes. No weight is dequantized,
 and nothing of the input is saved for backward: the base is frozen, so only the input gets a gradient.
 A token's tiles are its own, so a row's output does not depend on the rows it is batched with (a
-microbatch computes what the whole batch computes).
+microbatch computes what the whole batch computes). Routed experts take the same product, one expert's
+codes at a time (:attr:`hfpipe.models.experts.ExpertsState.multiply`, set by :mod:`hfpipe.quant.linear`).
 
 Written here because no library does it for training on these weights everywhere: torchao's float8
 training casts a full-precision weight (rowwise or tensorwise: one scale per row or tensor, which 128 x 128

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hfpipe.models.experts import register
+from hfpipe.models.experts import STACKS, experts_state, register
 from hfpipe.quant.experts import ExpertStacks, fused_experts
 from hfpipe.quant.fp8 import FP8_DEFAULT_BLOCK, FP8Linear, is_fp8, quantize_blocks
-from hfpipe.quant.fp8_matmul import cublas_blockwise, fits_float8_tiles
+from hfpipe.quant.fp8_matmul import cublas_blockwise, fits_float8_tiles, float8_tile_linear
 from hfpipe.quant.nf4 import DEFAULT_BLOCK, QuantError, check_nf4, quantize_nf4, torchao_nf4
 from hfpipe.models.targets import quantized_linears
 
@@ -229,14 +229,37 @@ def apply_quant(modules: list[nn.Module], config, spec: QuantSpec | None, dtype:
         cublas = device is not None and cublas_blockwise(device)
         for m in linears:
             m.cublas = m.float8 and cublas
-        log.info("--fp8-recipe blockwise: %d of %d FP8 linears multiply in float8 (one whose dims do not divide "
-                 "by 16 dequantizes), %s", sum(m.float8 for m in linears), len(linears),
+        experts = _float8_experts(modules, quantizer.block, cublas) if spec.kind == "fp8" else (0, 0)
+        log.info("--fp8-recipe blockwise: %d of %d FP8 linears and %d of %d routed-expert layers multiply in float8 "
+                 "(dims that do not divide by 16, or transposed expert stacks, dequantize), %s",
+                 sum(m.float8 for m in linears), len(linears), *experts,
                  "through torch's blockwise kernel where their dims divide by 128" if cublas else "tile by tile")
         if not cublas and device is not None and torch.device(device).type == "cuda":
             log.warning("--fp8-recipe blockwise: torch's one-GEMM blockwise kernel does not run here (it needs an "
                         "H100/H200 and torch built with CUDA 12.9 or later); tile by tile, a GEMM per 128 columns, "
                         "is likely slower than the dequantizing base: measure it against dropping --fp8")
     return quantizer
+
+
+def _float8_experts(modules: list[nn.Module], block: int, cublas: bool) -> tuple[int, int]:
+    """Let each stage's FP8 routed experts multiply their codes in float8 where every stack's dims allow it
+    and the stacks are ``[E, out, in]`` (GPT-OSS's transposed ones keep dequantizing); ``(how many, of)``."""
+    def multiply(x, codes, scales, block):
+        return float8_tile_linear(x, codes, scales, block, None, cublas)
+
+    done = total = 0
+    for stage in modules:
+        for experts in fused_experts(stage).values():
+            stacks = [t for a in STACKS if (t := experts._buffers.get(a)) is not None and is_fp8(t)]
+            if not stacks:
+                continue
+            total += 1
+            if getattr(experts, "is_transposed", False) or \
+                    not all(fits_float8_tiles(t.shape[2], t.shape[1], block) for t in stacks):
+                continue
+            experts_state(experts).multiply = multiply
+            done += 1
+    return done, total
 
 
 def check_shardable(modules: list[nn.Module], dp: int) -> None:

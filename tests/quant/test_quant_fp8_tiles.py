@@ -5,7 +5,8 @@ times the weight's codes and tile scales, dequantized exactly, in fp64; forward 
 agree to fp32's summation noise. The forward's oracle is PEFT in one process on the same model whose
 decoder-layer linears are the same FP8 linears multiplying in float8 (fp64 elsewhere): logits to 1e-12.
 Training is layout-free: pp 2 trains as pp 1 to 1e-12 (fp64), every step (why not against PEFT:
-:func:`assert_layouts_agree`). Against the same run dequantizing its base, the losses differ (the matmuls
+:func:`assert_layouts_agree`), also a MoE model's routed experts, whose adapters are added to the float8
+product (PEFT's fold, to 1e-12 with the product dequantized). Against the same run dequantizing its base, the losses differ (the matmuls
 ran in float8) by under 2%; a checkpoint resumes with and without the recipe, and the export is the
 dequantizing run's. ``pytest -m slow``: every schedule at pp 2 and 3, dp 2 x pp 2, tp 2, a checkpoint's
 own FP8 weights, activation checkpointing, compiled.
@@ -113,12 +114,12 @@ def test_logits_are_peft_on_the_same_float8_linears():
     assert (dequantized(**batch, use_cache=False).logits - want).abs().max() > 1e-3, "the oracle ran in float8"
 
 
-def _runs(layouts, block: int, layers: int) -> list[dict]:
-    """Each ``(pp, dp, tp, schedules)``'s measurements (fp64, the same tiny Llama, LoRA over a float8 base)."""
+def _runs(layouts, block: int, layers: int, kind: str) -> list[dict]:
+    """Each ``(pp, dp, tp, schedules)``'s measurements (fp64, the same tiny model, LoRA over a float8 base)."""
     from _dist import run_ranks
     from test_lora_equivalence import merged, pipeline_worker
 
-    path = str(tiny_checkpoint("llama", num_hidden_layers=layers))
+    path = str(tiny_checkpoint(kind, num_hidden_layers=layers))
     options = {**FP64, "quantize_block_size": block}
     out = []
     for pp, dp, tp, schedules in layouts:
@@ -131,7 +132,7 @@ def _runs(layouts, block: int, layers: int) -> list[dict]:
     return out
 
 
-def assert_layouts_agree(layouts, block: int = FP8_BLOCK, layers: int = 4) -> None:
+def assert_layouts_agree(layouts, block: int = FP8_BLOCK, layers: int = 4, kind: str = "llama") -> None:
     """Every layout trains as the first: the float8 tiles are per token and per weight tile, so neither a
     pipeline split, a schedule, a microbatch nor a tp split on tile edges changes a code (fp64, 1e-12).
 
@@ -139,7 +140,7 @@ def assert_layouts_agree(layouts, block: int = FP8_BLOCK, layers: int = 4) -> No
     fp32, whose rounding of each token's gradient differs from a microbatch's by ~1e-7, and an e4m3 rounding
     of a gradient tile can flip with it: 1e-4 of the loss by the second step at pp 1. The forward is PEFT's to
     1e-12 and each matmul the fp64 product of its codes: the tests above.)"""
-    runs = _runs(layouts, block, layers)
+    runs = _runs(layouts, block, layers, kind)
     ref = runs[0]
     assert max(abs(a - b) for a, b in zip(ref["loss"], ref["loss"][1:])) > 1e-3, "the adapters learn"
     for run in runs[1:]:
@@ -153,6 +154,46 @@ def assert_layouts_agree(layouts, block: int = FP8_BLOCK, layers: int = 4) -> No
 
 def test_pp2_trains_as_pp1():
     assert_layouts_agree([(1, 1, 1, ("1f1b",)), (2, 1, 1, ("1f1b",))])
+
+
+def test_routed_experts_multiply_their_codes_with_their_adapters_and_train_as_pp1_at_pp2():
+    """A MoE layer's FP8 experts (with LoRA on them: all-linear takes the routed experts) multiply in float8."""
+    from hfpipe.api import load_pipeline
+    from hfpipe.models.experts import peek_state
+
+    path = str(tiny_checkpoint("qwen3_moe", num_hidden_layers=2))
+    base = {**TILES, "quantize_block_size": 16, "dtype": "bf16", "lora": lora_config(LORA)}
+    pm = load_pipeline(path, pp=1, **base)
+    states = [st for m in pm.modules for sub in m.modules() if (st := peek_state(sub)) is not None]
+    assert len(states) == 2 and all(st.multiply is not None and st.adapters for st in states)
+    got, want = _train(pm)[0], _train(load_pipeline(path, pp=1, **{**base, "fp8": None}))[0]
+    assert got != want
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0.02, atol=0)
+    assert_layouts_agree([(1, 1, 1, ("1f1b",)), (2, 1, 1, ("1f1b",))], block=16, layers=2, kind="qwen3_moe")
+
+
+def test_an_experts_adapter_added_to_its_product_is_peft_s_fold():
+    """W + s * lhs @ rhs folded (PEFT's parametrization, hfpipe's dequantizing path) equals the base's product
+    plus x @ rhs.T @ lhs.T: checked with the product dequantized, in fp64, so only the adapter's form differs."""
+    from hfpipe.api import load_pipeline
+    from hfpipe.models.experts import peek_state
+    from hfpipe.quant.fp8 import dequantize_blocks
+
+    pm = load_pipeline(str(tiny_checkpoint("qwen3_moe", num_hidden_layers=1)), pp=1, lora=lora_config(LORA),
+                       **{**FP64, "quantize_block_size": 16})
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in pm.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    (experts,) = [sub for m in pm.modules for sub in m.modules() if peek_state(sub) is not None]
+    state = peek_state(experts)
+    x = torch.randn(16, experts.gate_up_proj.shape[2], generator=g, dtype=torch.float64)
+    top = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(16)])
+    weights = torch.rand(16, 2, generator=g, dtype=torch.float64)
+    state.multiply = lambda x, codes, scales, block: x @ dequantize_blocks(codes, scales, block, x.dtype).T
+    added = experts(x, top, weights)
+    state.multiply = None  # the fold
+    torch.testing.assert_close(added, experts(x, top, weights), rtol=1e-12, atol=1e-12)
 
 
 STEPS = 4
