@@ -55,7 +55,8 @@ def layer_layouts(config, dtype: str, lora: tuple[int, str] | None = None, exper
     ``experts_whole``: the routed experts are sharded over ep instead of tp (``--ep``); ``fsdp``: the stages
     are FSDP2 modules (``dp * cp > 1``; ``bf16-mixed`` casts alike at one replica), which run a LoRA run's
     adapters in the compute dtype;
-    ``dispatched``: the routed experts are reached by ``--ep``'s all-to-all dispatch (:mod:`hfpipe.plan.dispatch`)."""
+    ``dispatched``: the routed experts are reached by ``--ep``'s all-to-all dispatch (:mod:`hfpipe.plan.dispatch`);
+    a quantized base's are priced so too (hfpipe's experts forward runs them, without the dispatch: a bound)."""
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     lora = (*lora, fsdp or dtype == "bf16-mixed") if lora is not None else None
     return _measure_all(key, type(config), dtype, lora, experts_whole, dispatched)

@@ -184,11 +184,10 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
         dtype: ``fp32``, ``bf16-mixed``, ``bf16`` or ``fp64``.
         activation_checkpointing: ``none``, ``selective`` or ``full``.
         name: What to call the model in the report; default the config's own name.
-        dp: Data-parallel degree; above 1, weights, gradients and optimizer state are priced as
-            FSDP2 shards them (see the module docstring).
+        dp: Data-parallel degree; above 1, weights, gradients and AdamW state priced as FSDP2 shards them.
         lora_rank, lora_targets: Price a LoRA run instead (frozen base, fp32 adapters).
         ep: Expert-parallel degree: routed experts sharded over ep ranks of dp (hfpipe.plan.experts).
-        quantize_base: ``nf4`` or ``fp8``: a LoRA run's frozen base quantized (hfpipe.plan.quant).
+        quantize_base: ``nf4`` or ``fp8``: a LoRA run's frozen base quantized (plan.quant; MoE layers as ep's).
         quantize_block_size: Its block size, checked on the model as finetune checks it (priced at
             the defaults: the scales are a fraction of a percent of the bytes).
         cp: Context-parallel degree: each sequence split over cp ranks, FSDP2 over dp x cp
@@ -233,13 +232,14 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     actions = schedule_actions(schedule, pp, vpp, m)
     tokens, shards = batch // m * seq_len // cp, dp * cp  # a cp rank's tokens; FSDP2 over dp x cp
     lora_key = (lora_rank, lora_targets) if lora_rank is not None else None
-    layouts = layer_layouts(config, dtype, lora_key, ep > 1 and tp > 1, shards > 1, dispatched=ep > 1)
+    own = ep > 1 or bool(quantize_base and any(costs.layer_routed_params))  # hfpipe's experts forward
+    layouts = layer_layouts(config, dtype, lora_key, ep > 1 and tp > 1, shards > 1, dispatched=own)
     measured = tuple(sum(held) for held in layouts)
     per_layer = context.layer_bytes(tensor.layer_bytes(layouts, tp, sp), config, cp, tp, dtype, seq_len)
     head = _Head(head_bytes_per_token(config, dtype, lora_key, tp, fsdp=shards > 1),
                  lora_rank is None or _adapted_head(config, lora_key))
     # a LoRA run's adapters on the expert stacks: each microbatch keeps its experts' weights with their delta
-    fixed = tuple(b // ep for b in expert_adapter_bytes(config, dtype, lora_key, fsdp=shards > 1, dispatched=ep > 1))
+    fixed = tuple(b // ep for b in expert_adapter_bytes(config, dtype, lora_key, fsdp=shards > 1, dispatched=own))
     parts = [_stage_parts(config, s, tokens, dtype, activation_checkpointing, per_layer, costs, tp, sp, head, fixed)
              for s in plan.stages]
     per_mb = [sum(a for a, _ in p) for p in parts]
@@ -254,7 +254,7 @@ def plan_report(config, pp: int, *, vpp: int = 1, schedule: str | None = None, l
     recomputes = [_recompute(plan.stages_of_rank(r), extra, head.unchunked(config, tokens)) + kv
                   if any(s.layers for s in plan.stages_of_rank(r)) else 0 for r in range(pp)]
     passing = [rank_transient(plan.stages_of_rank(r), config, dtype, lora_key, shards > 1, tokens, tp, head.unchunked(
-        config, tokens), head.trains, extra, ep > 1, split=any(a[0] == "I" for a in actions[r])) for r in range(pp)]
+        config, tokens), head.trains, extra, own, split=any(a[0] == "I" for a in actions[r])) for r in range(pp)]
     ranks = tuple(_rank_report(r, plan, stages, costs, config, param_bytes(dtype, shards, reshard),
                                peaks[r] + recomputes[r] + passing[r], passing[r]) for r in range(pp))
     # tp first: under ep the routed experts stay whole over tp, and price_ep then prices each rank's 1 / ep of
