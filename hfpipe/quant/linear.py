@@ -9,8 +9,9 @@ norms, head and the LoRA adapters stay in the run's dtype.
 - ``fp8``: the linear becomes an :class:`~hfpipe.quant.fp8.FP8Linear` holding the FP8 codes and
   ``weight_scale_inv`` (the checkpoint's own when it is block-FP8, else quantized at load); a MoE layer's
   fused routed experts become FP8 stacks (:mod:`hfpipe.quant.experts`), on their ranks under ``--ep``;
-  with ``nf4`` one ``NF4Tensor`` per expert's matrix. Under ``--fp8-recipe blockwise`` FP8 linears and stacks multiply their
-  codes in float8 instead of dequantizing (:mod:`hfpipe.quant.fp8_matmul`), where their dims allow.
+  with ``nf4`` one ``NF4Tensor`` per expert's matrix. Under ``--fp8-recipe blockwise`` FP8 linears and
+  stacks multiply their codes in float8 instead of dequantizing (:mod:`hfpipe.quant.fp8_matmul`), where
+  their dims allow.
 
 Under ``--tp`` (fp8 only) each FP8 linear and routed-expert stack is then split on its tile edges
 (:mod:`hfpipe.quant.tensor`) and the loader keeps this rank's codes and scales; a split that would
