@@ -90,16 +90,18 @@ class Case:
 
         lora = lora_config(self.lora_rank, targets="all-linear") if self.mode != "full" else None
         return dict(pp=1, dp=self.ep, ep=self.ep, tp=self.tp, cp=self.cp, schedule="1f1b", microbatches=1,
-                    dtype=self.dtype, activation_checkpointing=self.ac, lora=lora,
-                    quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None,
-                    quantize_block_size=self.block)
+                    dtype=self.dtype, activation_checkpointing=self.ac, lora=lora, **self._base())
 
     def plan_options(self) -> dict:
         """``plan_report`` keywords of this case."""
         return dict(pp=1, dp=self.ep, ep=self.ep, tp=self.tp, cp=self.cp, schedule="1f1b", microbatches=1,
                     seq_len=self.seq, batch_size=self.batch, dtype=self.dtype, activation_checkpointing=self.ac,
                     lora_rank=self.lora_rank if self.mode != "full" else None, lora_targets="all-linear",
-                    quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None,
+                    **self._base())
+
+    def _base(self) -> dict:
+        """The frozen base's keywords, the same for the run and its plan."""
+        return dict(quantize_base=_BASE.get(self.mode), fp8="blockwise" if self.mode == "fp8tiles" else None,
                     quantize_block_size=self.block)
 
 

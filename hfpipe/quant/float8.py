@@ -37,20 +37,18 @@ import torch
 from torch import nn
 
 from hfpipe.models.targets import quantized_linears
+from hfpipe.quant.fp8_matmul import SCALED_MM_DIVISOR
 from hfpipe.quant.nf4 import QuantError
 
 __all__ = ["apply_fp8", "float8_linears", "warn_if_uncompiled"]
 
 log = logging.getLogger(__name__)
 
-#: ``torch._scaled_mm`` multiplies matrices whose dims divide by this.
-_DIVISOR = 16
-
 
 def float8_linears(module: nn.Module) -> dict[str, nn.Linear]:
     """Full-model name -> each linear of ``module``'s decoder layers that ``--fp8`` runs in float8."""
     return {name: linear for name, linear in quantized_linears(module).items()
-            if linear.in_features % _DIVISOR == 0 and linear.out_features % _DIVISOR == 0}
+            if linear.in_features % SCALED_MM_DIVISOR == 0 and linear.out_features % SCALED_MM_DIVISOR == 0}
 
 
 def _float8_config(recipe: str):

@@ -35,7 +35,7 @@ import logging
 import torch
 from torch.nn import functional as F
 
-__all__ = ["FLOAT8_TILE_DIVISOR", "cublas_blockwise", "fits_float8_tiles", "float8_tile_linear", "quantize_row_tiles",
+__all__ = ["SCALED_MM_DIVISOR", "cublas_blockwise", "fits_float8_tiles", "float8_tile_linear", "quantize_row_tiles",
            "tile_matmul"]
 
 log = logging.getLogger(__name__)
@@ -43,14 +43,14 @@ log = logging.getLogger(__name__)
 _CODES = torch.float8_e4m3fn
 _MAX = torch.finfo(_CODES).max
 
-#: ``torch._scaled_mm`` multiplies matrices whose dims divide by this: the weight's dims and the tile edge
-#: must, so that every tile (edge tiles too) does.
-FLOAT8_TILE_DIVISOR = 16
+#: ``torch._scaled_mm`` multiplies matrices whose dims divide by this (torchao's float8 linears too,
+#: :mod:`hfpipe.quant.float8`). Here the weight's dims and the tile edge must, so that every tile does.
+SCALED_MM_DIVISOR = 16
 
 
 def fits_float8_tiles(in_features: int, out_features: int, block: int) -> bool:
     """Whether a block-FP8 linear of these dims can multiply tile by tile in float8 (else it dequantizes)."""
-    return all(n % FLOAT8_TILE_DIVISOR == 0 for n in (in_features, out_features, block))
+    return all(n % SCALED_MM_DIVISOR == 0 for n in (in_features, out_features, block))
 
 
 def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,7 +65,7 @@ def quantize_row_tiles(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     tiles = -(-k // block)
     wide = x.to(_scale_dtype(x.dtype))
     if k != tiles * block:  # a partial last tile: zeros do not change its largest magnitude
-        wide = torch.nn.functional.pad(wide, (0, tiles * block - k))
+        wide = F.pad(wide, (0, tiles * block - k))
     wide = wide.view(rows, tiles, block)
     scale = wide.abs().amax(dim=-1).clamp(min=1e-12) / _MAX
     codes = (wide / scale[..., None]).clamp_(-_MAX, _MAX).view(rows, tiles * block)[:, :k]

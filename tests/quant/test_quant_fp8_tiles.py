@@ -56,9 +56,7 @@ def test_forward_and_input_gradient_are_the_codes_products_in_fp32(k, n):
     grad = torch.randn(2, 5, n, generator=g)
     y.backward(grad)
     g_codes, g_scale = quantize_row_tiles(grad.reshape(-1, n), FP8_BLOCK)  # 1 x block tiles along the output dim
-    w_t = dequantize_blocks(q, s, FP8_BLOCK, torch.float64).T.contiguous()  # (k, n): W.T's tiles are W's
-    rows = g_codes.double() * g_scale.double().repeat_interleave(FP8_BLOCK, 1)[:, :n]
-    want_grad = rows @ w_t.T
+    want_grad = _dequantized_product(g_codes, g_scale, q.T, s.T, FP8_BLOCK)  # W.T's tiles are W's, transposed
     torch.testing.assert_close(x.grad.reshape(-1, k).double(), want_grad, rtol=1e-6,
                                atol=1e-6 * want_grad.abs().max().item())
 
